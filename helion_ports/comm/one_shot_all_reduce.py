@@ -1,0 +1,89 @@
+"""Helion twin of ``kraken.comm.one_shot_all_reduce``: same function, same arguments.
+
+The structure mirrors the Triton recipe one to one:
+
+* ``hl.grid(num_blocks)`` is the persistent grid; the grid index is the
+  barrier's block id, identical on every rank;
+* the barriers are the kraken PTX, pasted in with ``hl.inline_triton``
+  (``kraken._ptx_utils.inline_source``), not ``hl.signal``/``hl.wait``;
+* the peer buffers arrive as one tuple and are walked with
+  ``hl.static_range(world_size)``, which Helion unrolls into plain loads.
+
+Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken.comm.one_shot_all_reduce import prepare
+
+# The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
+SYNC_START = SYMM_MEM_SYNC[(False, True)]
+SYNC_END = SYMM_MEM_SYNC[(True, False)]
+
+
+def one_shot_all_reduce_body(
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    num_blocks: int,
+    chunk: int,
+    rank: int,
+    world_size: hl.constexpr,
+    group_name: hl.ProcessGroupName,
+) -> torch.Tensor:
+    numel = out.size(0)
+    for block in hl.grid(num_blocks):
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        hl.inline_triton(SYNC_START, args=barrier, output_like=None)
+        start = block * chunk
+        for tile in hl.tile(start, start + chunk):
+            in_range = tile.index < numel
+            acc = hl.zeros([tile], dtype=torch.float32)
+            for r in hl.static_range(world_size):
+                acc = acc + hl.load(peers[r], [tile], extra_mask=in_range).to(torch.float32)
+            hl.store(out, [tile], acc.to(out.dtype), extra_mask=in_range)
+        hl.inline_triton(SYNC_END, args=barrier, output_like=None)
+    return out
+
+
+@functools.cache
+def compiled(block_size: int, num_warps: int) -> helion.Kernel:
+    """One Helion kernel per launch configuration, each with an explicit config."""
+    config = helion.Config(block_sizes=[block_size], num_warps=num_warps, num_stages=1, pid_type="persistent_blocked")
+    return helion.kernel(one_shot_all_reduce_body, config=config, static_shapes=False)
+
+
+def launch(
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    block_size: int,
+    num_warps: int,
+    num_blocks: int,
+    chunk: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.one_shot_all_reduce.launch``."""
+    flat_peers = tuple(p.view(-1) for p in peers)
+    compiled(block_size, num_warps)(
+        flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name
+    )
+    return out
+
+
+def one_shot_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
+) -> torch.Tensor:
+    """Sum ``tensor`` over the group; returns a new tensor (see the kraken recipe)."""
+    ctx, launch_cfg = prepare(tensor, group, "helion one_shot_all_reduce", config)
+    out = torch.empty_like(tensor)
+    return launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)

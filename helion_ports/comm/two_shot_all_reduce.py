@@ -1,0 +1,83 @@
+"""Helion twin of ``kraken.comm.two_shot_all_reduce``: in place, same arguments.
+
+Same structure as the Triton recipe: ``hl.grid(num_blocks)`` is the persistent
+grid and the barrier's block id; the kraken barriers come in through
+``hl.inline_triton``; the peers arrive as one tuple, read and written
+(``hl.store`` into ``peers[r]``) under ``hl.static_range(world_size)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken.comm.two_shot_all_reduce import prepare
+
+# "Peers' inputs are ready" (acquire), then "my pushes are visible / yours are" (release + acquire).
+SYNC_START = SYMM_MEM_SYNC[(False, True)]
+SYNC_END = SYMM_MEM_SYNC[(True, True)]
+
+
+def two_shot_all_reduce_body(
+    peers: tuple[torch.Tensor, ...],
+    signal_pad_ptrs: int,
+    num_blocks: int,
+    shard: int,
+    chunk: int,
+    rank: int,
+    world_size: hl.constexpr,
+    group_name: hl.ProcessGroupName,
+) -> None:
+    numel = peers[0].size(0)
+    for block in hl.grid(num_blocks):
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        hl.inline_triton(SYNC_START, args=barrier, output_like=None)
+        start = rank * shard + block * chunk
+        for tile in hl.tile(start, start + chunk):
+            in_range = (tile.index < numel) & (tile.index < rank * shard + shard)
+            acc = hl.zeros([tile], dtype=torch.float32)
+            for r in hl.static_range(world_size):
+                acc = acc + hl.load(peers[r], [tile], extra_mask=in_range).to(torch.float32)
+            result = acc.to(peers[0].dtype)
+            for r in hl.static_range(world_size):
+                hl.store(peers[r], [tile], result, extra_mask=in_range)
+        hl.inline_triton(SYNC_END, args=barrier, output_like=None)
+
+
+@functools.cache
+def compiled(block_size: int, num_warps: int) -> helion.Kernel:
+    """One Helion kernel per launch configuration, each with an explicit config."""
+    config = helion.Config(block_sizes=[block_size], num_warps=num_warps, num_stages=1, pid_type="persistent_blocked")
+    return helion.kernel(two_shot_all_reduce_body, config=config, static_shapes=False)
+
+
+def launch(
+    peers: tuple[torch.Tensor, ...],
+    signal_pad_ptrs: int,
+    rank: int,
+    block_size: int,
+    num_warps: int,
+    num_blocks: int,
+    shard: int,
+    chunk: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch``."""
+    flat_peers = tuple(p.view(-1) for p in peers)
+    compiled(block_size, num_warps)(
+        flat_peers, signal_pad_ptrs, num_blocks, shard, chunk, rank, len(peers), group_name
+    )
+    return peers[rank]
+
+
+def two_shot_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
+) -> torch.Tensor:
+    """Sum ``tensor`` over the group in place and return it (see the kraken recipe)."""
+    ctx, launch_cfg = prepare(tensor, group, "helion two_shot_all_reduce", config)
+    return launch(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)

@@ -1,0 +1,1 @@
+"""Helion twins of kraken.fused (same module names and signatures)."""

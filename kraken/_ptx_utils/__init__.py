@@ -1,0 +1,16 @@
+"""Every PTX barrier of the project, defined once (see each module's docstring)."""
+
+from . import inline_source
+from .gmem_barrier import arrive, wait
+from .symm_mem_barrier import get_flat_bid, get_flat_tid, send_signal, symm_mem_sync, wait_signal
+
+__all__ = [
+    "arrive",
+    "get_flat_bid",
+    "get_flat_tid",
+    "inline_source",
+    "send_signal",
+    "symm_mem_sync",
+    "wait",
+    "wait_signal",
+]

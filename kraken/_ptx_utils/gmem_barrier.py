@@ -1,0 +1,67 @@
+"""Arrive/wait on a flag in global memory.
+
+For producer/consumer hand-offs inside one launch (one block publishes a tile,
+another consumes it) or across GPUs when the flag lives in symmetric memory.
+
+* ``arrive(flag, value)``: every thread of the block has finished its writes
+  (thread barrier), then one thread stores ``value`` with *release* semantics at
+  system scope: "all writes before this are visible to whoever sees the flag".
+* ``wait(flag, value)``: one thread spins on an *acquire* load until the flag
+  equals ``value``, then the block's thread barrier lets everyone read what the
+  producer wrote.
+
+Flags count epochs (1, 2, 3, ...) rather than toggling, so nothing needs to
+reset them between uses within a launch; reset them on the host (or in a later
+kernel) before reusing the same values.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# $0: dummy output, $1: flag address, $2: value.
+GMEM_ARRIVE_PTX = """{
+    .reg .u32 %r_tid;
+    .reg .pred %p_idle;
+    mov.u32 %r_tid, %tid.x;
+    setp.ne.u32 %p_idle, %r_tid, 0;
+    @%p_idle bra ARRIVE_DONE;
+    st.global.release.sys.u32 [$1], $2;
+    ARRIVE_DONE:
+    mov.u32 $0, 0;
+    }"""
+GMEM_WAIT_PTX = """{
+    .reg .u32 %r_tid, %r_seen;
+    .reg .pred %p_idle, %p_spin;
+    mov.u32 %r_tid, %tid.x;
+    setp.ne.u32 %p_idle, %r_tid, 0;
+    @%p_idle bra WAIT_DONE;
+    WAIT_FLAG:
+    ld.global.acquire.sys.u32 %r_seen, [$1];
+    setp.ne.u32 %p_spin, %r_seen, $2;
+    @%p_spin bra WAIT_FLAG;
+    WAIT_DONE:
+    mov.u32 $0, 0;
+    }"""
+GMEM_CONSTRAINTS = "=r,l,r"
+
+_ARRIVE = tl.constexpr(GMEM_ARRIVE_PTX)
+_WAIT = tl.constexpr(GMEM_WAIT_PTX)
+_CONSTRAINTS = tl.constexpr(GMEM_CONSTRAINTS)
+
+
+@triton.jit
+def arrive(flag_ptr, value):
+    """Publish this block's writes, then set ``*flag_ptr = value`` (release, system scope)."""
+    tl.debug_barrier()
+    v = (tl.zeros([], tl.int32) + value).to(tl.int32)
+    tl.inline_asm_elementwise(_ARRIVE, _CONSTRAINTS, [flag_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait(flag_ptr, value):
+    """Block until ``*flag_ptr == value`` (acquire, system scope), then let every thread read."""
+    v = (tl.zeros([], tl.int32) + value).to(tl.int32)
+    tl.inline_asm_elementwise(_WAIT, _CONSTRAINTS, [flag_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()

@@ -1,0 +1,110 @@
+"""One-shot all-reduce: every rank reads every peer's whole buffer and sums.
+
+Each rank moves ``(world_size - 1) * N`` elements over NVLink, the most of any
+all-reduce, but needs only two barrier rounds and no intermediate writes, so it
+is the latency winner for small messages.
+
+A persistent grid of ``num_blocks`` blocks splits the tensor into contiguous
+chunks. Block ``b`` of every rank handles chunk ``b`` and uses barrier slot
+``b``:
+
+1. barrier (acquire): block ``b`` of every peer has started, so every peer's
+   input is complete (it was written by kernels earlier in that rank's stream,
+   which finished and reached the peer's L2 before this kernel began);
+2. sum chunk ``b`` of every peer's buffer, in rank order (bitwise identical on
+   every rank), accumulate in fp32, write the local output;
+3. barrier (release): "I am done reading your buffer", so when the kernel
+   returns every rank may overwrite its input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from kraken import host
+from kraken._ptx_utils import symm_mem_sync
+
+# Tuned on 2x H200 (benchmark/tune.py): 16-byte accesses, a grid that grows with the message.
+DEFAULT_CONFIG = {"block_size": 4096, "num_warps": 16, "max_blocks": 48}
+
+
+@triton.jit
+def one_shot_all_reduce_kernel(
+    peers,  # tuple of world_size pointers, peers[r] = rank r's buffer
+    out_ptr,
+    signal_pad_ptrs,
+    numel,
+    chunk,  # elements per block, a multiple of BLOCK_SIZE
+    rank,
+    world_size: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    block_id = tl.program_id(0)
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=False, hasSubsequentMemAccess=True)
+    start = block_id * chunk
+    end = tl.minimum(start + chunk, numel)
+    for offset in tl.range(start, end, BLOCK_SIZE):
+        offsets = offset + tl.arange(0, BLOCK_SIZE)
+        mask = offsets < end
+        acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+        for r in tl.static_range(world_size):
+            acc += tl.load(peers[r] + offsets, mask=mask).to(tl.float32)
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
+
+
+def launch(
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    block_size: int,
+    num_warps: int,
+    num_blocks: int,
+    chunk: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+
+    ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``.
+    """
+    one_shot_all_reduce_kernel[(num_blocks,)](
+        peers, out, signal_pad_ptrs, out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, num_warps=num_warps
+    )
+    return out
+
+
+def plan(numel: int, world_size: int, config: dict) -> dict:
+    """Resolve the launch configuration (shared with the Helion port)."""
+    cfg = {**DEFAULT_CONFIG, **config}
+    unknown = set(cfg) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"one_shot_all_reduce: unknown config keys {sorted(unknown)}")
+    block_size = cfg["block_size"]
+    num_blocks = host.persistent_grid(host.cdiv(numel, block_size), cfg["max_blocks"], world_size)
+    chunk = host.round_up(host.cdiv(numel, num_blocks), block_size)
+    return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk}
+
+
+def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
+    host.check_tensor(tensor, "tensor", op)
+    ctx = host.symm_context(tensor, group, op)
+    launch_cfg = plan(tensor.numel(), ctx.world_size, config)
+    host.check_barrier_blocks(launch_cfg["num_blocks"], ctx.world_size, op)
+    return ctx, launch_cfg
+
+
+def one_shot_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
+) -> torch.Tensor:
+    """Sum ``tensor`` over the group; returns a new tensor, the input is left unchanged.
+
+    ``tensor`` must live in symmetric memory (``kraken.symm_empty``), any shape,
+    bf16/fp16/fp32. ``config`` overrides ``DEFAULT_CONFIG``.
+    """
+    ctx, launch_cfg = prepare(tensor, group, "one_shot_all_reduce", config)
+    out = torch.empty_like(tensor)
+    return launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)

@@ -1,0 +1,1 @@
+"""Fused communication + compute recipes."""

@@ -1,0 +1,235 @@
+"""Host-side helpers shared by every kraken kernel and every Helion port.
+
+* symmetric buffers: ``symm_empty`` allocates and rendezvouses one;
+  ``symm_context`` turns a symmetric tensor into what a kernel needs (rank,
+  world size, the peer-buffer tuple, the signal-pad pointer array), cached so the
+  per-call cost is a dictionary lookup;
+* the signal-pad budget: ``max_barrier_blocks`` and ``check_barrier_blocks``;
+* input validation that raises ``ValueError``/``TypeError`` on the host, before
+  any launch, naming the problem.
+
+Errors are deterministic functions of a rank's own arguments, so when every
+rank passes the same (bad) input every rank raises the same error and nothing
+hangs. The first time a buffer is seen, the ranks also exchange its shape and
+dtype once (``dist.all_gather_object``) and all raise if they differ. A mistake
+made on one rank only *after* that first call (say, a non-symmetric tensor on
+rank 1 alone) cannot be detected without a collective per call; rendezvous then
+fails on that rank while the others wait for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_WORLD_SIZE = 2
+MAX_WORLD_SIZE = 8
+SIGNAL_SLOT_BYTES = 4  # one uint32 per (block id, peer)
+
+
+# ---------------------------------------------------------------------------
+# Process groups
+# ---------------------------------------------------------------------------
+
+
+def resolve_group(group: dist.ProcessGroup | str | None, op: str) -> dist.ProcessGroup:
+    """The process group to use: ``group``, a group name, or the default group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{op}: torch.distributed is not initialized; call dist.init_process_group first")
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, str):
+        for pg, name in dist.distributed_c10d._world.pg_names.items():
+            if name == group:
+                return pg
+        raise ValueError(f"{op}: no process group is named {group!r}")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{op}: group must be a ProcessGroup, a group name or None, got {type(group).__name__}")
+    return group
+
+
+def check_world_size(world_size: int, op: str) -> None:
+    if not MIN_WORLD_SIZE <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(
+            f"{op}: needs a group of {MIN_WORLD_SIZE} to {MAX_WORLD_SIZE} ranks (one NVLink domain), "
+            f"got world size {world_size}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Input validation
+# ---------------------------------------------------------------------------
+
+
+def check_tensor(
+    tensor: object,
+    name: str,
+    op: str,
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
+    ndim: int | None = None,
+) -> None:
+    """Type, dtype, layout and device checks for one tensor argument."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{op}: {name} has dtype {str(tensor.dtype).removeprefix('torch.')}; supported: {allowed}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (got strides {tensor.stride()}); call .contiguous() first")
+    if tensor.device.type != "cuda":
+        raise ValueError(f"{op}: {name} must be on a CUDA device, got {tensor.device}")
+
+
+# ---------------------------------------------------------------------------
+# Signal-pad budget
+# ---------------------------------------------------------------------------
+
+
+def signal_pad_bytes() -> int:
+    return symm_mem.get_signal_pad_size()
+
+
+def max_barrier_blocks(world_size: int, pad_bytes: int | None = None) -> int:
+    """How many block ids a barrier can use: each needs ``world_size`` slots of the pad."""
+    pad_bytes = signal_pad_bytes() if pad_bytes is None else pad_bytes
+    return pad_bytes // SIGNAL_SLOT_BYTES // world_size
+
+
+def check_barrier_blocks(num_blocks: int, world_size: int, op: str, pad_bytes: int | None = None) -> None:
+    """Refuse a launch whose barrier would use more slots than the signal pad has."""
+    limit = max_barrier_blocks(world_size, pad_bytes)
+    if num_blocks > limit:
+        pad_bytes = signal_pad_bytes() if pad_bytes is None else pad_bytes
+        raise ValueError(
+            f"{op}: the launch needs {num_blocks} barrier block ids x {world_size} ranks = "
+            f"{num_blocks * world_size} signal slots, but the {pad_bytes}-byte signal pad holds "
+            f"{pad_bytes // SIGNAL_SLOT_BYTES} ({limit} block ids at world size {world_size}); lower the "
+            "block count or call torch.distributed._symmetric_memory.set_signal_pad_size() before the "
+            "first symmetric allocation"
+        )
+
+
+def persistent_grid(num_tiles: int, max_blocks: int, world_size: int) -> int:
+    """Blocks for a persistent kernel: at most one per tile, ``max_blocks``, and the pad's budget."""
+    return max(1, min(num_tiles, max_blocks, max_barrier_blocks(world_size)))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, multiple: int) -> int:
+    return cdiv(a, multiple) * multiple
+
+
+# ---------------------------------------------------------------------------
+# Symmetric buffers
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SymmContext:
+    """What a kernel needs to reach a symmetric tensor on every rank."""
+
+    rank: int
+    world_size: int
+    group_name: str
+    peers: tuple[torch.Tensor, ...]  # peers[r]: rank r's copy, same shape and dtype (peers[rank] is local)
+    signal_pad_ptrs: int  # device address of uint64[world_size]: every rank's signal pad
+
+
+_contexts: dict[tuple, SymmContext] = {}
+
+
+def _agree(signature: tuple, group: dist.ProcessGroup, op: str) -> None:
+    """Check once that every rank passes the same shapes and dtypes; raise on all ranks if not."""
+    if torch.cuda.is_current_stream_capturing():
+        return  # no collectives inside a capture; first calls happen in eager warm-up
+    seen = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, signature, group=group)
+    if any(s != signature for s in seen):
+        per_rank = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
+        raise ValueError(f"{op}: ranks disagree on the input's shape/dtype ({per_rank})")
+
+
+def symm_context(
+    tensor: torch.Tensor, group: dist.ProcessGroup | str | None, op: str, name: str = "tensor"
+) -> SymmContext:
+    """Validate the group and rendezvous ``tensor`` (a view into a symmetric allocation)."""
+    pg = resolve_group(group, op)
+    world_size = dist.get_world_size(pg)
+    check_world_size(world_size, op)
+    key = (
+        tensor.data_ptr(),
+        tensor.untyped_storage()._cdata,
+        tuple(tensor.shape),
+        tensor.dtype,
+        pg.group_name,
+    )
+    ctx = _contexts.get(key)
+    if ctx is not None:
+        return ctx
+    _agree((name, tuple(tensor.shape), str(tensor.dtype)), pg, op)
+    try:
+        handle = symm_mem.rendezvous(tensor, pg.group_name)
+    except RuntimeError as err:
+        raise ValueError(
+            f"{op}: {name} is not in symmetric memory; allocate it with kraken.symm_empty(...) "
+            f"(or torch.distributed._symmetric_memory.empty) ({err})"
+        ) from None
+    rank = handle.rank
+    offset_bytes = tensor.data_ptr() - handle.buffer_ptrs[rank]
+    offset = offset_bytes // tensor.element_size()
+    if offset_bytes < 0 or tensor.data_ptr() + tensor.numel() * tensor.element_size() > (
+        handle.buffer_ptrs[rank] + handle.buffer_size
+    ):
+        raise ValueError(f"{op}: {name} does not lie inside its symmetric allocation")
+    peers = tuple(
+        tensor if r == rank else handle.get_buffer(r, tuple(tensor.shape), tensor.dtype, offset)
+        for r in range(world_size)
+    )
+    ctx = SymmContext(rank, world_size, pg.group_name, peers, handle.signal_pad_ptrs_dev)
+    _contexts[key] = ctx
+    return ctx
+
+
+def symm_empty(
+    shape: int | tuple[int, ...],
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | int | None = None,
+    group: dist.ProcessGroup | str | None = None,
+) -> torch.Tensor:
+    """A tensor in symmetric memory, already rendezvoused with ``group`` (collective)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    tensor = symm_mem.empty(shape, dtype=dtype, device=device)
+    symm_context(tensor, group, "symm_empty")
+    return tensor
+
+
+_workspaces: dict[tuple, torch.Tensor] = {}
+
+
+def symm_workspace(
+    numel: int, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup | str | None, op: str
+) -> torch.Tensor:
+    """A cached symmetric scratch buffer of at least ``numel`` elements (collective on first use).
+
+    Kernels that take ordinary tensors stage them here. One workspace per
+    (device, dtype, group); it grows by powers of two and is shared by all ops.
+    """
+    pg = resolve_group(group, op)
+    key = (device, dtype, pg.group_name)
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < numel:
+        size = 1 << max(12, math.ceil(math.log2(max(numel, 1))))
+        buf = symm_empty(size, dtype, device, pg)
+        _workspaces[key] = buf
+    return buf[:numel]

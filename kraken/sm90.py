@@ -1,0 +1,138 @@
+"""Compile kernels for sm_90 without a GPU, and read what the compiler made.
+
+``capture_launches()`` intercepts every Triton launch (a kraken recipe's
+``kernel[grid](...)`` and the launch inside a Helion kernel's generated host
+code alike) and records the kernel with its exact arguments instead of running
+it. ``compile_sm90`` then pushes a recorded launch through Triton's own argument
+binder and compiler for an H100/H200 target, and ``kernel_stats`` reads the
+numbers the code inspector prints.
+
+Used by the CPU tests (every kernel and port compiles, ports carry the same
+barrier atomics) and by ``python -m benchmark.inspect``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+import os
+import re
+import subprocess
+import tempfile
+from typing import Iterator
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+SM90 = GPUTarget("cuda", 90, 32)
+H200_NUM_SMS = 132
+
+
+@dataclass
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+    grid: object
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[list[Launch]]:
+    """Record Triton launches instead of running them (works on a machine with no GPU)."""
+    import helion.runtime
+
+    launches: list[Launch] = []
+    real_run = JITFunction.run
+    real_num_sm = helion.runtime.get_num_sm
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, kwargs, grid))
+
+    def num_sm(device, reserved_sms=0):
+        if torch.device(device).type == "cpu":
+            return H200_NUM_SMS - reserved_sms
+        return real_num_sm(device, reserved_sms=reserved_sms)
+
+    JITFunction.run = record
+    helion.runtime.get_num_sm = num_sm
+    try:
+        yield launches
+    finally:
+        JITFunction.run = real_run
+        helion.runtime.get_num_sm = real_num_sm
+
+
+def compile_sm90(launch: Launch):
+    """Compile a recorded launch for sm_90 exactly as ``kernel[grid](...)`` would on an H200."""
+    fn = launch.kernel
+    backend = make_backend(SM90)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = {k: v for k, v in launch.kwargs.items() if k in fn.arg_names or k in ("num_warps", "num_stages")}
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)
+
+
+_SYS_ATOMIC = re.compile(r"\b(?:atom|red)\.[\w.]*\bsys\b|\b(?:ld|st)\.[\w.]*(?:acquire|release)\.sys\b")
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _ptxas_resources(ptx: str) -> tuple[int, int]:
+    """(registers, spill bytes) from ``ptxas -v`` on the kernel's PTX."""
+    ptxas = triton.knobs.nvidia.ptxas.path
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+        result = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={arch}", path, "-o", os.devnull], capture_output=True, text=True, check=True
+        )
+    registers = int(_PTXAS_REGISTERS.search(result.stderr).group(1))
+    spill_stores, spill_loads = (int(g) for g in _PTXAS_SPILLS.search(result.stderr).groups())
+    return registers, spill_stores + spill_loads
+
+
+def ptx_instructions(ptx: str) -> list[str]:
+    """The instruction lines of a PTX listing (no directives, labels, braces or comments)."""
+    lines = []
+    for raw in ptx.splitlines():
+        line = raw.split("//")[0].strip()
+        if line.endswith(";") and not line.startswith("."):
+            lines.append(line)
+    return lines
+
+
+def barrier_atomics(ptx: str) -> int:
+    """System-scope atomics and acquire/release accesses: the cross-GPU barrier traffic."""
+    return sum(1 for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line))
+
+
+def kernel_stats(launch: Launch) -> dict:
+    """What the code inspector prints for one kernel."""
+    compiled = compile_sm90(launch)
+    ptx = compiled.asm["ptx"]
+    registers, spills = _ptxas_resources(ptx)
+    signature = compiled.src.signature
+
+    def runtime_params(kind) -> int:  # a tuple argument counts once per element
+        if isinstance(kind, (tuple, list)):
+            return sum(runtime_params(k) for k in kind)
+        return 0 if kind == "constexpr" else 1
+
+    params = sum(runtime_params(kind) for kind in signature.values())
+    return {
+        "kernel": launch.kernel.fn.__name__,
+        "source_chars": len(launch.kernel.src),
+        "params": params,
+        "registers": registers,
+        "spill_bytes": spills,
+        "shared_bytes": compiled.metadata.shared,
+        "ptx_instructions": len(ptx_instructions(ptx)),
+        "barrier_atomics": barrier_atomics(ptx),
+        "ptx": ptx,
+    }
