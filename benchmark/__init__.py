@@ -1,0 +1,1 @@
+"""The shared benchmark harness: ``python -m benchmark [op ...]`` (see ``--help``)."""

@@ -1,0 +1,1 @@
+"""One module per op family; each calls ``benchmark.registry.register`` at import."""

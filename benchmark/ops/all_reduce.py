@@ -1,0 +1,81 @@
+"""all_reduce: NCCL vs torch's symmetric-memory kernels vs the kraken recipes and their Helion twins."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
+from kraken import host
+
+ONE_SHOT = "comm.one_shot_all_reduce"
+TWO_SHOT = "comm.two_shot_all_reduce"
+
+
+def make_inputs(shape, dtype, seed):
+    """A symmetric buffer of random values (different on every rank) and an ordinary copy for NCCL."""
+    (numel,) = shape
+    rank = dist.get_rank()
+    gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
+    values = torch.randn(numel, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
+    symm = host.symm_workspace(numel, dtype, values.device, None, "all_reduce")
+    symm.copy_(values)
+    return {"symm": symm, "plain": values}
+
+
+def nccl(inputs):
+    dist.all_reduce(inputs["plain"])
+    return inputs["plain"]
+
+
+def group_name():
+    return dist.group.WORLD.group_name
+
+
+def backend(module_path: str):
+    fn = getattr(importlib.import_module(module_path), module_path.rsplit(".", 1)[1])
+    return lambda inputs: fn(inputs["symm"])
+
+
+def example(module, world_size: int) -> None:
+    """A CPU stand-in launch of a 1-shot or 2-shot module (both share ``plan``/``launch`` signatures)."""
+    numel = 10007  # odd: exercises the tails
+    peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
+    cfg = module.plan(numel, world_size, {})
+    if "shard" in cfg:
+        module.launch(peers, 0x7F0000001000, 1, **cfg)
+    else:
+        module.launch(peers, torch.empty_like(peers[0]), 0x7F0000001000, 1, **cfg)
+
+
+def nvlink_bytes(shape, dtype, world_size):
+    # The least any all-reduce must receive per rank: (ws-1)/ws of the data, twice.
+    return 2 * (world_size - 1) / world_size * shape[0] * dtype.itemsize
+
+
+register(
+    Op(
+        name="all_reduce",
+        description="sum a 1-D tensor over all ranks",
+        make_inputs=make_inputs,
+        backends={
+            "nccl": nccl,
+            "symm_mem_1shot": lambda i: torch.ops.symm_mem.one_shot_all_reduce(i["symm"], "sum", group_name()),
+            "symm_mem_2shot": lambda i: torch.ops.symm_mem.two_shot_all_reduce_(i["symm"], "sum", group_name()),
+            "triton_1shot": backend(f"kraken.{ONE_SHOT}"),
+            "helion_1shot": backend(f"helion_ports.{ONE_SHOT}"),
+            "triton_2shot": backend(f"kraken.{TWO_SHOT}"),
+            "helion_2shot": backend(f"helion_ports.{TWO_SHOT}"),
+        },
+        default_shapes=[(1 << k,) for k in range(12, 23)],  # 4K .. 4M elements
+        shape_format="NUMEL",
+        nvlink_bytes=nvlink_bytes,
+        floor_us=lambda shape, dtype, ws: nvlink_us(nvlink_bytes(shape, dtype, ws)) + 2 * SYNC_US,
+        pairs=[
+            Pair("triton_1shot", "helion_1shot", f"kraken.{ONE_SHOT}", f"helion_ports.{ONE_SHOT}", example),
+            Pair("triton_2shot", "helion_2shot", f"kraken.{TWO_SHOT}", f"helion_ports.{TWO_SHOT}", example),
+        ],
+    )
+)

@@ -1,0 +1,108 @@
+"""The op registry: one ``Op`` per benchmarked operation, defined in ``benchmark/ops/<name>.py``.
+
+An op names its input maker, its backends (the NCCL baseline first, then torch
+built-ins, then each Triton recipe and its Helion twin), its default shapes, the
+bytes and floor used for the bandwidth columns, and the Triton/Helion pairs.
+The harness, the tests and the code inspector all read this registry, so adding
+an op is one file here plus its two kernel files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import importlib
+import pkgutil
+from typing import Any, Callable
+
+import torch
+
+NVLINK_GBPS = 361.0  # measured peer read bandwidth on 2x H200, GB/s
+BF16_TFLOPS = 790.0  # measured dense bf16 matmul rate on H200, TFLOP/s
+SYNC_US = 1.0  # one cross-GPU barrier round (send + wait over NVLink), measured on 2x H200
+
+Shape = tuple[int, ...]
+
+
+@dataclass
+class Pair:
+    """A Triton recipe and its Helion twin, as benchmark backends and as modules.
+
+    ``example(module, world_size)`` calls ``module.launch(...)`` with CPU stand-in
+    tensors; run under ``kraken.sm90.capture_launches()`` it yields the kernels to
+    compile for sm_90 without a GPU (CPU tests, ``python -m benchmark.inspect``).
+    """
+
+    triton: str  # backend name, e.g. "triton_1shot"
+    helion: str  # backend name, e.g. "helion_1shot"
+    triton_module: str  # e.g. "kraken.comm.one_shot_all_reduce"
+    helion_module: str  # e.g. "helion_ports.comm.one_shot_all_reduce"
+    example: Callable[[Any, int], None]
+
+
+@dataclass
+class Op:
+    name: str
+    description: str
+    # make_inputs(shape, dtype, seed) -> dict; runs on every rank after init; may allocate symmetric memory.
+    make_inputs: Callable[[Shape, torch.dtype, int], dict]
+    # backend name -> fn(inputs) -> output tensor. The first one is the baseline (NCCL).
+    backends: dict[str, Callable[[dict], torch.Tensor]]
+    default_shapes: list[Shape]
+    shape_format: str  # how --shapes are written, e.g. "NUMEL" or "MxNxK"
+    # Bytes that must cross NVLink per rank (bandwidth column) and the floor in microseconds.
+    nvlink_bytes: Callable[[Shape, torch.dtype, int], float]
+    floor_us: Callable[[Shape, torch.dtype, int], float]
+    pairs: list[Pair] = field(default_factory=list)
+    # Relative tolerance of a backend against the baseline's result, per dtype.
+    rtol: dict[torch.dtype, float] = field(
+        default_factory=lambda: {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+    )
+
+    @property
+    def baseline(self) -> str:
+        return next(iter(self.backends))
+
+
+REGISTRY: dict[str, Op] = {}
+
+
+def register(op: Op) -> Op:
+    if op.name in REGISTRY:
+        raise ValueError(f"op {op.name!r} is registered twice")
+    REGISTRY[op.name] = op
+    return op
+
+
+def load_all() -> dict[str, Op]:
+    """Import every module in ``benchmark.ops`` (each registers its ops)."""
+    from benchmark import ops
+
+    for info in pkgutil.iter_modules(ops.__path__):
+        importlib.import_module(f"benchmark.ops.{info.name}")
+    return REGISTRY
+
+
+def get(name: str) -> Op:
+    ops = load_all()
+    if name not in ops:
+        raise SystemExit(f"unknown op {name!r}; registered ops: {', '.join(sorted(ops))}")
+    return ops[name]
+
+
+def parse_shape(text: str, shape_format: str) -> Shape:
+    """'4096' or '128x4096x4096' -> a tuple, checked against the op's shape format."""
+    try:
+        shape = tuple(int(part) for part in text.lower().replace(",", "x").split("x"))
+    except ValueError:
+        raise ValueError(f"bad shape {text!r}: expected {shape_format} (integers joined by 'x')") from None
+    if len(shape) != len(shape_format.split("x")) or any(d <= 0 for d in shape):
+        raise ValueError(f"bad shape {text!r}: expected {shape_format} with positive integers")
+    return shape
+
+
+def nvlink_us(nbytes: float) -> float:
+    return nbytes / (NVLINK_GBPS * 1e3)
+
+
+def gemm_us(flops: float) -> float:
+    return flops / (BF16_TFLOPS * 1e6)
