@@ -1,0 +1,44 @@
+"""Shared by the GPU tests: the skip marker, the per-GPU runner and the checks.
+
+GPU tests run one process per visible GPU (world size = GPU count, at least 2)
+through ``benchmark.launch.spawn``; a rank that makes no progress for 60 s fails
+the test with the op's name. Worker functions live at module level (they are
+pickled into the spawned processes) and call ``heartbeat`` between steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmark.launch import heartbeat, spawn
+
+GPU_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_gpus = pytest.mark.skipif(
+    GPU_COUNT < 2, reason=f"GPU test: needs 2+ NVLink-connected CUDA GPUs (one process per GPU), found {GPU_COUNT}"
+)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# ||out - ref|| / ||ref|| against a float64 reference, by the output dtype.
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+POISON = float("nan")
+
+
+def run_on_gpus(fn, *args, name: str) -> list:
+    """Run ``fn(*args)`` on every GPU (one process each); returns each rank's result."""
+    return spawn(fn, args, name=name, stall_s=60.0)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.double(), ref.double()
+    return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Every element written (no NaN left from the poison) and the relative error within the dtype's bound."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (an element was never written?)"
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[out.dtype], f"{what}: relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e}"
+
+
+__all__ = ["DTYPES", "GPU_COUNT", "POISON", "assert_close", "heartbeat", "needs_gpus", "rel_err", "run_on_gpus"]
