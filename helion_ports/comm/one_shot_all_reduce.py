@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.one_shot_all_reduce import prepare
+from kraken.comm.one_shot_all_reduce import plan, prepare  # shared with the Triton recipe
 
 # The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.two_shot_all_reduce import prepare
+from kraken.comm.two_shot_all_reduce import plan, prepare  # shared with the Triton recipe
 
 # "Peers' inputs are ready" (acquire), then "my pushes are visible / yours are" (release + acquire).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]

@@ -1,0 +1,226 @@
+"""The one benchmark harness: check every backend, time it, print the side-by-side table.
+
+For each op, shape and backend, on every rank:
+
+1. check: run the backend once on fresh random inputs (the same seed the
+   baseline got) and compare with the baseline's result; a backend that fails on
+   any rank is marked FAIL on all and not timed;
+2. host cost: the wall time of a burst of calls queued behind a GPU sleep, i.e.
+   what eager dispatch costs per call (Helion's wrapper included);
+3. time: warm up, then a fixed number of iterations (identical on every rank,
+   so barrier kernels always pair up) queued behind a short GPU sleep so the GPU
+   rather than the Python launch path is measured; CUDA events around each
+   iteration (optionally after an L2 flush), or around CUDA-graph replays with
+   ``--cuda-graph``; the median per rank, then the slowest rank's median.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from benchmark.launch import heartbeat, print_rank0
+from benchmark.registry import Op, Shape
+
+SM_CLOCK_GHZ = 1.98  # H200 boost clock, to turn a sleep in microseconds into cycles
+L2_FLUSH_BYTES = 256 << 20
+
+
+@dataclass
+class Settings:
+    iters: int = 200
+    warmup: int = 20
+    cuda_graph: bool = False
+    graph_calls: int = 10  # calls captured per graph; a replay's time / graph_calls = one call
+    l2_flush: bool = False
+    seed: int = 0
+    host_calls: int = 20
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    world_size: int
+    backend: str
+    status: str  # "ok", "FAIL (...)", "error (...)"
+    us: float | None = None
+    host_us: float | None = None
+    gbps: float | None = None
+    floor_us: float | None = None
+    mode: str = "eager"
+
+
+# ---------------------------------------------------------------------------
+# Measuring (GPU)
+# ---------------------------------------------------------------------------
+
+
+def _sleep_us(us: float) -> None:
+    torch.cuda._sleep(int(us * SM_CLOCK_GHZ * 1e3))
+
+
+def _slowest(value: float) -> float:
+    """The largest value over all ranks."""
+    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def host_cost_us(fn: Callable[[], object], calls: int) -> float:
+    """Host wall time per call while the GPU is busy (so launches never block on it)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    _sleep_us(20000)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float) -> float:
+    """Median GPU time per call on this rank (see module docstring)."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if settings.l2_flush else None
+    if settings.cuda_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(settings.graph_calls):
+                fn()
+        graph.replay()
+        step, per_step = graph.replay, settings.graph_calls
+        steps = max(settings.iters // settings.graph_calls, 5)
+    else:
+        step, per_step, steps = fn, 1, settings.iters
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    torch.cuda.synchronize()
+    dist.barrier()
+    # Enough sleep to cover the host enqueueing every step, capped at 50 ms.
+    _sleep_us(min(50000.0, 2.0 * host_us * steps / per_step + 100.0))
+    for start, end in events:
+        if flush is not None:
+            flush.zero_()
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) * 1e3 / per_step for start, end in events]
+    return statistics.median(times)
+
+
+def check_backend(op: Op, name: str, shape: Shape, dtype: torch.dtype, seed: int, ref: torch.Tensor) -> str:
+    """'ok' or why not, agreed across ranks."""
+    try:
+        out = op.backends[name](op.make_inputs(shape, dtype, seed))
+        torch.cuda.synchronize()
+        err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+        local = 0.0 if err <= op.rtol[dtype] else (err if err == err else float("inf"))
+        message = f"FAIL (rel err {err:.1e})"
+    except (ValueError, TypeError, NotImplementedError) as exc:  # raised the same way on every rank
+        local, message = -1.0, f"error ({exc})"
+    worst = _slowest(local)
+    if worst == 0.0:
+        return "ok"
+    return message if local != 0.0 else "FAIL (on another rank)"
+
+
+def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype, settings: Settings) -> list[Row]:
+    world_size = dist.get_world_size()
+    rows = []
+    for shape in shapes:
+        shape_text = "x".join(map(str, shape))
+        floor = op.floor_us(shape, dtype, world_size)
+        nbytes = op.nvlink_bytes(shape, dtype, world_size)
+        ref = op.backends[op.baseline](op.make_inputs(shape, dtype, settings.seed)).clone()
+        for name in backends:
+            print_rank0(f"  [{op.name} {shape_text}] {name} ...", file=sys.stderr)
+            heartbeat(f"{op.name} {shape_text} {name}")
+            row = Row(op.name, shape_text, str(dtype).removeprefix("torch."), world_size, name, "ok",
+                      floor_us=floor, mode="cuda-graph" if settings.cuda_graph else "eager")
+            row.status = check_backend(op, name, shape, dtype, settings.seed, ref)
+            if row.status == "ok":
+                inputs = op.make_inputs(shape, dtype, settings.seed + 1)
+                fn = op.backends[name]
+                for _ in range(settings.warmup):
+                    fn(inputs)
+                row.host_us = _slowest(host_cost_us(lambda: fn(inputs), settings.host_calls))
+                row.us = _slowest(device_time_us(lambda: fn(inputs), settings, row.host_us))
+                row.gbps = nbytes / (row.us * 1e3)
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Tables (pure: tested on CPU)
+# ---------------------------------------------------------------------------
+
+
+def speedup(baseline_us: float | None, us: float | None) -> float | None:
+    """How many times faster than the baseline (>1 is faster)."""
+    if baseline_us is None or us is None or us <= 0:
+        return None
+    return baseline_us / us
+
+
+def ratio(helion_us: float | None, triton_us: float | None) -> float | None:
+    """Helion time over Triton time (<= 1.05 meets the twins' bar)."""
+    if helion_us is None or triton_us is None or triton_us <= 0:
+        return None
+    return helion_us / triton_us
+
+
+def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def table_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Header and body of the main table: one row per shape."""
+    pairs = [p for p in op.pairs if p.triton in backends and p.helion in backends]
+    baseline = op.baseline if op.baseline in backends else None
+    others = [b for b in backends if b != baseline]
+    header = ["shape"] + [f"{b} us" for b in backends]
+    if baseline:
+        header += [f"{b} vs {baseline}" for b in others]
+    header += [f"{p.helion}/{p.triton}" for p in pairs]
+    header += [f"{b} GB/s" for b in backends] + ["floor us"]
+    body = []
+    for shape in dict.fromkeys(r.shape for r in rows):
+        by_backend = {r.backend: r for r in rows if r.shape == shape}
+        us = {b: by_backend[b].us if b in by_backend else None for b in backends}
+        line = [shape]
+        for b in backends:
+            r = by_backend.get(b)
+            line.append(_fmt(us[b]) if r is None or r.status == "ok" else r.status.split(" ")[0])
+        if baseline:
+            line += [_fmt(speedup(us[baseline], us[b]), 2, "x") for b in others]
+        line += [_fmt(ratio(us[p.helion], us[p.triton]), 3) for p in pairs]
+        line += [_fmt(by_backend[b].gbps if b in by_backend else None, 0) for b in backends]
+        floors = [r.floor_us for r in by_backend.values() if r.floor_us is not None]
+        line.append(_fmt(floors[0] if floors else None))
+        body.append(line)
+    return header, body
+
+
+def host_table(rows: list[Row], backends: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Eager host cost per call, per backend (median over shapes)."""
+    body = []
+    for b in backends:
+        costs = [r.host_us for r in rows if r.backend == b and r.host_us is not None]
+        body.append([b, _fmt(statistics.median(costs) if costs else None)])
+    return ["backend", "host us/call"], body
+
+
+def failures(rows: list[Row]) -> list[str]:
+    return [f"{r.shape} {r.backend}: {r.status}" for r in rows if r.status != "ok"]
+
+
+def records(rows: list[Row]) -> list[dict]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,97 @@
+"""The harness's arithmetic, tables and command line, and the launcher's GPU check (no GPU needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmark import harness, registry
+from benchmark.__main__ import parse_args
+
+
+def rows_for(shape: str, times: dict[str, float | None], status: dict[str, str] | None = None):
+    status = status or {}
+    return [
+        harness.Row("all_reduce", shape, "bfloat16", 2, b, status.get(b, "ok"), us=t, gbps=None if t is None else 100.0 / t,
+                    floor_us=3.5)
+        for b, t in times.items()
+    ]
+
+
+def test_speedup_and_ratio():
+    assert harness.speedup(20.0, 10.0) == 2.0
+    assert harness.speedup(10.0, 20.0) == 0.5
+    assert harness.speedup(None, 1.0) is None and harness.speedup(1.0, None) is None
+    assert harness.ratio(10.5, 10.0) == pytest.approx(1.05)
+    assert harness.ratio(1.0, 0.0) is None
+
+
+def test_table_columns_and_values():
+    op = registry.get("all_reduce")
+    backends = ["nccl", "triton_1shot", "helion_1shot"]
+    rows = rows_for("4096", {"nccl": 20.0, "triton_1shot": 8.0, "helion_1shot": 8.4})
+    rows += rows_for("8192", {"nccl": 22.0, "triton_1shot": 11.0, "helion_1shot": None},
+                     {"helion_1shot": "FAIL (rel err 1.0e+00)"})
+    header, body = harness.table_rows(op, rows, backends)
+    assert header == [
+        "shape", "nccl us", "triton_1shot us", "helion_1shot us",
+        "triton_1shot vs nccl", "helion_1shot vs nccl", "helion_1shot/triton_1shot",
+        "nccl GB/s", "triton_1shot GB/s", "helion_1shot GB/s", "floor us",
+    ]
+    assert body[0] == ["4096", "20.0", "8.0", "8.4", "2.50x", "2.38x", "1.050", "5", "12", "12", "3.5"]
+    assert body[1][:7] == ["8192", "22.0", "11.0", "FAIL", "2.00x", "-", "-"]
+    assert harness.failures(rows) == ["8192 helion_1shot: FAIL (rel err 1.0e+00)"]
+
+
+def test_host_table_takes_the_median():
+    rows = rows_for("1", {"nccl": 1.0}) + rows_for("2", {"nccl": 1.0}) + rows_for("3", {"nccl": 1.0})
+    for row, cost in zip(rows, (5.0, 50.0, 7.0)):
+        row.host_us = cost
+    assert harness.host_table(rows, ["nccl"]) == (["backend", "host us/call"], [["nccl", "7.0"]])
+
+
+def test_floor_and_bytes_for_all_reduce():
+    op = registry.get("all_reduce")
+    n = 1 << 20
+    assert op.nvlink_bytes((n,), torch.bfloat16, 2) == n * 2  # 2 (ws-1)/ws * N * 2 bytes at ws=2
+    assert op.floor_us((n,), torch.bfloat16, 2) == pytest.approx(n * 2 / 361e3 + 2 * registry.SYNC_US)
+
+
+def test_parse_shape():
+    assert registry.parse_shape("128x4096x4096", "MxNxK") == (128, 4096, 4096)
+    assert registry.parse_shape("4096", "NUMEL") == (4096,)
+    for bad in ("12a", "0", "4096x4096"):
+        with pytest.raises(ValueError, match="bad shape"):
+            registry.parse_shape(bad, "NUMEL")
+
+
+def test_cli_parses_and_rejects():
+    args = parse_args(["all_reduce", "--sizes", "4096", "65536", "--backends", "nccl,triton_1shot", "--cuda-graph"])
+    assert args.ops == ["all_reduce"] and args.shapes == [(4096,), (65536,)]
+    assert args.backends == ["nccl", "triton_1shot"] and args.cuda_graph
+    assert parse_args([]).ops == list(registry.load_all())
+    for argv in (["no_such_op"], ["all_reduce", "--backends", "mpi"], ["all_reduce", "--shapes", "x"],
+                 ["all_reduce", "--iters", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2
+
+
+def test_every_op_is_complete():
+    for op in registry.load_all().values():
+        assert op.baseline == "nccl", op.name
+        assert op.default_shapes and all(len(s) == len(op.shape_format.split("x")) for s in op.default_shapes)
+        for pair in op.pairs:
+            assert pair.triton_module.startswith("kraken.") and pair.helion_module.startswith("helion_ports.")
+            assert pair.triton_module.split(".", 1)[1] == pair.helion_module.split(".", 1)[1], "twins share a name"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the message shown on machines with < 2 GPUs")
+def test_benchmark_without_gpus_exits_with_one_clear_sentence():
+    result = subprocess.run([sys.executable, "-m", "benchmark", "all_reduce"], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "needs at least 2 NVLink-connected CUDA GPUs" in result.stderr and "found" in result.stderr
+    assert "Traceback" not in result.stderr

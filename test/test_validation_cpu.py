@@ -1,0 +1,81 @@
+"""Bad input gets a ValueError/TypeError naming the problem, on the host, before any launch."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kraken import host
+
+ENTRY_POINTS = [
+    ("kraken.comm.one_shot_all_reduce", "one_shot_all_reduce"),
+    ("kraken.comm.two_shot_all_reduce", "two_shot_all_reduce"),
+    ("helion_ports.comm.one_shot_all_reduce", "one_shot_all_reduce"),
+    ("helion_ports.comm.two_shot_all_reduce", "two_shot_all_reduce"),
+]
+
+
+def entry(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("module,name", ENTRY_POINTS)
+def test_tensor_checks(module, name):
+    fn = entry(module, name)
+    with pytest.raises(ValueError, match="dtype int32; supported: bfloat16, float16, float32"):
+        fn(torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        fn(torch.zeros(8, 8).t())
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        fn(torch.zeros(8))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        fn([1.0, 2.0])
+
+
+def test_group_checks():
+    with pytest.raises(ValueError, match="not initialized"):
+        host.resolve_group(None, "op")
+    with pytest.raises(ValueError, match="needs a group of 2 to 8 ranks"):
+        host.check_world_size(1, "op")
+    with pytest.raises(ValueError, match="got world size 9"):
+        host.check_world_size(9, "op")
+    for ws in range(2, 9):
+        host.check_world_size(ws, "op")
+
+
+def test_single_rank_group_is_refused(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="got world size 1"):
+            host.symm_context(torch.zeros(8), None, "one_shot_all_reduce")
+        with pytest.raises(ValueError, match="no process group is named"):
+            host.resolve_group("nope", "op")
+        with pytest.raises(TypeError, match="group must be"):
+            host.resolve_group(3, "op")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_signal_pad_budget():
+    pad = 9216  # torch 2.11's default: 2304 slots
+    assert host.max_barrier_blocks(2, pad) == 1152
+    assert host.max_barrier_blocks(8, pad) == 288
+    host.check_barrier_blocks(288, 8, "op", pad)
+    with pytest.raises(ValueError, match=r"needs 289 barrier block ids x 8 ranks = 2312 signal slots.*holds 2304"):
+        host.check_barrier_blocks(289, 8, "op", pad)
+
+
+@pytest.mark.parametrize("module", ["kraken.comm.one_shot_all_reduce", "kraken.comm.two_shot_all_reduce"])
+def test_plans_stay_inside_the_pad_at_every_world_size(module):
+    plan = importlib.import_module(module).plan
+    for ws in range(2, 9):
+        for numel in (1, 7, 4095, 1 << 20, 1 << 28):
+            cfg = plan(numel, ws, {"max_blocks": 100_000})
+            assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(ws)
+            covered = cfg["num_blocks"] * cfg["chunk"] * (ws if "shard" in cfg else 1)
+            assert covered >= numel, f"{module} ws={ws} numel={numel}: grid covers only {covered}"
+    with pytest.raises(TypeError, match="unknown config keys"):
+        plan(10, 2, {"blocksize": 1})
