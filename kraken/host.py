@@ -179,11 +179,13 @@ def symm_context(
     _agree((name, tuple(tensor.shape), str(tensor.dtype)), pg, op)
     try:
         handle = symm_mem.rendezvous(tensor, pg.group_name)
-    except RuntimeError as err:
+    except RuntimeError:
+        handle = None  # older torch raises; torch 2.11 warns and returns None
+    if handle is None:
         raise ValueError(
             f"{op}: {name} is not in symmetric memory; allocate it with kraken.symm_empty(...) "
-            f"(or torch.distributed._symmetric_memory.empty) ({err})"
-        ) from None
+            "(or torch.distributed._symmetric_memory.empty)"
+        )
     rank = handle.rank
     offset_bytes = tensor.data_ptr() - handle.buffer_ptrs[rank]
     offset = offset_bytes // tensor.element_size()

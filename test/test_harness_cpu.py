@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmark import harness, registry
-from benchmark.__main__ import parse_args
+from benchmark.cli import parse_args
 
 
 def rows_for(shape: str, times: dict[str, float | None], status: dict[str, str] | None = None):

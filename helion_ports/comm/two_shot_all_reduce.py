@@ -24,6 +24,7 @@ SYNC_END = SYMM_MEM_SYNC[(True, True)]
 
 
 def two_shot_all_reduce_body(
+    local: torch.Tensor,
     peers: tuple[torch.Tensor, ...],
     signal_pad_ptrs: int,
     num_blocks: int,
@@ -33,7 +34,10 @@ def two_shot_all_reduce_body(
     world_size: hl.constexpr,
     group_name: hl.ProcessGroupName,
 ) -> None:
-    numel = peers[0].size(0)
+    # The size comes from the top-level ``local`` (this rank's buffer, also peers[rank]): Helion 1.5.0
+    # does not re-specialize on the sizes of tensors that are only inside a tuple, so a kernel first
+    # compiled for numel=1 was reused for numel=7 (see the README's Helion notes).
+    numel = local.size(0)
     for block in hl.grid(num_blocks):
         barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
         hl.inline_triton(SYNC_START, args=barrier, output_like=None)
@@ -43,7 +47,7 @@ def two_shot_all_reduce_body(
             acc = hl.zeros([tile], dtype=torch.float32)
             for r in hl.static_range(world_size):
                 acc = acc + hl.load(peers[r], [tile], extra_mask=in_range).to(torch.float32)
-            result = acc.to(peers[0].dtype)
+            result = acc.to(local.dtype)
             for r in hl.static_range(world_size):
                 hl.store(peers[r], [tile], result, extra_mask=in_range)
         hl.inline_triton(SYNC_END, args=barrier, output_like=None)
@@ -70,7 +74,7 @@ def launch(
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch``."""
     flat_peers = tuple(p.view(-1) for p in peers)
     compiled(block_size, num_warps)(
-        flat_peers, signal_pad_ptrs, num_blocks, shard, chunk, rank, len(peers), group_name
+        flat_peers[rank], flat_peers, signal_pad_ptrs, num_blocks, shard, chunk, rank, len(peers), group_name
     )
     return peers[rank]
 

@@ -1,0 +1,103 @@
+"""Helion twin of ``kraken.fused.one_shot_all_reduce_bias``: same function, same arguments.
+
+Mirrors the Triton recipe step for step: ``hl.grid(num_blocks)`` is the
+persistent grid and the barrier's block id; the first ``hl.tile`` loop stages
+the block's chunk of ``x`` into this rank's workspace (passed as its own
+argument: Helion cannot store through ``peers[rank]`` with a runtime rank); the
+kraken barriers come in through ``hl.inline_triton``; the second loop sums the
+peers (a tuple walked with ``hl.static_range``) and adds the bias, gathered by
+column with ``tile.index % hidden``.
+
+Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken.fused.one_shot_all_reduce_bias import plan, prepare  # noqa: F401  (plan: the shared launch config, for callers of launch)
+
+# "My staged chunk is visible / yours is" (release + acquire), then "done reading yours" (release).
+SYNC_STAGED = SYMM_MEM_SYNC[(True, True)]
+SYNC_DONE = SYMM_MEM_SYNC[(True, False)]
+
+
+def one_shot_all_reduce_bias_body(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    workspace: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    num_blocks: int,
+    chunk: int,
+    rank: int,
+    world_size: hl.constexpr,
+    group_name: hl.ProcessGroupName,
+) -> torch.Tensor:
+    numel = x.size(0)
+    hidden = bias.size(0)
+    for block in hl.grid(num_blocks):
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        start = block * chunk
+        for tile in hl.tile(start, start + chunk):
+            in_range = tile.index < numel
+            hl.store(workspace, [tile], hl.load(x, [tile], extra_mask=in_range), extra_mask=in_range)
+        hl.inline_triton(SYNC_STAGED, args=barrier, output_like=None)
+        for tile in hl.tile(start, start + chunk):
+            in_range = tile.index < numel
+            acc = hl.load(peers[0], [tile], extra_mask=in_range).to(torch.float32)
+            for r in hl.static_range(1, world_size):
+                acc = acc + hl.load(peers[r], [tile], extra_mask=in_range).to(torch.float32)
+            acc = acc + hl.load(bias, [tile.index % hidden], extra_mask=in_range).to(torch.float32)
+            hl.store(out, [tile], acc.to(out.dtype), extra_mask=in_range)
+        hl.inline_triton(SYNC_DONE, args=barrier, output_like=None)
+    return out
+
+
+@functools.cache
+def compiled(block_size: int, num_warps: int) -> helion.Kernel:
+    """One Helion kernel per launch configuration, each with an explicit config."""
+    config = helion.Config(
+        block_sizes=[block_size, block_size], num_warps=num_warps, num_stages=1, pid_type="persistent_blocked"
+    )
+    return helion.kernel(one_shot_all_reduce_bias_body, config=config, static_shapes=False)
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    block_size: int,
+    num_warps: int,
+    num_blocks: int,
+    chunk: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); mirrors ``kraken.fused.one_shot_all_reduce_bias.launch``."""
+    # Fresh views: Helion sees `workspace` and `peers[rank]` as distinct tensors, one compile for all ranks.
+    flat_peers = tuple(p.view(-1) for p in peers)
+    compiled(block_size, num_warps)(
+        x.view(-1), bias, peers[rank].view(-1), flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk,
+        rank, len(peers), group_name,
+    )
+    return out
+
+
+def one_shot_all_reduce_bias(
+    x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
+) -> torch.Tensor:
+    """``sum over ranks of x`` + ``bias``; a new tensor (see the kraken recipe)."""
+    x2d, ctx, launch_cfg = prepare(x, bias, group, "helion one_shot_all_reduce_bias", config)
+    out = torch.empty_like(x2d)
+    launch(x2d, bias, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return out.view(x.shape)

@@ -1,0 +1,110 @@
+"""Helion twin of ``kraken.fused.one_shot_all_reduce_bias_rms_norm``: same function, same arguments.
+
+Same structure as the Triton recipe: ``hl.grid(num_blocks)`` is the persistent
+grid and the barrier's block id; each block walks its rows with
+``hl.tile(start, start + rows_per_block, block_size=1)``, a row being one
+``[1, hidden]`` tile (the ``:`` index is Helion's persistent reduction
+dimension, ``BLOCK_H`` in Triton). The staging copy goes to this rank's
+workspace, passed as its own argument; the barriers are the kraken PTX through
+``hl.inline_triton``; the row math is ``helion_ports.fused.rms_norm.rms_normalize``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from helion_ports.fused.rms_norm import rms_normalize
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken.fused.one_shot_all_reduce_bias_rms_norm import plan, prepare  # noqa: F401  (plan: the shared launch config, for callers of launch)
+
+# "My staged rows are visible / yours are" (release + acquire), then "done reading yours" (release).
+SYNC_STAGED = SYMM_MEM_SYNC[(True, True)]
+SYNC_DONE = SYMM_MEM_SYNC[(True, False)]
+
+
+def one_shot_all_reduce_bias_rms_norm_body(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    workspace: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    num_blocks: int,
+    rows_per_block: int,
+    rank: int,
+    world_size: hl.constexpr,
+    group_name: hl.ProcessGroupName,
+) -> torch.Tensor:
+    tokens = x.size(0)
+    for block in hl.grid(num_blocks):
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        start = block * rows_per_block
+        for rows in hl.tile(start, start + rows_per_block, block_size=1):
+            valid = (rows.index < tokens)[:, None]
+            row = hl.load(x, [rows, slice(None)], extra_mask=valid)
+            hl.store(workspace, [rows, slice(None)], row, extra_mask=valid)
+        hl.inline_triton(SYNC_STAGED, args=barrier, output_like=None)
+        for rows in hl.tile(start, start + rows_per_block, block_size=1):
+            valid = (rows.index < tokens)[:, None]
+            h = hl.load(peers[0], [rows, slice(None)], extra_mask=valid).to(torch.float32)
+            for r in hl.static_range(1, world_size):
+                h = h + hl.load(peers[r], [rows, slice(None)], extra_mask=valid).to(torch.float32)
+            h = h + hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
+            y = rms_normalize(h, weight, eps)
+            hl.store(out, [rows, slice(None)], y.to(out.dtype), extra_mask=valid)
+        hl.inline_triton(SYNC_DONE, args=barrier, output_like=None)
+    return out
+
+
+@functools.cache
+def compiled(num_warps: int) -> helion.Kernel:
+    """One Helion kernel per launch configuration, each with an explicit config."""
+    config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="persistent_blocked")
+    return helion.kernel(one_shot_all_reduce_bias_rms_norm_body, config=config, static_shapes=False)
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    num_warps: int,
+    num_blocks: int,
+    rows_per_block: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
+    # Fresh [tokens, hidden] views: Helion sees `workspace` and `peers[rank]` as distinct tensors.
+    row_peers = tuple(p.view(x.shape) for p in peers)
+    compiled(num_warps)(
+        x, bias, weight, float(eps), peers[rank].view(x.shape), row_peers, out, signal_pad_ptrs, num_blocks,
+        rows_per_block, rank, len(peers), group_name,
+    )
+    return out
+
+
+def one_shot_all_reduce_bias_rms_norm(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    group: dist.ProcessGroup | str | None = None,
+    **config,
+) -> torch.Tensor:
+    """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``; a new tensor (see the kraken recipe)."""
+    op = "helion one_shot_all_reduce_bias_rms_norm"
+    x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
+    out = torch.empty_like(x2d)
+    launch(x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return out.view(x.shape)

@@ -1,0 +1,110 @@
+"""Helion twin of ``kraken.fused.two_shot_all_reduce_bias``: same function, same arguments.
+
+Same five steps as the Triton recipe. The workspaces arrive as ``[2, numel]``
+views (row 0: staged input, row 1: pushed result), so "the result region" is
+index ``1`` rather than a pointer offset. ``hl.static_range(world_size)`` over
+the shard owners unrolls the staging and gathering loops exactly like
+``tl.static_range`` in the Triton kernel; the pushes are ``hl.store(peers[r], ...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken.fused.two_shot_all_reduce_bias import plan, prepare  # noqa: F401  (plan: the shared launch config, for callers of launch)
+
+# Both barriers: "my writes are visible to you" (release) and "yours to me" (acquire).
+SYNC = SYMM_MEM_SYNC[(True, True)]
+
+
+def two_shot_all_reduce_bias_body(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    workspace: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    num_blocks: int,
+    shard: int,
+    chunk: int,
+    rank: int,
+    world_size: hl.constexpr,
+    group_name: hl.ProcessGroupName,
+) -> torch.Tensor:
+    numel = x.size(0)
+    hidden = bias.size(0)
+    for block in hl.grid(num_blocks):
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        for owner in hl.static_range(world_size):
+            start = owner * shard + block * chunk
+            for tile in hl.tile(start, start + chunk):
+                in_range = (tile.index < numel) & (tile.index < owner * shard + shard)
+                hl.store(workspace, [0, tile], hl.load(x, [tile], extra_mask=in_range), extra_mask=in_range)
+        hl.inline_triton(SYNC, args=barrier, output_like=None)
+        start = rank * shard + block * chunk
+        for tile in hl.tile(start, start + chunk):
+            in_range = (tile.index < numel) & (tile.index < rank * shard + shard)
+            acc = hl.load(peers[0], [0, tile], extra_mask=in_range).to(torch.float32)
+            for r in hl.static_range(1, world_size):
+                acc = acc + hl.load(peers[r], [0, tile], extra_mask=in_range).to(torch.float32)
+            acc = acc + hl.load(bias, [tile.index % hidden], extra_mask=in_range).to(torch.float32)
+            result = acc.to(out.dtype)
+            for r in hl.static_range(world_size):
+                hl.store(peers[r], [1, tile], result, extra_mask=in_range)
+        hl.inline_triton(SYNC, args=barrier, output_like=None)
+        for owner in hl.static_range(world_size):
+            start = owner * shard + block * chunk
+            for tile in hl.tile(start, start + chunk):
+                in_range = (tile.index < numel) & (tile.index < owner * shard + shard)
+                hl.store(out, [tile], hl.load(workspace, [1, tile], extra_mask=in_range), extra_mask=in_range)
+    return out
+
+
+@functools.cache
+def compiled(block_size: int, num_warps: int) -> helion.Kernel:
+    """One Helion kernel per launch configuration, each with an explicit config."""
+    config = helion.Config(
+        block_sizes=[block_size] * 3, num_warps=num_warps, num_stages=1, pid_type="persistent_blocked"
+    )
+    return helion.kernel(two_shot_all_reduce_bias_body, config=config, static_shapes=False)
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    block_size: int,
+    num_warps: int,
+    num_blocks: int,
+    shard: int,
+    chunk: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); mirrors ``kraken.fused.two_shot_all_reduce_bias.launch``."""
+    regions = (2, x.numel())
+    # Fresh views: Helion sees `workspace` and `peers[rank]` as distinct tensors, one compile for all ranks.
+    region_peers = tuple(p.view(regions) for p in peers)
+    compiled(block_size, num_warps)(
+        x.view(-1), bias, peers[rank].view(regions), region_peers, out.view(-1), signal_pad_ptrs, num_blocks,
+        shard, chunk, rank, len(peers), group_name,
+    )
+    return out
+
+
+def two_shot_all_reduce_bias(
+    x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
+) -> torch.Tensor:
+    """``sum over ranks of x`` + ``bias``, sharded reduction; a new tensor (see the kraken recipe)."""
+    x2d, ctx, launch_cfg = prepare(x, bias, group, "helion two_shot_all_reduce_bias", config)
+    out = torch.empty_like(x2d)
+    launch(x2d, bias, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return out.view(x.shape)

@@ -1,0 +1,119 @@
+"""Helion twin of ``kraken.fused.two_shot_all_reduce_bias_rms_norm``: same function, same arguments.
+
+The Triton recipe's five steps in rows: workspaces arrive as
+``[2, tokens, hidden]`` views (0: staged input, 1: pushed result), a row is one
+``[1, hidden]`` tile of ``hl.tile(..., block_size=1)``, the shard owners are
+unrolled with ``hl.static_range``, and the row math is the shared
+``helion_ports.fused.rms_norm.rms_normalize``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from helion_ports.fused.rms_norm import rms_normalize
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare  # noqa: F401  (plan: the shared launch config, for callers of launch)
+
+# Both barriers: "my writes are visible to you" (release) and "yours to me" (acquire).
+SYNC = SYMM_MEM_SYNC[(True, True)]
+
+
+def two_shot_all_reduce_bias_rms_norm_body(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    workspace: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    num_blocks: int,
+    shard: int,
+    chunk: int,
+    rank: int,
+    world_size: hl.constexpr,
+    group_name: hl.ProcessGroupName,
+) -> torch.Tensor:
+    tokens = x.size(0)
+    for block in hl.grid(num_blocks):
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        for owner in hl.static_range(world_size):
+            start = owner * shard + block * chunk
+            for rows in hl.tile(start, start + chunk, block_size=1):
+                valid = ((rows.index < tokens) & (rows.index < owner * shard + shard))[:, None]
+                row = hl.load(x, [rows, slice(None)], extra_mask=valid)
+                hl.store(workspace, [0, rows, slice(None)], row, extra_mask=valid)
+        hl.inline_triton(SYNC, args=barrier, output_like=None)
+        start = rank * shard + block * chunk
+        for rows in hl.tile(start, start + chunk, block_size=1):
+            valid = ((rows.index < tokens) & (rows.index < rank * shard + shard))[:, None]
+            h = hl.load(peers[0], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
+            for r in hl.static_range(1, world_size):
+                h = h + hl.load(peers[r], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
+            h = h + hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
+            y = rms_normalize(h, weight, eps).to(out.dtype)
+            for r in hl.static_range(world_size):
+                hl.store(peers[r], [1, rows, slice(None)], y, extra_mask=valid)
+        hl.inline_triton(SYNC, args=barrier, output_like=None)
+        for owner in hl.static_range(world_size):
+            start = owner * shard + block * chunk
+            for rows in hl.tile(start, start + chunk, block_size=1):
+                valid = ((rows.index < tokens) & (rows.index < owner * shard + shard))[:, None]
+                row = hl.load(workspace, [1, rows, slice(None)], extra_mask=valid)
+                hl.store(out, [rows, slice(None)], row, extra_mask=valid)
+    return out
+
+
+@functools.cache
+def compiled(num_warps: int) -> helion.Kernel:
+    """One Helion kernel per launch configuration, each with an explicit config."""
+    config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="persistent_blocked")
+    return helion.kernel(two_shot_all_reduce_bias_rms_norm_body, config=config, static_shapes=False)
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    num_warps: int,
+    num_blocks: int,
+    shard: int,
+    chunk: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
+    regions = (2, *x.shape)
+    # Fresh views: Helion sees `workspace` and `peers[rank]` as distinct tensors, one compile for all ranks.
+    region_peers = tuple(p.view(regions) for p in peers)
+    compiled(num_warps)(
+        x, bias, weight, float(eps), peers[rank].view(regions), region_peers, out, signal_pad_ptrs, num_blocks,
+        shard, chunk, rank, len(peers), group_name,
+    )
+    return out
+
+
+def two_shot_all_reduce_bias_rms_norm(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    group: dist.ProcessGroup | str | None = None,
+    **config,
+) -> torch.Tensor:
+    """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``, rows sharded over ranks (see the kraken recipe)."""
+    op = "helion two_shot_all_reduce_bias_rms_norm"
+    x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
+    out = torch.empty_like(x2d)
+    launch(x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return out.view(x.shape)

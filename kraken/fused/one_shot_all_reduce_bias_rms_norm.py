@@ -1,0 +1,136 @@
+"""One-shot all-reduce + bias + RMSNorm: the fusion after every tensor-parallel linear layer.
+
+    h = sum_r x_r + bias
+    y = h * rsqrt(mean(h^2) + eps) * weight          (per row, all in fp32)
+
+Same shape as ``one_shot_all_reduce_bias`` (staging, two barrier rounds, rank-
+order sums), but the unit of work is a whole row: RMSNorm needs the row's sum of
+squares, so each row is reduced as one ``next_power_of_2(hidden)`` register tile
+and normalised on the spot, with no second pass over memory and no extra launch.
+
+Block ``b`` of every rank owns ``rows_per_block`` consecutive rows and barrier
+slot ``b``:
+
+1. copy its rows of ``x`` into the symmetric workspace;
+2. barrier (release + acquire): staged rows are visible both ways;
+3. for each row: sum the peers' rows (rank order, fp32), add ``bias``,
+   normalise (``rms_norm.rms_normalize``), store the local output;
+4. barrier (release): "done reading your workspace".
+
+Every rank computes every row itself, so the results are bitwise identical on
+all ranks. Staging: see ``one_shot_all_reduce_bias`` (``x`` is always copied).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from kraken import host
+from kraken._ptx_utils import symm_mem_sync
+from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
+from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
+from kraken.fused.rms_norm import resolve_config, rms_normalize, row_warps
+
+# Not tuned on its own: the grid cap of the tuned one-shot all-reduce; num_warps None: from the
+# row width (rms_norm.row_warps).
+DEFAULT_CONFIG = {"num_warps": None, "max_blocks": ONE_SHOT_CONFIG["max_blocks"]}
+
+
+@triton.jit
+def one_shot_all_reduce_bias_rms_norm_kernel(
+    x_ptr,
+    bias_ptr,
+    weight_ptr,
+    workspace_ptr,  # this rank's workspace (= peers[rank])
+    peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
+    out_ptr,
+    signal_pad_ptrs,
+    tokens,
+    rows_per_block,
+    eps,
+    rank,
+    world_size: tl.constexpr,
+    hidden: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next_power_of_2(hidden): one row per tile
+):
+    block_id = tl.program_id(0)
+    row_start = block_id * rows_per_block
+    row_end = tl.minimum(row_start + rows_per_block, tokens)
+    copy_slice(x_ptr, workspace_ptr, row_start * hidden, row_end * hidden, BLOCK_H)
+    # Release: my staged rows are visible to peers. Acquire: theirs are visible to me.
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    for row in tl.range(row_start, row_end):
+        offsets = row * hidden + cols
+        h = sum_peers(peers, offsets, mask, world_size)
+        h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = rms_normalize(h, weight_ptr, cols, mask, eps, hidden)
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+    # Done reading peers' workspaces: after this they may restage into them.
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
+
+
+def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
+    """Resolve the launch configuration (shared with the Helion port)."""
+    cfg = resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias_rms_norm")
+    num_blocks = host.persistent_grid(tokens, cfg["max_blocks"], world_size)
+    rows_per_block = max(1, host.cdiv(tokens, num_blocks))
+    num_blocks = max(1, host.cdiv(tokens, rows_per_block))  # no block left without rows
+    return {"num_warps": row_warps(hidden, cfg["num_warps"]), "num_blocks": num_blocks, "rows_per_block": rows_per_block}
+
+
+def prepare(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict):
+    return prepare_staged(op, x, {"bias": bias, "weight": weight}, eps, group, config, plan)
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    num_warps: int,
+    num_blocks: int,
+    rows_per_block: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+
+    ``x``, ``out``: [tokens, hidden]; ``peers``: every rank's workspace
+    (``tokens * hidden`` elements). ``group_name`` is unused here.
+    """
+    tokens, hidden = x.shape
+    one_shot_all_reduce_bias_rms_norm_kernel[(num_blocks,)](
+        x, bias, weight, peers[rank], peers, out, signal_pad_ptrs, tokens, rows_per_block, float(eps),
+        rank, len(peers), hidden=hidden, BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps,
+    )
+    return out
+
+
+def one_shot_all_reduce_bias_rms_norm(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    group: dist.ProcessGroup | str | None = None,
+    **config,
+) -> torch.Tensor:
+    """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``; a new tensor of ``x``'s shape and dtype.
+
+    ``x``: [..., hidden], contiguous, bf16/fp16/fp32, any CUDA tensor (staged
+    through the symmetric workspace inside the kernel); ``bias``, ``weight``:
+    [hidden] of ``x``'s dtype, the same on every rank. Bitwise identical on
+    every rank. ``config`` overrides ``DEFAULT_CONFIG``.
+    """
+    op = "one_shot_all_reduce_bias_rms_norm"
+    x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
+    out = torch.empty_like(x2d)
+    launch(x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return out.view(x.shape)

@@ -1,0 +1,141 @@
+"""Two-shot all-reduce + bias + RMSNorm: each rank reduces and normalises a shard of rows.
+
+    h = sum_r x_r + bias
+    y = h * rsqrt(mean(h^2) + eps) * weight          (per row, all in fp32)
+
+``two_shot_all_reduce_bias`` with RMSNorm folded in, so the shards must hold
+whole rows: rank ``r`` owns rows ``[r * shard, (r + 1) * shard)`` with
+``shard = cdiv(tokens, world_size)``, reduces them from every peer, normalises
+them and pushes the finished rows to every rank. Only the owner computes a row,
+so every rank holds the same bits.
+
+With fewer tokens than ranks (a single decode token, say) the last ranks own no
+rows: they still stage, take part in both barriers and gather, but reduce
+nothing, and the call costs about what one-shot does plus one push. Splitting a
+row across ranks would need a third barrier round to combine partial sums of
+squares, which is a worse trade at these sizes.
+
+Same five steps, workspace layout ([staged x | result]) and barrier reasoning
+as ``two_shot_all_reduce_bias``, in units of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from kraken import host
+from kraken._ptx_utils import symm_mem_sync
+from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG
+from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
+from kraken.fused.rms_norm import resolve_config, rms_normalize, row_warps
+from kraken.fused.two_shot_all_reduce_bias import WORKSPACE_COPIES, block_range
+
+# Not tuned on its own: the grid cap of the tuned two-shot all-reduce; num_warps None: from the
+# row width (rms_norm.row_warps).
+DEFAULT_CONFIG = {"num_warps": None, "max_blocks": TWO_SHOT_CONFIG["max_blocks"]}
+
+
+@triton.jit
+def two_shot_all_reduce_bias_rms_norm_kernel(
+    x_ptr,
+    bias_ptr,
+    weight_ptr,
+    workspace_ptr,  # this rank's workspace (= peers[rank]): [staged x | result]
+    peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
+    out_ptr,
+    signal_pad_ptrs,
+    tokens,
+    hidden,
+    shard,  # rows per rank
+    chunk,  # rows per block within a shard
+    eps,
+    rank,
+    world_size: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next_power_of_2(hidden): one row per tile
+):
+    block_id = tl.program_id(0)
+    result_offset = tokens * hidden  # where the result region starts in every workspace
+    for owner in tl.static_range(world_size):
+        row_start, row_end = block_range(owner, block_id, shard, chunk, tokens)
+        copy_slice(x_ptr, workspace_ptr, row_start * hidden, row_end * hidden, BLOCK_H)
+    # Release: my staged rows are visible to their owners. Acquire: peers' rows of my shard are visible to me.
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    row_start, row_end = block_range(rank, block_id, shard, chunk, tokens)
+    for row in tl.range(row_start, row_end):
+        offsets = row * hidden + cols
+        h = sum_peers(peers, offsets, mask, world_size)
+        h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = rms_normalize(h, weight_ptr, cols, mask, eps, hidden).to(out_ptr.dtype.element_ty)
+        for r in tl.static_range(world_size):
+            tl.store(peers[r] + result_offset + offsets, y, mask=mask)
+    # Release: my pushed rows are visible to every rank. Acquire: every owner's rows are visible to me.
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+    for owner in tl.static_range(world_size):
+        row_start, row_end = block_range(owner, block_id, shard, chunk, tokens)
+        copy_slice(workspace_ptr + result_offset, out_ptr, row_start * hidden, row_end * hidden, BLOCK_H)
+
+
+def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
+    """Resolve the launch configuration (shared with the Helion port)."""
+    cfg = resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce_bias_rms_norm")
+    shard = max(1, host.cdiv(tokens, world_size))
+    num_blocks = host.persistent_grid(shard, cfg["max_blocks"], world_size)
+    chunk = host.cdiv(shard, num_blocks)
+    num_blocks = host.cdiv(shard, chunk)  # no block left without rows
+    return {"num_warps": row_warps(hidden, cfg["num_warps"]), "num_blocks": num_blocks, "shard": shard, "chunk": chunk}
+
+
+def prepare(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict):
+    return prepare_staged(op, x, {"bias": bias, "weight": weight}, eps, group, config, plan, copies=WORKSPACE_COPIES)
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    num_warps: int,
+    num_blocks: int,
+    shard: int,
+    chunk: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+
+    ``x``, ``out``: [tokens, hidden]; ``peers``: every rank's workspace
+    (``2 * tokens * hidden`` elements). ``group_name`` is unused here.
+    """
+    tokens, hidden = x.shape
+    two_shot_all_reduce_bias_rms_norm_kernel[(num_blocks,)](
+        x, bias, weight, peers[rank], peers, out, signal_pad_ptrs, tokens, hidden, shard, chunk, float(eps),
+        rank, len(peers), BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps,
+    )
+    return out
+
+
+def two_shot_all_reduce_bias_rms_norm(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    group: dist.ProcessGroup | str | None = None,
+    **config,
+) -> torch.Tensor:
+    """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``, rows sharded over ranks; a new tensor.
+
+    Arguments as ``one_shot_all_reduce_bias_rms_norm``. Bitwise identical on every rank.
+    """
+    op = "two_shot_all_reduce_bias_rms_norm"
+    x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
+    out = torch.empty_like(x2d)
+    launch(x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return out.view(x.shape)
