@@ -95,3 +95,14 @@ def test_benchmark_without_gpus_exits_with_one_clear_sentence():
     assert result.returncode != 0
     assert "needs at least 2 NVLink-connected CUDA GPUs" in result.stderr and "found" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_inspector_prints_both_sides(capsys):
+    from benchmark import inspect as inspector
+
+    inspector.main(["all_reduce"])
+    out = capsys.readouterr().out
+    assert "triton_1shot vs helion_1shot" in out and "triton_2shot vs helion_2shot" in out
+    lines = [line for line in out.splitlines() if line.startswith("| triton") or line.startswith("| helion")]
+    assert len(lines) == 4
+    assert all(line.rstrip(" |").split("|")[-1].strip() == "4" for line in lines), "4 barrier atomics each"
