@@ -3,13 +3,14 @@
 The structure mirrors the Triton recipe one to one:
 
 * ``hl.grid(num_blocks)`` is the persistent grid; the grid index is the
-  barrier's block id, identical on every rank;
-* inside it, ``hl.grid(block, num_tiles, num_blocks)`` walks the block's output
-  tiles (``block, block + num_blocks, ...``), each a one-tile ``hl.tile`` over
-  ``[m0, n0]`` whose end is clipped to ``[m, n]`` so Helion's masks cover the
-  tails; the matmul is ``hl.dot`` with an fp32 accumulator;
-* the tile sizes are the config's ``block_sizes`` (``hl.register_block_size``),
-  so the GEMM loop and the reduce loop share them;
+  barrier's block id, identical on every rank, and picks the block's region of
+  the output (``plan`` is shared with the recipe);
+* the GEMM is a 2-D ``hl.tile`` over that region, its end clipped to
+  ``[m, n]`` so Helion's masks cover the tails, with an ``hl.tile`` over k and
+  ``hl.dot`` into an fp32 accumulator; the reduce is a second 2-D ``hl.tile``
+  over the same region, with its own tile size;
+* the config is explicit: ``block_sizes`` are the GEMM tile (m, n), its k step
+  and the reduce tile (m, n), in loop order, from the recipe's ``plan``;
 * the barriers are the kraken PTX, pasted in with ``hl.inline_triton``; the
   peers' workspaces arrive as one tuple, walked with ``hl.static_range``, and
   the local workspace is written through its own argument.
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.gemm_one_shot_all_reduce import prepare
+from kraken.fused.gemm_one_shot_all_reduce import plan, prepare  # shared with the Triton recipe
 
 # "My partial tiles are visible to you, yours to me" (release + acquire), then "done reading yours" (release).
 SYNC_PARTIALS = SYMM_MEM_SYNC[(True, True)]
@@ -61,12 +62,14 @@ def gemm_one_shot_all_reduce_body(
             for tile_k in hl.tile(k):
                 acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
             workspace[tile_m, tile_n] = acc.to(workspace.dtype)
+        # All my partial tiles are visible to peers; theirs (the same region: same block id) to me.
         hl.inline_triton(SYNC_PARTIALS, args=barrier, output_like=None)
         for tile_m, tile_n in hl.tile([m_begin, n_begin], region_end):
             acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
             for r in hl.static_range(world_size):
                 acc = acc + hl.load(peers[r], [tile_m, tile_n]).to(torch.float32)
             out[tile_m, tile_n] = acc.to(out.dtype)
+        # Done reading peers' workspaces: the next launch may overwrite them.
         hl.inline_triton(SYNC_END, args=barrier, output_like=None)
     return out
 
@@ -101,7 +104,13 @@ def launch(
     region_n: int,
     group_name: str = "",
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_one_shot_all_reduce.launch``."""
+    """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_one_shot_all_reduce.launch``.
+
+    ``peers[rank]`` goes in twice: as ``workspace``, the top-level argument the GEMM stores through
+    (Helion cannot store through a tuple element; it sees the same tensor and passes one pointer),
+    and inside ``peers``. Every size the body uses comes from top-level tensors, which is what makes
+    Helion 1.5.0 re-specialize when a shape changes bucket (it ignores sizes inside tuples).
+    """
     compiled(block_m, block_n, block_k, reduce_m, num_warps, num_stages)(
         a, b, peers[rank], peers, out, signal_pad_ptrs, num_blocks, region_m, region_n, rank, len(peers), group_name
     )

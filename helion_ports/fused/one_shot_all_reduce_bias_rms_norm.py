@@ -51,12 +51,13 @@ def one_shot_all_reduce_bias_rms_norm_body(
             row = hl.load(x, [rows, slice(None)], extra_mask=valid)
             hl.store(workspace, [rows, slice(None)], row, extra_mask=valid)
         hl.inline_triton(SYNC_STAGED, args=barrier, output_like=None)
+        bias_row = hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
         for rows in hl.tile(start, start + rows_per_block, block_size=1):
             valid = (rows.index < tokens)[:, None]
             h = hl.load(peers[0], [rows, slice(None)], extra_mask=valid).to(torch.float32)
             for r in hl.static_range(1, world_size):
                 h = h + hl.load(peers[r], [rows, slice(None)], extra_mask=valid).to(torch.float32)
-            h = h + hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
+            h = h + bias_row
             y = rms_normalize(h, weight, eps)
             hl.store(out, [rows, slice(None)], y.to(out.dtype), extra_mask=valid)
         hl.inline_triton(SYNC_DONE, args=barrier, output_like=None)

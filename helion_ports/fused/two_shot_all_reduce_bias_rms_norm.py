@@ -50,13 +50,14 @@ def two_shot_all_reduce_bias_rms_norm_body(
                 row = hl.load(x, [rows, slice(None)], extra_mask=valid)
                 hl.store(workspace, [0, rows, slice(None)], row, extra_mask=valid)
         hl.inline_triton(SYNC, args=barrier, output_like=None)
+        bias_row = hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
         start = rank * shard + block * chunk
         for rows in hl.tile(start, start + chunk, block_size=1):
             valid = ((rows.index < tokens) & (rows.index < rank * shard + shard))[:, None]
             h = hl.load(peers[0], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
             for r in hl.static_range(1, world_size):
                 h = h + hl.load(peers[r], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
-            h = h + hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
+            h = h + bias_row
             y = rms_normalize(h, weight, eps).to(out.dtype)
             for r in hl.static_range(world_size):
                 hl.store(peers[r], [1, rows, slice(None)], y, extra_mask=valid)

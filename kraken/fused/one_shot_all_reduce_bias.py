@@ -43,7 +43,7 @@ import triton.language as tl
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
-from kraken.fused.rms_norm import check_inputs, resolve_config
+from kraken.fused.rms_norm import NO_EPS, check_inputs, resolve_config
 
 # Not tuned on its own: the tuned one-shot all-reduce's configuration (same loop plus a staging copy).
 DEFAULT_CONFIG = dict(ONE_SHOT_CONFIG)
@@ -124,7 +124,7 @@ def prepare_staged(
     op: str,
     x: torch.Tensor,
     vectors: dict[str, torch.Tensor],
-    eps: float | None,
+    eps: object,
     group,
     config: dict,
     plan: Callable[[int, int, int, dict], dict],
@@ -132,8 +132,10 @@ def prepare_staged(
 ) -> tuple[torch.Tensor, host.SymmContext, dict]:
     """Shared by the family: validate, flatten ``x`` to [tokens, hidden], get the workspace, plan.
 
-    The workspace holds ``copies`` message-sized regions (two-shot kernels keep
-    their reduced rows apart from the staged input). Returns ``x`` as a 2-D
+    ``vectors`` are the [hidden] arguments (bias, weight); ``eps`` is
+    ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies``
+    message-sized regions (two-shot kernels keep their results apart from the
+    staged input). Returns ``x`` as a 2-D
     view, the workspace's symmetric context and the launch configuration.
     """
     hidden = check_inputs(op, x, vectors, eps)
@@ -156,7 +158,7 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
 
 
 def prepare(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict):
-    return prepare_staged(op, x, {"bias": bias}, None, group, config, plan)
+    return prepare_staged(op, x, {"bias": bias}, NO_EPS, group, config, plan)
 
 
 def launch(

@@ -32,11 +32,12 @@ from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
-from kraken.fused.rms_norm import resolve_config, rms_normalize, row_warps
+from kraken.fused.rms_norm import resolve_config, rms_normalize
 
-# Not tuned on its own: the grid cap of the tuned one-shot all-reduce; num_warps None: from the
-# row width (rms_norm.row_warps).
-DEFAULT_CONFIG = {"num_warps": None, "max_blocks": ONE_SHOT_CONFIG["max_blocks"]}
+# Not tuned on its own: the tuned one-shot all-reduce's grid cap, and the widest block (16 warps)
+# for a row: every load in flight at once. (Narrower blocks also tempt ptxas to spill the barrier's
+# thread id around the row loop to fit a higher occupancy these one-CTA-per-SM kernels never use.)
+DEFAULT_CONFIG = {"num_warps": 16, "max_blocks": ONE_SHOT_CONFIG["max_blocks"]}
 
 
 @triton.jit
@@ -49,11 +50,11 @@ def one_shot_all_reduce_bias_rms_norm_kernel(
     out_ptr,
     signal_pad_ptrs,
     tokens,
+    hidden,
     rows_per_block,
     eps,
     rank,
     world_size: tl.constexpr,
-    hidden: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next_power_of_2(hidden): one row per tile
 ):
     block_id = tl.program_id(0)
@@ -64,10 +65,10 @@ def one_shot_all_reduce_bias_rms_norm_kernel(
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
+    bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in tl.range(row_start, row_end):
         offsets = row * hidden + cols
-        h = sum_peers(peers, offsets, mask, world_size)
-        h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        h = sum_peers(peers, offsets, mask, world_size) + bias
         y = rms_normalize(h, weight_ptr, cols, mask, eps, hidden)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
     # Done reading peers' workspaces: after this they may restage into them.
@@ -80,7 +81,7 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     num_blocks = host.persistent_grid(tokens, cfg["max_blocks"], world_size)
     rows_per_block = max(1, host.cdiv(tokens, num_blocks))
     num_blocks = max(1, host.cdiv(tokens, rows_per_block))  # no block left without rows
-    return {"num_warps": row_warps(hidden, cfg["num_warps"]), "num_blocks": num_blocks, "rows_per_block": rows_per_block}
+    return {"num_warps": cfg["num_warps"], "num_blocks": num_blocks, "rows_per_block": rows_per_block}
 
 
 def prepare(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict):
@@ -108,8 +109,8 @@ def launch(
     """
     tokens, hidden = x.shape
     one_shot_all_reduce_bias_rms_norm_kernel[(num_blocks,)](
-        x, bias, weight, peers[rank], peers, out, signal_pad_ptrs, tokens, rows_per_block, float(eps),
-        rank, len(peers), hidden=hidden, BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps,
+        x, bias, weight, peers[rank], peers, out, signal_pad_ptrs, tokens, hidden, rows_per_block, float(eps),
+        rank, len(peers), BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps,
     )
     return out
 

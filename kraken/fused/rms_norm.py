@@ -26,6 +26,7 @@ from kraken import host
 DEFAULT_CONFIG = {"num_warps": None}  # None: from the row width (row_warps)
 MAX_HIDDEN = 16384  # a row is one register tile; wider rows would spill
 MAX_NUMEL = 1 << 30  # offsets are int32 and two-shot staging holds two copies of x
+NO_EPS = object()  # check_inputs: the op takes no eps
 
 
 # ---------------------------------------------------------------------------
@@ -64,12 +65,11 @@ def check_eps(eps: object, op: str) -> None:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps}")
 
 
-def check_inputs(op: str, x: object, vectors: dict[str, object], eps: object = None) -> int:
+def check_inputs(op: str, x: object, vectors: dict[str, object], eps: object = NO_EPS) -> int:
     """Validate ``x`` ([..., hidden]), the per-column ``vectors`` (bias, weight) and ``eps``; returns hidden.
 
     Shapes, dtypes and ``eps`` are checked before devices, so these errors are
-    raised the same way on a machine without a GPU. ``eps=None`` means the op
-    takes no eps.
+    raised the same way on a machine without a GPU.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
@@ -94,7 +94,7 @@ def check_inputs(op: str, x: object, vectors: dict[str, object], eps: object = N
                 f"{op}: {name} has dtype {str(vector.dtype).removeprefix('torch.')} but x has "
                 f"{str(x.dtype).removeprefix('torch.')}; pass {name}.to(x.dtype)"
             )
-    if eps is not None:
+    if eps is not NO_EPS:
         check_eps(eps, op)
     host.check_tensor(x, "x", op)
     for name, vector in vectors.items():

@@ -39,7 +39,7 @@ from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG, SHARD_ALIGN
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
-from kraken.fused.rms_norm import resolve_config
+from kraken.fused.rms_norm import NO_EPS, resolve_config
 
 # Not tuned on its own: the tuned two-shot all-reduce's configuration.
 DEFAULT_CONFIG = dict(TWO_SHOT_CONFIG)
@@ -107,7 +107,7 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
 
 
 def prepare(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict):
-    return prepare_staged(op, x, {"bias": bias}, None, group, config, plan, copies=WORKSPACE_COPIES)
+    return prepare_staged(op, x, {"bias": bias}, NO_EPS, group, config, plan, copies=WORKSPACE_COPIES)
 
 
 def launch(

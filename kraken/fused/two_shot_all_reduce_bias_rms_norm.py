@@ -30,12 +30,13 @@ from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
-from kraken.fused.rms_norm import resolve_config, rms_normalize, row_warps
+from kraken.fused.rms_norm import resolve_config, rms_normalize
 from kraken.fused.two_shot_all_reduce_bias import WORKSPACE_COPIES, block_range
 
-# Not tuned on its own: the grid cap of the tuned two-shot all-reduce; num_warps None: from the
-# row width (rms_norm.row_warps).
-DEFAULT_CONFIG = {"num_warps": None, "max_blocks": TWO_SHOT_CONFIG["max_blocks"]}
+# Not tuned on its own: the tuned two-shot all-reduce's grid cap, and the widest block (16 warps)
+# for a row: every load in flight at once. (Narrower blocks also tempt ptxas to spill the barrier's
+# thread id around the row loop to fit a higher occupancy these one-CTA-per-SM kernels never use.)
+DEFAULT_CONFIG = {"num_warps": 16, "max_blocks": TWO_SHOT_CONFIG["max_blocks"]}
 
 
 @triton.jit
@@ -65,11 +66,11 @@ def two_shot_all_reduce_bias_rms_norm_kernel(
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
+    bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     row_start, row_end = block_range(rank, block_id, shard, chunk, tokens)
     for row in tl.range(row_start, row_end):
         offsets = row * hidden + cols
-        h = sum_peers(peers, offsets, mask, world_size)
-        h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        h = sum_peers(peers, offsets, mask, world_size) + bias
         y = rms_normalize(h, weight_ptr, cols, mask, eps, hidden).to(out_ptr.dtype.element_ty)
         for r in tl.static_range(world_size):
             tl.store(peers[r] + result_offset + offsets, y, mask=mask)
@@ -87,7 +88,7 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     num_blocks = host.persistent_grid(shard, cfg["max_blocks"], world_size)
     chunk = host.cdiv(shard, num_blocks)
     num_blocks = host.cdiv(shard, chunk)  # no block left without rows
-    return {"num_warps": row_warps(hidden, cfg["num_warps"]), "num_blocks": num_blocks, "shard": shard, "chunk": chunk}
+    return {"num_warps": cfg["num_warps"], "num_blocks": num_blocks, "shard": shard, "chunk": chunk}
 
 
 def prepare(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict):

@@ -1,0 +1,130 @@
+"""gemm_all_reduce: ``sum over ranks of a_r @ b_r``, the row-parallel linear layer of tensor parallelism.
+
+Every rank holds ``a`` [M, K] and ``b`` [K, N] (its slice of the reduction
+dimension) and all need the summed [M, N] product, here in bf16. Backends:
+
+* ``nccl``: ``torch.matmul`` (cuBLAS; the partial product comes out in the
+  input dtype, rounded once), then ``dist.all_reduce`` on it in that dtype;
+* ``symm_mem``: ``torch.matmul`` straight into a symmetric buffer (input dtype),
+  then torch's ``one_shot_all_reduce`` kernel;
+* ``triton`` / ``helion``: the fused kraken recipe and its Helion twin, one
+  launch each, ``out_dtype=bf16`` (so their workspace partials are bf16 too, the
+  same bytes over NVLink as the baselines).
+
+bf16 inputs give a bf16 result everywhere. For fp16 inputs the two baselines
+reduce in fp16 and cast the sum to bf16 at the end (one extra small kernel).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from benchmark.registry import SYNC_US, Op, Pair, gemm_us, nvlink_us, register
+from kraken import host
+from kraken.sm90 import H200_NUM_SMS
+
+RECIPE = "fused.gemm_one_shot_all_reduce"
+OUT_DTYPE = torch.bfloat16
+HBM_GBPS = 4800.0  # H200 HBM3e peak (spec sheet, not measured): the floor of a GEMM bound by reading b
+EXAMPLE_SHAPE = (100, 200, 72)  # odd M and N, K not a multiple of the tile: every tail is masked
+FAKE_SIGNAL_PADS = 0x7F0000001000  # a device address stand-in for CPU compile examples
+
+_symm_buffers: dict[tuple, torch.Tensor] = {}
+
+
+# ---------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------
+
+
+def rank_operands(shape, dtype, seed: int, rank: int, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s ``a`` and ``b``; any rank can rebuild any other's (the GPU tests' float64 reference does)."""
+    m, n, k = shape
+    gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    a = torch.randn(m, k, dtype=torch.float32, device=device, generator=gen).to(dtype)
+    b = torch.randn(k, n, dtype=torch.float32, device=device, generator=gen).to(dtype)
+    return a, b
+
+
+def make_inputs(shape, dtype, seed):
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gemm_all_reduce: inputs must be bf16 or fp16, got {dtype}")
+    m, n, k = shape
+    a, b = rank_operands(shape, dtype, seed, dist.get_rank())
+    key = (m, n, dtype)
+    if key not in _symm_buffers:  # collective on first use; every rank asks for the same shapes
+        _symm_buffers[key] = host.symm_empty((m, n), dtype)
+    return {"a": a, "b": b, "symm": _symm_buffers[key]}
+
+
+# ---------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------
+
+
+def nccl(i):
+    partial = torch.matmul(i["a"], i["b"])
+    dist.all_reduce(partial)
+    return partial.to(OUT_DTYPE)
+
+
+def symm_mem(i):
+    torch.matmul(i["a"], i["b"], out=i["symm"])
+    return torch.ops.symm_mem.one_shot_all_reduce(i["symm"], "sum", dist.group.WORLD.group_name).to(OUT_DTYPE)
+
+
+def fused(package: str):
+    path = f"{package}.{RECIPE}"
+    fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
+    return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
+
+
+# ---------------------------------------------------------------------------
+# CPU compile example (kraken.sm90)
+# ---------------------------------------------------------------------------
+
+
+def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, out_dtype=OUT_DTYPE) -> None:
+    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``)."""
+    m, n, k = shape
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    peers = tuple(torch.empty(m, n, dtype=out_dtype) for _ in range(world_size))
+    out = torch.empty(m, n, dtype=out_dtype)
+    cfg = module.plan(m, n, k, world_size, {}, H200_NUM_SMS)
+    module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, 1, **cfg)
+
+
+# ---------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------
+
+
+def nvlink_bytes(shape, dtype, world_size):
+    # The least any all-reduce of the [M, N] bf16 result must receive per rank: (ws-1)/ws of it, twice.
+    m, n, _ = shape
+    return 2 * (world_size - 1) / world_size * m * n * OUT_DTYPE.itemsize
+
+
+def floor_us(shape, dtype, world_size):
+    m, n, k = shape
+    compute = max(gemm_us(2 * m * n * k), (m * k + k * n) * dtype.itemsize / (HBM_GBPS * 1e3))
+    return compute + nvlink_us(nvlink_bytes(shape, dtype, world_size)) + 2 * SYNC_US
+
+
+register(
+    Op(
+        name="gemm_all_reduce",
+        description="sum over ranks of a @ b (a [M, K], b [K, N]), bf16 out",
+        make_inputs=make_inputs,
+        backends={"nccl": nccl, "symm_mem": symm_mem, "triton": fused("kraken"), "helion": fused("helion_ports")},
+        default_shapes=[(m, 4096, 4096) for m in (64, 128, 256, 512, 1024, 2048)] + [(128, 8192, 8192),
+                                                                                     (512, 5120, 5120)],
+        shape_format="MxNxK",
+        nvlink_bytes=nvlink_bytes,
+        floor_us=floor_us,
+        pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
+    )
+)

@@ -1,0 +1,182 @@
+"""GEMM + one-shot all-reduce without a GPU: both kernels compile for sm_90 and match, plans fit the
+signal pad, and bad input is refused on the host before anything needs CUDA or torch.distributed."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmark.ops import gemm_all_reduce
+from kraken import host, sm90
+
+RECIPE = "kraken.fused.gemm_one_shot_all_reduce"
+TWIN = "helion_ports.fused.gemm_one_shot_all_reduce"
+recipe = importlib.import_module(RECIPE)
+twin = importlib.import_module(TWIN)
+
+# One shape per class, with the output dtype each is most used with: small M (decode) with bf16 out,
+# large M with fp32 out. The unaligned class is the registry's example, compiled by test_compile_cpu.
+SHAPE_CLASSES = {"small_m": ((64, 4096, 4096), torch.bfloat16), "large_m": ((1024, 4096, 4096), torch.float32)}
+
+
+def barrier_opcodes(ptx: str) -> collections.Counter:
+    return collections.Counter(
+        line.split()[0] for line in sm90.ptx_instructions(ptx) if sm90.barrier_atomics(line + "\n")
+    )
+
+
+def compile_stats(module, shape, world_size: int, out_dtype) -> dict:
+    with sm90.capture_launches() as launches:
+        gemm_all_reduce.example(module, world_size, shape=shape, out_dtype=out_dtype)
+    (launch,) = launches
+    return sm90.kernel_stats(launch)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+@pytest.mark.parametrize("shape_class", list(SHAPE_CLASSES))
+def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size):
+    shape, out_dtype = SHAPE_CLASSES[shape_class]
+    t = compile_stats(recipe, shape, world_size, out_dtype)
+    h = compile_stats(twin, shape, world_size, out_dtype)
+    for stats in (t, h):
+        assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
+        assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
+        assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
+    # Two barrier rounds per call: each a CAS send to a peer and a CAS wait on the local pad.
+    assert sum(barrier_opcodes(t["ptx"]).values()) == 4, dict(barrier_opcodes(t["ptx"]))
+    assert barrier_opcodes(h["ptx"]) == barrier_opcodes(t["ptx"])
+    # The twin generates the same kernel: same pipeline buffers, about the same registers and code.
+    assert h["shared_bytes"] == t["shared_bytes"]
+    assert abs(h["registers"] - t["registers"]) <= 0.1 * t["registers"] + 8, (h["registers"], t["registers"])
+    assert h["ptx_instructions"] <= 1.25 * t["ptx_instructions"], (h["ptx_instructions"], t["ptx_instructions"])
+
+
+def test_twin_shares_plan_and_launch_signature():
+    import inspect
+
+    assert twin.plan is recipe.plan and twin.prepare is recipe.prepare
+    assert inspect.signature(twin.launch) == inspect.signature(recipe.launch)
+    assert inspect.signature(twin.gemm_one_shot_all_reduce) == inspect.signature(recipe.gemm_one_shot_all_reduce)
+
+
+def test_helion_prints_its_generated_triton():
+    code = (
+        "import importlib\n"
+        "from benchmark.ops import gemm_all_reduce\n"
+        "from kraken import sm90\n"
+        f"module = importlib.import_module({TWIN!r})\n"
+        "with sm90.capture_launches():\n"
+        "    gemm_all_reduce.example(module, 2)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "HELION_PRINT_OUTPUT_CODE": "1", "PYTHONPATH": root}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "def _helion_gemm_one_shot_all_reduce_body" in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------
+# Plans
+# ---------------------------------------------------------------------------
+
+
+def covers(cfg: dict, m: int, n: int) -> bool:
+    """The blocks' regions tile the whole output, one region per block."""
+    regions = host.cdiv(m, cfg["region_m"]) * host.cdiv(n, cfg["region_n"])
+    return regions == cfg["num_blocks"] and cfg["region_m"] % cfg["block_m"] == 0 and (
+        cfg["region_n"] % cfg["block_n"] == 0 and cfg["region_m"] % cfg["reduce_m"] == 0
+    )
+
+
+@pytest.mark.parametrize("world_size", range(2, 9))
+def test_plan_stays_inside_the_signal_pad(world_size):
+    shapes = [(8192, 8192, 8192), (65536, 16384, 1024), (1, 8, 16), (100, 200, 72), (2048, 4096, 4096)]
+    for m, n, k in shapes:
+        for config in ({}, {"max_blocks": 100_000}, {"block_m": 16, "block_n": 16, "reduce_m": 16}):
+            cfg = recipe.plan(m, n, k, world_size, config, 100_000)  # an absurd SM count: the pad must bind
+            assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(world_size), (m, n, k, config, cfg)
+            host.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
+            assert covers(cfg, m, n), (m, n, k, config, cfg)
+            cfg = recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
+            assert cfg["num_blocks"] <= sm90.H200_NUM_SMS and covers(cfg, m, n)
+
+
+def test_plan_with_a_small_signal_pad(monkeypatch):
+    monkeypatch.setattr(host, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
+    cfg = recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS)
+    assert cfg["num_blocks"] <= 8 and covers(cfg, 8192, 8192)
+
+
+def test_plan_balances_the_regions():
+    # 1024x4096 in 128x128 tiles: 8x32 tiles over 132 SMs -> 128 blocks of 2 tiles.
+    cfg = recipe.plan(1024, 4096, 4096, 2, {}, 132)
+    assert cfg["num_blocks"] == 128 and cfg["region_m"] * cfg["region_n"] == 2 * 128 * 128
+    # Small M: one 64x64 tile per block.
+    cfg = recipe.plan(64, 4096, 4096, 2, {}, 132)
+    assert (cfg["block_m"], cfg["block_n"], cfg["num_blocks"]) == (64, 64, 64)
+    # 8192^3: 64x64 tiles of 128 over at most 132 blocks -> 32 tiles each, the least possible.
+    cfg = recipe.plan(8192, 8192, 8192, 8, {}, 132)
+    assert cfg["region_m"] * cfg["region_n"] == 32 * 128 * 128 and cfg["num_blocks"] <= 132
+    for tiles_m, tiles_n, max_blocks in ((8, 32, 132), (16, 32, 132), (3, 45, 132), (1, 133, 132), (11, 13, 132)):
+        rows, cols = recipe.regions(tiles_m, tiles_n, max_blocks)
+        assert host.cdiv(tiles_m, rows) * host.cdiv(tiles_n, cols) <= max_blocks
+        assert rows * cols == host.cdiv(tiles_m * tiles_n, max_blocks), (tiles_m, tiles_n, rows, cols)
+
+
+def test_default_config_per_shape_class():
+    assert recipe.default_config(64, 4096, 4096) is recipe.SMALL_M_CONFIG
+    assert recipe.default_config(2048, 4096, 4096) is recipe.LARGE_M_CONFIG
+    assert recipe.default_config(2048, 4100, 4096) is recipe.UNALIGNED_CONFIG
+    assert recipe.default_config(64, 4096, 72) is recipe.UNALIGNED_CONFIG
+    cfg = recipe.plan(2048, 4096, 4096, 2, {"block_n": 256, "num_stages": 3}, 132)
+    assert (cfg["block_m"], cfg["block_n"], cfg["num_stages"]) == (128, 256, 3)
+
+
+def test_plan_refuses_bad_config():
+    with pytest.raises(TypeError, match="unknown config keys"):
+        recipe.plan(64, 64, 64, 2, {"blockm": 64}, 132)
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
+        recipe.plan(64, 64, 64, 2, {"block_k": 48}, 132)
+    with pytest.raises(ValueError, match="reduce_m 128 > block_m 64"):
+        recipe.plan(64, 64, 64, 2, {"block_m": 64, "reduce_m": 128}, 132)
+
+
+# ---------------------------------------------------------------------------
+# Input validation: CPU tensors, no process group; every error is raised before either is needed
+# ---------------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
+def test_bad_input_is_refused_on_the_host(module):
+    fn = module.gemm_one_shot_all_reduce
+    a, b = torch.zeros(8, 16, dtype=BF16), torch.zeros(16, 32, dtype=BF16)
+    with pytest.raises(ValueError, match=r"inner dimensions differ: a is \(8, 16\), b is \(32, 8\)"):
+        fn(a, torch.zeros(32, 8, dtype=BF16))
+    with pytest.raises(ValueError, match="a has dtype float32; supported: bfloat16, float16"):
+        fn(a.float(), b.float())
+    with pytest.raises(ValueError, match="a has dtype int32"):
+        fn(a.int(), b.int())
+    with pytest.raises(ValueError, match="a and b must have the same dtype"):
+        fn(a, b.half())
+    with pytest.raises(ValueError, match="a must be contiguous"):
+        fn(torch.zeros(16, 8, dtype=BF16).t(), b)
+    with pytest.raises(ValueError, match="out_dtype torch.float16 is not supported; supported: bfloat16, float32"):
+        fn(a, b, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="a must be 2-D"):
+        fn(torch.zeros(16, dtype=BF16), b)
+    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
+        fn([[1.0]], b)
+    with pytest.raises(ValueError, match="the output would be empty"):
+        fn(torch.zeros(0, 16, dtype=BF16), b)
+    # Past every shape/dtype check, the first thing that needs more is the device.
+    with pytest.raises(ValueError, match="a must be on a CUDA device"):
+        fn(a, b)

@@ -1,0 +1,152 @@
+"""GPU tests of GEMM + one-shot all-reduce and its Helion twin (one process per GPU).
+
+One spawn per backend runs every check, to keep the file to a few minutes: float64
+reference on odd and default-class shapes, bf16/fp16 in, bf16/fp32 out, into a
+NaN-poisoned output; bitwise agreement across ranks; 200 back-to-back launches;
+CUDA-graph replays; and bad input (ranks disagreeing on shapes) raising on every rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmark.ops.gemm_all_reduce import rank_operands
+from gpu_utils import POISON, heartbeat, needs_gpus, rel_err, run_on_gpus
+
+pytestmark = needs_gpus
+
+MODULES = {
+    "triton": "kraken.fused.gemm_one_shot_all_reduce",
+    "helion": "helion_ports.fused.gemm_one_shot_all_reduce",
+}
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# Odd shapes (every tail masked; K and N not multiples of 16: the unaligned class), each in every dtype pair.
+ODD_SHAPES = ((1, 8, 16), (37, 100, 72), (129, 257, 136), (1000, 3000, 520))
+# Default-class shapes: small M with one and with several tiles per block, large M likewise, a partial edge.
+CLASS_SHAPES = ((64, 4096, 4096), (256, 8192, 512), (512, 4096, 1024), (1024, 4096, 1024), (1000, 3008, 512))
+ALL_DTYPE_PAIRS = ((BF16, BF16), (BF16, FP32), (FP16, BF16), (FP16, FP32))
+CLASS_DTYPE_PAIRS = ((BF16, BF16), (FP16, FP32))
+# ||out - ref|| / ||ref|| against float64. bf16 out: the bf16 partials and the final rounding. fp32 out:
+# fp32 accumulation over K in the tensor cores (looser than a plain fp32 sum's 1e-5, far below bf16's 1e-3).
+TOLERANCE = {BF16: 1e-2, FP32: 1e-4}
+
+
+def reference(shape, dtype, seed: int) -> torch.Tensor:
+    """sum over ranks of a_r @ b_r in float64, every rank's operands rebuilt from their seeds."""
+    total = None
+    for r in range(dist.get_world_size()):
+        a, b = rank_operands(shape, dtype, seed, r)
+        product = a.double() @ b.double()
+        total = product if total is None else total + product
+    return total
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (an element was never written?)"
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[out.dtype], f"{what}: relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e}"
+
+
+def check_same_on_every_rank(out: torch.Tensor, what: str) -> None:
+    gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, out)
+    for r, other in enumerate(gathered):
+        assert torch.equal(other, out), f"{what}: rank {r}'s result differs bitwise from rank {dist.get_rank()}'s"
+
+
+def launch_into(module, a, b, out_dtype, out: torch.Tensor) -> torch.Tensor:
+    """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
+    ctx, cfg = module.prepare(a, b, None, out_dtype, "test", {})
+    return module.launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **cfg, group_name=ctx.group_name)
+
+
+def correctness(backend: str, module, fn) -> None:
+    rank, seed = dist.get_rank(), 0
+    cases = [(s, d) for s in ODD_SHAPES for d in ALL_DTYPE_PAIRS]
+    cases += [(s, d) for s in CLASS_SHAPES for d in CLASS_DTYPE_PAIRS]
+    for shape, (in_dtype, out_dtype) in cases:
+        seed += 1
+        what = f"{backend} {'x'.join(map(str, shape))} {in_dtype} -> {out_dtype}"
+        heartbeat(what)
+        a, b = rank_operands(shape, in_dtype, seed, rank)
+        out = torch.full((shape[0], shape[1]), POISON, dtype=out_dtype, device="cuda")
+        launch_into(module, a, b, out_dtype, out)
+        public = fn(a, b, out_dtype=out_dtype)
+        torch.cuda.synchronize()
+        assert torch.equal(public, out), f"{what}: the public call and launch() disagree"
+        check(out, reference(shape, in_dtype, seed), what)
+        check_same_on_every_rank(out, what)
+
+
+def stress_and_cuda_graph(backend: str, module, fn) -> None:
+    """200 back-to-back launches on rotating inputs (a workspace overwritten while a peer still reads it
+    shows up here), then CUDA-graph capture and 20 replays against eager, bitwise."""
+    rank, shape, out_dtype = dist.get_rank(), (256, 1024, 512), BF16
+    inputs = [rank_operands(shape, BF16, 100 + s, rank) for s in range(10)]
+    refs = [reference(shape, BF16, 100 + s) for s in range(10)]
+    outs = [torch.full(shape[:2], POISON, dtype=out_dtype, device="cuda") for _ in range(10)]
+    for i in range(200):
+        a, b = inputs[i % 10]
+        launch_into(module, a, b, out_dtype, outs[i % 10])
+        if i % 50 == 49:
+            heartbeat(f"{backend} launch {i + 1}")
+            torch.cuda.synchronize()
+            for k in range(10):
+                check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k})")
+                outs[k].fill_(POISON)
+
+    eager = [fn(a, b, out_dtype=out_dtype) for a, b in inputs]
+    static_a, static_b = (t.clone() for t in inputs[0])
+    fn(static_a, static_b, out_dtype=out_dtype)  # warm-up before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn(static_a, static_b, out_dtype=out_dtype)
+    for i in range(20):
+        static_a.copy_(inputs[i % 10][0])
+        static_b.copy_(inputs[i % 10][1])
+        static_out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager[i % 10]), f"{backend} graph replay {i} differs from eager"
+    heartbeat(f"{backend} graph replays done")
+
+
+def bad_input(backend: str, module, fn) -> None:
+    rank = dist.get_rank()
+    # Ranks disagreeing on M (fresh shapes, so this is the first use): every rank raises, nothing hangs.
+    a, b = rank_operands((40 + rank, 48, 32), BF16, 7, rank)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        fn(a, b)
+    # Same M and N, different K: the workspace is the same shape, its name carries K.
+    a, b = rank_operands((44, 48, 32 + 16 * rank), BF16, 7, rank)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        fn(a, b)
+    a, b = rank_operands((44, 48, 32), BF16, 7, rank)
+    with pytest.raises(TypeError, match="unknown config"):
+        fn(a, b, bogus=1)
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        fn(a, b.t().contiguous())
+    # The group still works after all that.
+    out = fn(a, b)
+    torch.cuda.synchronize()
+    check(out, reference((44, 48, 32), BF16, 7), f"{backend} after bad input")
+    heartbeat(f"{backend} bad input done")
+
+
+def worker(backend: str) -> None:
+    module = importlib.import_module(MODULES[backend])
+    fn = module.gemm_one_shot_all_reduce
+    correctness(backend, module, fn)
+    stress_and_cuda_graph(backend, module, fn)
+    bad_input(backend, module, fn)
+
+
+@pytest.mark.parametrize("backend", list(MODULES))
+def test_gemm_one_shot_all_reduce(backend):
+    run_on_gpus(worker, backend, name=f"gemm_all_reduce {backend}")
