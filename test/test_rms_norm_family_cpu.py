@@ -243,46 +243,49 @@ EMULATION = textwrap.dedent(
     TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
     pkg = sys.argv[1]
     failures = []
-    for dtype in TOL:
-        for ws, tokens, hidden, config in [(2, 1, 40, {}), (3, 7, 100, {}), (2, 5, 64, {"max_blocks": 2}),
-                                           (3, 2, 1000, {"block_size": 256, "max_blocks": 3})]:
-            g = torch.Generator().manual_seed(tokens * 31 + hidden + ws)
-            xs = [torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(ws)]
-            bias = torch.randn(hidden, generator=g).to(dtype)
-            weight = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype)
-            h = sum(x.double() for x in xs) + bias.double()
-            refs = {False: h, True: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()}
-            for name in ["one_shot_all_reduce_bias", "one_shot_all_reduce_bias_rms_norm",
-                         "two_shot_all_reduce_bias", "two_shot_all_reduce_bias_rms_norm", "rms_norm"]:
-                module = importlib.import_module(f"{pkg}.fused.{name}")
-                norm = name.endswith("rms_norm")
-                if name == "rms_norm":
-                    out = torch.full_like(xs[0], float("nan"))
-                    module.launch(xs[0], weight, out, 1e-5, **module.plan(tokens, hidden, {}))
-                    x64 = xs[0].double()
-                    outs, ref = [out], x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
-                else:
-                    cfg = module.plan(tokens, hidden, ws, {k: v for k, v in config.items()
-                                                           if not (norm and k == "block_size")})
-                    copies = 2 if "shard" in cfg else 1
-                    # Workspaces poisoned, then every rank's staged input in place (what barrier 1 waits for).
-                    peers = tuple(torch.full((copies * tokens * hidden,), float("nan"), dtype=dtype) for _ in range(ws))
+    # tokens < world size, tails in both dimensions, several blocks per rank (small configs).
+    for dtype, ws, tokens, hidden, config in [
+        (torch.float32, 2, 1, 40, {}),
+        (torch.float32, 3, 7, 100, {"block_size": 256, "max_blocks": 2}),
+        (torch.bfloat16, 2, 5, 1000, {"block_size": 512, "max_blocks": 3}),
+    ]:
+        g = torch.Generator().manual_seed(tokens * 31 + hidden + ws)
+        xs = [torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(ws)]
+        bias = torch.randn(hidden, generator=g).to(dtype)
+        weight = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype)
+        h = sum(x.double() for x in xs) + bias.double()
+        refs = {False: h, True: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()}
+        for name in ["one_shot_all_reduce_bias", "one_shot_all_reduce_bias_rms_norm",
+                     "two_shot_all_reduce_bias", "two_shot_all_reduce_bias_rms_norm", "rms_norm"]:
+            module = importlib.import_module(f"{pkg}.fused.{name}")
+            norm = name.endswith("rms_norm")
+            if name == "rms_norm":
+                out = torch.full_like(xs[0], float("nan"))
+                module.launch(xs[0], weight, out, 1e-5, **module.plan(tokens, hidden, {}))
+                x64 = xs[0].double()
+                outs, ref = [out], x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+            else:
+                cfg = module.plan(tokens, hidden, ws, {k: v for k, v in config.items()
+                                                       if not (norm and k == "block_size")})
+                copies = 2 if "shard" in cfg else 1
+                # Workspaces poisoned, then every rank's staged input in place (what barrier 1 waits for).
+                peers = tuple(torch.full((copies * tokens * hidden,), float("nan"), dtype=dtype) for _ in range(ws))
+                for r in range(ws):
+                    peers[r][: tokens * hidden] = xs[r].view(-1)
+                outs = [torch.full_like(xs[0], float("nan")) for _ in range(ws)]
+                # Two-shot runs every rank twice: the second pass gathers rows every owner has pushed.
+                for _ in range(copies):
                     for r in range(ws):
-                        peers[r][: tokens * hidden] = xs[r].view(-1)
-                    outs = [torch.full_like(xs[0], float("nan")) for _ in range(ws)]
-                    # Two-shot runs every rank twice: the second pass gathers rows every owner has pushed.
-                    for _ in range(copies):
-                        for r in range(ws):
-                            norm_args = (weight, 1e-5) if norm else ()
-                            module.launch(xs[r], bias, *norm_args, peers, outs[r], 0x7F0000001000, r, **cfg)
-                    ref = refs[norm]
-                for r, out in enumerate(outs):
-                    err = ((out.double() - ref).norm() / ref.norm()).item()
-                    where = f"{pkg}.{name} {dtype} ws={ws} {tokens}x{hidden} rank {r}"
-                    if not err <= TOL[dtype]:  # NaN (an unwritten element) fails too
-                        failures.append(f"{where}: relative error {err:.2e}")
-                    if not torch.equal(out, outs[0]):
-                        failures.append(f"{where}: differs from rank 0")
+                        norm_args = (weight, 1e-5) if norm else ()
+                        module.launch(xs[r], bias, *norm_args, peers, outs[r], 0x7F0000001000, r, **cfg)
+                ref = refs[norm]
+            for r, out in enumerate(outs):
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                where = f"{pkg}.{name} {dtype} ws={ws} {tokens}x{hidden} rank {r}"
+                if not err <= TOL[dtype]:  # NaN (an unwritten element) fails too
+                    failures.append(f"{where}: relative error {err:.2e}")
+                if not torch.equal(out, outs[0]):
+                    failures.append(f"{where}: differs from rank 0")
     print("\\n".join(failures) or "ok")
     '''
 )

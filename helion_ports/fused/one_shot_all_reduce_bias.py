@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.one_shot_all_reduce_bias import plan, prepare  # noqa: F401  (plan: the shared launch config, for callers of launch)
+from kraken.fused.one_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
 
 # "My staged chunk is visible / yours is" (release + acquire), then "done reading yours" (release).
 SYNC_STAGED = SYMM_MEM_SYNC[(True, True)]

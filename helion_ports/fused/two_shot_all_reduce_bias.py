@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.two_shot_all_reduce_bias import plan, prepare  # noqa: F401  (plan: the shared launch config, for callers of launch)
+from kraken.fused.two_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
 
 # Both barriers: "my writes are visible to you" (release) and "yours to me" (acquire).
 SYNC = SYMM_MEM_SYNC[(True, True)]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare  # noqa: F401  (plan: the shared launch config, for callers of launch)
+from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
 
 # Both barriers: "my writes are visible to you" (release) and "yours to me" (acquire).
 SYNC = SYMM_MEM_SYNC[(True, True)]
@@ -54,6 +54,7 @@ def two_shot_all_reduce_bias_rms_norm_body(
         start = rank * shard + block * chunk
         for rows in hl.tile(start, start + chunk, block_size=1):
             valid = ((rows.index < tokens) & (rows.index < rank * shard + shard))[:, None]
+            # Start from rank 0's row (as sum_peers does): hl.zeros([rows, hidden]) would need hidden specialized.
             h = hl.load(peers[0], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
             for r in hl.static_range(1, world_size):
                 h = h + hl.load(peers[r], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
@@ -116,5 +117,8 @@ def two_shot_all_reduce_bias_rms_norm(
     op = "helion two_shot_all_reduce_bias_rms_norm"
     x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
     out = torch.empty_like(x2d)
-    launch(x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    launch(
+        x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
+        group_name=ctx.group_name,
+    )
     return out.view(x.shape)

@@ -11,7 +11,7 @@ shared symmetric workspace (``host.symm_workspace``) itself, before its first
 barrier, so there is no separate copy launch. It always copies, even when ``x``
 already lives in symmetric memory: finding out would take a rendezvous (a
 collective) per new tensor, and the copy is one local read and write of the
-message, well under a microsecond at decode sizes. ``x`` may even be the
+message, well under a microsecond up to about a megabyte. ``x`` may even be the
 workspace itself (the copy is then in place); a view overlapping it anywhere
 else is refused.
 
@@ -135,8 +135,8 @@ def prepare_staged(
     ``vectors`` are the [hidden] arguments (bias, weight); ``eps`` is
     ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies``
     message-sized regions (two-shot kernels keep their results apart from the
-    staged input). Returns ``x`` as a 2-D
-    view, the workspace's symmetric context and the launch configuration.
+    staged input). Returns ``x`` as a 2-D view, the workspace's symmetric
+    context and the launch configuration.
     """
     hidden = check_inputs(op, x, vectors, eps)
     x2d = x.view(-1, hidden)

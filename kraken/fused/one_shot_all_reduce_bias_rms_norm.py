@@ -40,7 +40,9 @@ from kraken.fused.rms_norm import resolve_config, rms_normalize
 DEFAULT_CONFIG = {"num_warps": 16, "max_blocks": ONE_SHOT_CONFIG["max_blocks"]}
 
 
-@triton.jit
+# Row counts are not specialized: one binary per (dtype, hidden) serves every token count, and
+# alignment comes from `hidden` alone.
+@triton.jit(do_not_specialize=["tokens", "rows_per_block"])
 def one_shot_all_reduce_bias_rms_norm_kernel(
     x_ptr,
     bias_ptr,
@@ -133,5 +135,8 @@ def one_shot_all_reduce_bias_rms_norm(
     op = "one_shot_all_reduce_bias_rms_norm"
     x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
     out = torch.empty_like(x2d)
-    launch(x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    launch(
+        x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
+        group_name=ctx.group_name,
+    )
     return out.view(x.shape)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kraken import host
 
-DEFAULT_CONFIG = {"num_warps": None}  # None: from the row width (row_warps)
+DEFAULT_CONFIG = {"num_warps": None}  # None: from the row width
 MAX_HIDDEN = 16384  # a row is one register tile; wider rows would spill
 MAX_NUMEL = 1 << 30  # offsets are int32 and two-shot staging holds two copies of x
 NO_EPS = object()  # check_inputs: the op takes no eps
@@ -112,17 +112,11 @@ def resolve_config(config: dict, defaults: dict, op: str) -> dict:
     return {**defaults, **config}
 
 
-def row_warps(hidden: int, num_warps: int | None) -> int:
-    """Warps for a kernel holding one row per tile: 16 elements per thread, 4 to 16 warps."""
-    if num_warps is not None:
-        return num_warps
-    return max(4, min(16, triton.next_power_of_2(hidden) // 512))
-
-
 def plan(tokens: int, hidden: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
     cfg = resolve_config(config, DEFAULT_CONFIG, "rms_norm")
-    return {"num_warps": row_warps(hidden, cfg["num_warps"])}
+    # One row per program, 16 elements per thread: 4 to 16 warps.
+    return {"num_warps": cfg["num_warps"] or max(4, min(16, triton.next_power_of_2(hidden) // 512))}
 
 
 def prepare(x: torch.Tensor, weight: torch.Tensor, eps: float, op: str, config: dict) -> tuple[torch.Tensor, dict]:

@@ -48,7 +48,7 @@ WORKSPACE_COPIES = 2  # staged input, then the pushed result
 
 @triton.jit
 def block_range(owner, block_id, shard, chunk, total):
-    """``[start, end)`` of slice ``block_id`` (``chunk`` long) of shard ``owner`` (``shard`` long), clipped to ``total``."""
+    """``[start, end)`` of slice ``block_id`` (``chunk`` long) of shard ``owner`` (``shard`` long), up to ``total``."""
     shard_start = owner * shard
     start = shard_start + block_id * chunk
     end = tl.minimum(tl.minimum(start + chunk, shard_start + shard), total)

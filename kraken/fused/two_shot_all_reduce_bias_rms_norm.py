@@ -39,7 +39,9 @@ from kraken.fused.two_shot_all_reduce_bias import WORKSPACE_COPIES, block_range
 DEFAULT_CONFIG = {"num_warps": 16, "max_blocks": TWO_SHOT_CONFIG["max_blocks"]}
 
 
-@triton.jit
+# Row counts are not specialized: one binary per (dtype, hidden) serves every token count, and
+# alignment comes from `hidden` alone.
+@triton.jit(do_not_specialize=["tokens", "shard", "chunk"])
 def two_shot_all_reduce_bias_rms_norm_kernel(
     x_ptr,
     bias_ptr,
@@ -138,5 +140,8 @@ def two_shot_all_reduce_bias_rms_norm(
     op = "two_shot_all_reduce_bias_rms_norm"
     x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
     out = torch.empty_like(x2d)
-    launch(x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    launch(
+        x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
+        group_name=ctx.group_name,
+    )
     return out.view(x.shape)
