@@ -121,6 +121,14 @@ def persistent_grid(num_tiles: int, max_blocks: int, world_size: int) -> int:
     return max(1, min(num_tiles, max_blocks, max_barrier_blocks(world_size)))
 
 
+def resolve_config(config: dict, defaults: dict, op: str) -> dict:
+    """``defaults`` overridden by ``config``; unknown keys are a TypeError."""
+    unknown = set(config) - set(defaults)
+    if unknown:
+        raise TypeError(f"{op}: unknown config keys {sorted(unknown)}; known: {sorted(defaults)}")
+    return {**defaults, **config}
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

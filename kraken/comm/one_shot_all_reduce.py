@@ -79,10 +79,7 @@ def launch(
 
 def plan(numel: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = {**DEFAULT_CONFIG, **config}
-    unknown = set(cfg) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise TypeError(f"one_shot_all_reduce: unknown config keys {sorted(unknown)}")
+    cfg = host.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce")
     block_size = cfg["block_size"]
     num_blocks = host.persistent_grid(host.cdiv(numel, block_size), cfg["max_blocks"], world_size)
     chunk = host.round_up(host.cdiv(numel, num_blocks), block_size)

@@ -88,10 +88,7 @@ def launch(
 
 def plan(numel: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = {**DEFAULT_CONFIG, **config}
-    unknown = set(cfg) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise TypeError(f"two_shot_all_reduce: unknown config keys {sorted(unknown)}")
+    cfg = host.resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce")
     # A thread holds one load per peer in flight; past ~32 values per thread the compiler spills
     # (world size 8), so the block shrinks as the world grows.
     block_size = min(cfg["block_size"], MAX_VALUES_PER_THREAD * 32 * cfg["num_warps"] // world_size)

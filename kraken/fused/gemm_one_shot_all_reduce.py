@@ -189,9 +189,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     so that the busiest block has as few tiles as the grid allows; the grid is at
     most one block per SM and within the signal pad's budget.
     """
-    unknown = set(config) - set(DEFAULT_CONFIG)
-    if unknown:
-        raise TypeError(f"gemm_one_shot_all_reduce: unknown config keys {sorted(unknown)}")
+    host.resolve_config(config, DEFAULT_CONFIG, "gemm_one_shot_all_reduce")  # rejects unknown keys
     cfg = {**default_config(m, n, k), **config}
     for key in ("block_m", "block_n", "block_k", "reduce_m"):
         if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):

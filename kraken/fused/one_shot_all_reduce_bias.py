@@ -43,7 +43,7 @@ import triton.language as tl
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
-from kraken.fused.rms_norm import NO_EPS, check_inputs, resolve_config
+from kraken.fused.rms_norm import NO_EPS, check_inputs
 
 # Not tuned on its own: the tuned one-shot all-reduce's configuration (same loop plus a staging copy).
 DEFAULT_CONFIG = dict(ONE_SHOT_CONFIG)
@@ -150,7 +150,7 @@ def prepare_staged(
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias")
+    cfg = host.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias")
     numel, block_size = tokens * hidden, cfg["block_size"]
     num_blocks = host.persistent_grid(host.cdiv(numel, block_size), cfg["max_blocks"], world_size)
     chunk = host.round_up(host.cdiv(numel, num_blocks), block_size)

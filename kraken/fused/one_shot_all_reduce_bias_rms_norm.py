@@ -32,7 +32,7 @@ from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
-from kraken.fused.rms_norm import resolve_config, rms_normalize
+from kraken.fused.rms_norm import rms_normalize
 
 # Not tuned on its own: the tuned one-shot all-reduce's grid cap, and the widest block (16 warps)
 # for a row: every load in flight at once. (Narrower blocks also tempt ptxas to spill the barrier's
@@ -79,7 +79,7 @@ def one_shot_all_reduce_bias_rms_norm_kernel(
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias_rms_norm")
+    cfg = host.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias_rms_norm")
     num_blocks = host.persistent_grid(tokens, cfg["max_blocks"], world_size)
     rows_per_block = max(1, host.cdiv(tokens, num_blocks))
     num_blocks = max(1, host.cdiv(tokens, rows_per_block))  # no block left without rows

@@ -104,17 +104,9 @@ def check_inputs(op: str, x: object, vectors: dict[str, object], eps: object = N
     return hidden
 
 
-def resolve_config(config: dict, defaults: dict, op: str) -> dict:
-    """``defaults`` overridden by ``config``; unknown keys are a TypeError."""
-    unknown = set(config) - set(defaults)
-    if unknown:
-        raise TypeError(f"{op}: unknown config keys {sorted(unknown)}; known: {sorted(defaults)}")
-    return {**defaults, **config}
-
-
 def plan(tokens: int, hidden: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = resolve_config(config, DEFAULT_CONFIG, "rms_norm")
+    cfg = host.resolve_config(config, DEFAULT_CONFIG, "rms_norm")
     # One row per program, 16 elements per thread: 4 to 16 warps.
     return {"num_warps": cfg["num_warps"] or max(4, min(16, triton.next_power_of_2(hidden) // 512))}
 

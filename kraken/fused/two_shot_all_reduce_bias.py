@@ -39,7 +39,7 @@ from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG, SHARD_ALIGN
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
-from kraken.fused.rms_norm import NO_EPS, resolve_config
+from kraken.fused.rms_norm import NO_EPS
 
 # Not tuned on its own: the tuned two-shot all-reduce's configuration.
 DEFAULT_CONFIG = dict(TWO_SHOT_CONFIG)
@@ -95,7 +95,7 @@ def two_shot_all_reduce_bias_kernel(
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce_bias")
+    cfg = host.resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce_bias")
     numel, block_size = tokens * hidden, cfg["block_size"]
     shard = host.round_up(host.cdiv(numel, world_size), SHARD_ALIGN)
     num_blocks = host.persistent_grid(host.cdiv(shard, block_size), cfg["max_blocks"], world_size)

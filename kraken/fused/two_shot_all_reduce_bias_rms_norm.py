@@ -30,7 +30,7 @@ from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
-from kraken.fused.rms_norm import resolve_config, rms_normalize
+from kraken.fused.rms_norm import rms_normalize
 from kraken.fused.two_shot_all_reduce_bias import WORKSPACE_COPIES, block_range
 
 # Not tuned on its own: the tuned two-shot all-reduce's grid cap, and the widest block (16 warps)
@@ -85,7 +85,7 @@ def two_shot_all_reduce_bias_rms_norm_kernel(
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce_bias_rms_norm")
+    cfg = host.resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce_bias_rms_norm")
     shard = max(1, host.cdiv(tokens, world_size))
     num_blocks = host.persistent_grid(shard, cfg["max_blocks"], world_size)
     chunk = host.cdiv(shard, num_blocks)
