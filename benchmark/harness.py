@@ -9,9 +9,13 @@ For each op, shape and backend, on every rank:
    what eager dispatch costs per call (Helion's wrapper included);
 3. time: warm up, then a fixed number of iterations (identical on every rank,
    so barrier kernels always pair up) queued behind a short GPU sleep so the GPU
-   rather than the Python launch path is measured; CUDA events around each
-   iteration (optionally after an L2 flush), or around CUDA-graph replays with
-   ``--cuda-graph``; the median per rank, then the slowest rank's median.
+   rather than the Python launch path is measured. Iterations run in bursts of
+   ``burst`` back-to-back calls with CUDA events around each burst (optionally
+   after an L2 flush), or around a CUDA graph of one burst with ``--cuda-graph``;
+   the median burst / ``burst`` per rank, then the slowest rank's median. Events
+   around every single call would add their own ~2.5 us to each call (measured
+   on H200: a 1-us ``add_`` reads 5.0 us that way, 2.4 us in bursts), for every
+   backend alike, NCCL included.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class Settings:
     iters: int = 200
     warmup: int = 20
     cuda_graph: bool = False
-    graph_calls: int = 10  # calls captured per graph; a replay's time / graph_calls = one call
+    burst: int = 10  # back-to-back calls between two events (or in one CUDA graph); time / burst = one call
     l2_flush: bool = False
     seed: int = 0
     host_calls: int = 20
@@ -90,21 +94,26 @@ def host_cost_us(fn: Callable[[], object], calls: int) -> float:
 def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float) -> float:
     """Median GPU time per call on this rank (see module docstring)."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if settings.l2_flush else None
+    burst = settings.burst if not settings.l2_flush else 1  # a flush belongs before every call
+
+    def calls() -> None:
+        for _ in range(burst):
+            fn()
+
     if settings.cuda_graph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(settings.graph_calls):
-                fn()
+            calls()
         graph.replay()
-        step, per_step = graph.replay, settings.graph_calls
-        steps = max(settings.iters // settings.graph_calls, 5)
+        step = graph.replay
     else:
-        step, per_step, steps = fn, 1, settings.iters
+        step = calls
+    steps = max(settings.iters // burst, 5)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     torch.cuda.synchronize()
     dist.barrier()
     # Enough sleep to cover the host enqueueing every step, capped at 50 ms.
-    _sleep_us(min(50000.0, 2.0 * host_us * steps / per_step + 100.0))
+    _sleep_us(min(50000.0, 2.0 * host_us * steps * burst + 100.0))
     for start, end in events:
         if flush is not None:
             flush.zero_()
@@ -112,7 +121,7 @@ def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float)
         step()
         end.record()
     torch.cuda.synchronize()
-    times = [start.elapsed_time(end) * 1e3 / per_step for start, end in events]
+    times = [start.elapsed_time(end) * 1e3 / burst for start, end in events]
     return statistics.median(times)
 
 

@@ -116,14 +116,14 @@ def test_plan_with_a_small_signal_pad(monkeypatch):
 
 def test_plan_balances_the_regions():
     # 1024x4096 in 128x128 tiles: 8x32 tiles over 132 SMs -> 128 blocks of 2 tiles.
-    cfg = recipe.plan(1024, 4096, 4096, 2, {}, 132)
+    cfg = recipe.plan(1024, 4096, 4096, 2, {"block_n": 128}, 132)
     assert cfg["num_blocks"] == 128 and cfg["region_m"] * cfg["region_n"] == 2 * 128 * 128
-    # Small M: one 64x64 tile per block.
+    # Small M: one 64x32 tile per block.
     cfg = recipe.plan(64, 4096, 4096, 2, {}, 132)
-    assert (cfg["block_m"], cfg["block_n"], cfg["num_blocks"]) == (64, 64, 64)
-    # 8192^3: 64x64 tiles of 128 over at most 132 blocks -> 32 tiles each, the least possible.
+    assert (cfg["block_m"], cfg["block_n"], cfg["num_blocks"]) == (64, 32, 128)
+    # 8192^3: 128x256 tiles, 64x32 of them over at most 132 blocks -> 16 tiles each, the least possible.
     cfg = recipe.plan(8192, 8192, 8192, 8, {}, 132)
-    assert cfg["region_m"] * cfg["region_n"] == 32 * 128 * 128 and cfg["num_blocks"] <= 132
+    assert cfg["region_m"] * cfg["region_n"] == 16 * 128 * 256 and cfg["num_blocks"] <= 132
     for tiles_m, tiles_n, max_blocks in ((8, 32, 132), (16, 32, 132), (3, 45, 132), (1, 133, 132), (11, 13, 132)):
         rows, cols = recipe.regions(tiles_m, tiles_n, max_blocks)
         assert host.cdiv(tiles_m, rows) * host.cdiv(tiles_n, cols) <= max_blocks
@@ -131,12 +131,17 @@ def test_plan_balances_the_regions():
 
 
 def test_default_config_per_shape_class():
-    assert recipe.default_config(64, 4096, 4096) is recipe.SMALL_M_CONFIG
-    assert recipe.default_config(2048, 4096, 4096) is recipe.LARGE_M_CONFIG
-    assert recipe.default_config(2048, 4100, 4096) is recipe.UNALIGNED_CONFIG
-    assert recipe.default_config(64, 4096, 72) is recipe.UNALIGNED_CONFIG
-    cfg = recipe.plan(2048, 4096, 4096, 2, {"block_n": 256, "num_stages": 3}, 132)
-    assert (cfg["block_m"], cfg["block_n"], cfg["num_stages"]) == (128, 256, 3)
+    """The tuned picks on H200 (132 SMs): the largest tile that keeps more than half the SMs busy."""
+    tiles = {shape: (c["block_m"], c["block_n"]) for shape in [(64, 4096, 4096), (128, 4096, 4096), (256, 4096, 4096),
+             (512, 4096, 4096), (2048, 4096, 4096), (128, 8192, 8192), (512, 5120, 5120), (16, 65536, 4096)]
+             for c in [recipe.default_config(*shape, 132)]}
+    assert tiles == {(64, 4096, 4096): (64, 32), (128, 4096, 4096): (64, 64), (256, 4096, 4096): (128, 64),
+                     (512, 4096, 4096): (128, 128), (2048, 4096, 4096): (128, 256), (128, 8192, 8192): (128, 64),
+                     (512, 5120, 5120): (128, 256), (16, 65536, 4096): (64, 64)}
+    assert recipe.default_config(2048, 4100, 4096, 132)["block_k"] == recipe.UNALIGNED_CONFIG["block_k"]
+    assert recipe.default_config(64, 4096, 72, 132)["num_stages"] == recipe.UNALIGNED_CONFIG["num_stages"]
+    cfg = recipe.plan(2048, 4096, 4096, 2, {"block_n": 128, "num_stages": 3}, 132)
+    assert (cfg["block_m"], cfg["block_n"], cfg["num_stages"]) == (128, 128, 3)
 
 
 def test_plan_refuses_bad_config():

@@ -45,27 +45,27 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
 
-# One config per shape class, picked by ``default_config``; any key may be overridden per call.
-# Small M is bound by reading b: narrow tiles spread it over more SMs, deep pipelines
-# keep it in flight. Large M is bound by the tensor cores: 128 x 128 tiles. When a
-# row of a or b is not a multiple of 16 elements, Triton cannot prove 16-byte
-# alignment, loads go element by element without cp.async, and small tiles keep
-# the registers in check. ``reduce_m`` rows per reduce tile keep the world_size
-# loads of each in registers. ``max_blocks`` None: one block per SM.
-SMALL_M_CONFIG = {
-    "block_m": 64, "block_n": 64, "block_k": 128, "reduce_m": 32,
-    "num_warps": 8, "num_stages": 4, "max_blocks": None,
-}
-LARGE_M_CONFIG = {
-    "block_m": 128, "block_n": 128, "block_k": 64, "reduce_m": 32,
-    "num_warps": 8, "num_stages": 4, "max_blocks": None,
-}
+# Tile configs, largest tile first, swept on 2x H200 (``python -m benchmark.tune gemm_all_reduce``).
+# ``default_config`` takes the largest tile that still gives at least ``MIN_TILES_PER_SM`` of the
+# SMs a tile: large M is bound by the tensor cores and wants 128 x 256 tiles; small M is bound by
+# streaming ``b`` (and by re-reading ``a`` once per column of tiles) and wants enough blocks in
+# flight, so narrower tiles with a deeper k step. Any key may be overridden per call.
+# ``reduce_m`` rows per reduce tile keep the world_size loads of each in registers;
+# ``max_blocks`` None: one block per SM.
+TILE_CONFIGS = [
+    {"block_m": 128, "block_n": 256, "block_k": 64, "reduce_m": 16, "num_warps": 8, "num_stages": 4},
+    {"block_m": 128, "block_n": 128, "block_k": 64, "reduce_m": 32, "num_warps": 8, "num_stages": 5},
+    {"block_m": 128, "block_n": 64, "block_k": 128, "reduce_m": 32, "num_warps": 8, "num_stages": 4},
+    {"block_m": 64, "block_n": 64, "block_k": 128, "reduce_m": 32, "num_warps": 4, "num_stages": 5},
+    {"block_m": 64, "block_n": 32, "block_k": 256, "reduce_m": 32, "num_warps": 4, "num_stages": 3},
+]
+MIN_TILES_PER_SM = 0.55
+# When a row of a or b is not a multiple of 16 elements, Triton cannot prove 16-byte alignment,
+# loads go element by element without cp.async, and small tiles keep the registers in check.
 UNALIGNED_CONFIG = {
-    "block_m": 64, "block_n": 64, "block_k": 32, "reduce_m": 16,
-    "num_warps": 8, "num_stages": 1, "max_blocks": None,
+    "block_m": 64, "block_n": 64, "block_k": 32, "reduce_m": 16, "num_warps": 8, "num_stages": 1,
 }
-SMALL_M = 256  # M <= SMALL_M is the small-M class
-DEFAULT_CONFIG = LARGE_M_CONFIG
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "max_blocks": None}  # every key a caller may pass
 
 
 @triton.jit
@@ -161,11 +161,15 @@ def launch(
     return out
 
 
-def default_config(m: int, n: int, k: int) -> dict:
-    """The defaults of this shape's class."""
+def default_config(m: int, n: int, k: int, num_sms: int) -> dict:
+    """This shape's config: the largest tile of ``TILE_CONFIGS`` that keeps enough SMs busy."""
     if n % 16 or k % 16:
-        return UNALIGNED_CONFIG
-    return SMALL_M_CONFIG if m <= SMALL_M else LARGE_M_CONFIG
+        return {**UNALIGNED_CONFIG, "max_blocks": None}
+    for cfg in TILE_CONFIGS:
+        tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+        if cfg["block_m"] <= max(64, m) and tiles >= MIN_TILES_PER_SM * num_sms:
+            break
+    return {**cfg, "max_blocks": None}
 
 
 @functools.lru_cache(maxsize=256)
@@ -190,7 +194,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     most one block per SM and within the signal pad's budget.
     """
     host.resolve_config(config, DEFAULT_CONFIG, "gemm_one_shot_all_reduce")  # rejects unknown keys
-    cfg = {**default_config(m, n, k), **config}
+    cfg = {**default_config(m, n, k, num_sms), **config}
     for key in ("block_m", "block_n", "block_k", "reduce_m"):
         if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
             raise ValueError(f"gemm_one_shot_all_reduce: {key} must be a power of two >= 16, got {cfg[key]}")
@@ -255,7 +259,7 @@ def gemm_one_shot_all_reduce(
     """``sum over ranks of a @ b`` as a new [M, N] tensor of ``out_dtype`` (bf16 or fp32).
 
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or
-    fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K)``.
+    fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms)``.
     """
     ctx, launch_cfg = prepare(a, b, group, out_dtype, "gemm_one_shot_all_reduce", config)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
