@@ -73,7 +73,7 @@ def sweep_gemm(shapes: list[str], iters: int) -> None:
         matmul = _time(lambda: torch.matmul(i["a"], i["b"]), settings)
         print_rank0(f"{s}: default config {defaults[s]:.1f}us, torch.matmul alone {matmul:.1f}us")
     for (bm, bn, bk), warps, stages in itertools.product(GEMM_TILES, GEMM_WARPS, GEMM_STAGES):
-        cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "reduce_m": min(4096 // bn, 32, bm),
+        cfg = {"block_m": bm, "block_n": bn, "block_k": bk,
                "num_warps": warps, "num_stages": stages}
         label = f"{bm}x{bn}x{bk}/w{warps}/s{stages}"
         heartbeat(label)

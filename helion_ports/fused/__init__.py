@@ -1,1 +1,15 @@
 """Helion twins of kraken.fused (same module names and signatures)."""
+
+from .one_shot_all_reduce_bias import one_shot_all_reduce_bias
+from .one_shot_all_reduce_bias_rms_norm import one_shot_all_reduce_bias_rms_norm
+from .rms_norm import rms_norm
+from .two_shot_all_reduce_bias import two_shot_all_reduce_bias
+from .two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
+
+__all__ = [
+    "one_shot_all_reduce_bias",
+    "one_shot_all_reduce_bias_rms_norm",
+    "rms_norm",
+    "two_shot_all_reduce_bias",
+    "two_shot_all_reduce_bias_rms_norm",
+]

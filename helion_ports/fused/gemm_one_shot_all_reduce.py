@@ -79,9 +79,11 @@ def compiled(block_m: int, block_n: int, block_k: int, reduce_m: int, num_warps:
     """One Helion kernel per launch configuration, each with an explicit config.
 
     ``block_sizes`` follow the loops: the GEMM tile (m, n), its k step, then the reduce tile (m, n).
+    ``flat``: one program per block, the recipe's grid.
     """
     config = helion.Config(
-        block_sizes=[block_m, block_n, block_k, reduce_m, block_n], num_warps=num_warps, num_stages=num_stages
+        block_sizes=[block_m, block_n, block_k, reduce_m, block_n], num_warps=num_warps, num_stages=num_stages,
+        pid_type="flat",
     )
     return helion.kernel(gemm_one_shot_all_reduce_body, config=config, static_shapes=False)
 

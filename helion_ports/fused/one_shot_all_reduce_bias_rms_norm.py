@@ -1,7 +1,8 @@
 """Helion twin of ``kraken.fused.one_shot_all_reduce_bias_rms_norm``: same function, same arguments.
 
-Same structure as the Triton recipe: ``hl.grid(num_blocks)`` is the persistent
-grid and the barrier's block id; each block walks its rows with
+Same structure as the Triton recipe: ``hl.grid(num_blocks)`` with
+``pid_type="flat"`` launches exactly the recipe's persistent grid (one program
+per block, the barrier's block id); each block walks its rows with
 ``hl.tile(start, start + rows_per_block, block_size=1)``, a row being one
 ``[1, hidden]`` tile (the ``:`` index is Helion's persistent reduction
 dimension, ``BLOCK_H`` in Triton). The staging copy goes to this rank's
@@ -50,8 +51,10 @@ def one_shot_all_reduce_bias_rms_norm_body(
             valid = (rows.index < tokens)[:, None]
             row = hl.load(x, [rows, slice(None)], extra_mask=valid)
             hl.store(workspace, [rows, slice(None)], row, extra_mask=valid)
-        hl.inline_triton(SYNC_STAGED, args=barrier, output_like=None)
+        # The same for every row, and not written by peers: loaded once, while the barrier waits.
         bias_row = hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
+        weight_row = hl.load(weight, [slice(None)]).to(torch.float32)[None, :]
+        hl.inline_triton(SYNC_STAGED, args=barrier, output_like=None)
         for rows in hl.tile(start, start + rows_per_block, block_size=1):
             valid = (rows.index < tokens)[:, None]
             # Start from rank 0's row (as sum_peers does): hl.zeros([rows, hidden]) would need hidden specialized.
@@ -59,7 +62,7 @@ def one_shot_all_reduce_bias_rms_norm_body(
             for r in hl.static_range(1, world_size):
                 h = h + hl.load(peers[r], [rows, slice(None)], extra_mask=valid).to(torch.float32)
             h = h + bias_row
-            y = rms_normalize(h, weight, eps)
+            y = rms_normalize(h, weight_row, eps)
             hl.store(out, [rows, slice(None)], y.to(out.dtype), extra_mask=valid)
         hl.inline_triton(SYNC_DONE, args=barrier, output_like=None)
     return out
@@ -67,8 +70,12 @@ def one_shot_all_reduce_bias_rms_norm_body(
 
 @functools.cache
 def compiled(num_warps: int) -> helion.Kernel:
-    """One Helion kernel per launch configuration, each with an explicit config."""
-    config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="persistent_blocked")
+    """One Helion kernel per launch configuration, each with an explicit config.
+
+    ``flat``: one program per block, the recipe's grid. (``persistent_blocked``
+    would launch one program per SM and leave all but ``num_blocks`` idle.)
+    """
+    config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="flat")
     return helion.kernel(one_shot_all_reduce_bias_rms_norm_body, config=config, static_shapes=False)
 
 

@@ -22,16 +22,18 @@ import torch
 from kraken.fused.rms_norm import plan, prepare  # shared with the Triton recipe
 
 
-def rms_normalize(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``h * rsqrt(mean(h^2) + eps) * weight`` for fp32 rows ``h`` ([rows, hidden]); mirrors the Triton helper."""
+def rms_normalize(h: torch.Tensor, weight_row: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h * rsqrt(mean(h^2) + eps) * weight`` for fp32 rows ``h`` ([rows, hidden]) and the fp32 ``weight_row``
+    ([1, hidden], loaded by the caller before the reduction); mirrors the Triton helper."""
     inv_rms = torch.rsqrt(torch.mean(h * h, dim=-1, keepdim=True) + eps)
-    return h * inv_rms * hl.load(weight, [slice(None)]).to(torch.float32).unsqueeze(0)
+    return h * inv_rms * weight_row
 
 
 def rms_norm_body(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
     for rows in hl.tile(x.size(0), block_size=1):
+        weight_row = hl.load(weight, [slice(None)]).to(torch.float32).unsqueeze(0)
         h = hl.load(x, [rows, slice(None)]).to(torch.float32)
-        hl.store(out, [rows, slice(None)], rms_normalize(h, weight, eps).to(out.dtype))
+        hl.store(out, [rows, slice(None)], rms_normalize(h, weight_row, eps).to(out.dtype))
     return out
 
 

@@ -68,9 +68,13 @@ def two_shot_all_reduce_bias_body(
 
 @functools.cache
 def compiled(block_size: int, num_warps: int) -> helion.Kernel:
-    """One Helion kernel per launch configuration, each with an explicit config."""
+    """One Helion kernel per launch configuration, each with an explicit config.
+
+    ``flat``: one program per block, the recipe's grid. (Left to itself, Helion picks a persistent
+    pid type for symmetric-memory kernels: one program per SM, all but ``num_blocks`` idle.)
+    """
     config = helion.Config(
-        block_sizes=[block_size] * 3, num_warps=num_warps, num_stages=1, pid_type="persistent_blocked"
+        block_sizes=[block_size] * 3, num_warps=num_warps, num_stages=1, pid_type="flat"
     )
     return helion.kernel(two_shot_all_reduce_bias_body, config=config, static_shapes=False)
 

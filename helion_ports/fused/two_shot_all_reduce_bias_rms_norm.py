@@ -49,8 +49,10 @@ def two_shot_all_reduce_bias_rms_norm_body(
                 valid = ((rows.index < tokens) & (rows.index < owner * shard + shard))[:, None]
                 row = hl.load(x, [rows, slice(None)], extra_mask=valid)
                 hl.store(workspace, [0, rows, slice(None)], row, extra_mask=valid)
-        hl.inline_triton(SYNC, args=barrier, output_like=None)
+        # The same for every row, and not written by peers: loaded once, while the barrier waits.
         bias_row = hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
+        weight_row = hl.load(weight, [slice(None)]).to(torch.float32)[None, :]
+        hl.inline_triton(SYNC, args=barrier, output_like=None)
         start = rank * shard + block * chunk
         for rows in hl.tile(start, start + chunk, block_size=1):
             valid = ((rows.index < tokens) & (rows.index < rank * shard + shard))[:, None]
@@ -59,7 +61,7 @@ def two_shot_all_reduce_bias_rms_norm_body(
             for r in hl.static_range(1, world_size):
                 h = h + hl.load(peers[r], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
             h = h + bias_row
-            y = rms_normalize(h, weight, eps).to(out.dtype)
+            y = rms_normalize(h, weight_row, eps).to(out.dtype)
             for r in hl.static_range(world_size):
                 hl.store(peers[r], [1, rows, slice(None)], y, extra_mask=valid)
         hl.inline_triton(SYNC, args=barrier, output_like=None)
@@ -74,8 +76,12 @@ def two_shot_all_reduce_bias_rms_norm_body(
 
 @functools.cache
 def compiled(num_warps: int) -> helion.Kernel:
-    """One Helion kernel per launch configuration, each with an explicit config."""
-    config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="persistent_blocked")
+    """One Helion kernel per launch configuration, each with an explicit config.
+
+    ``flat``: one program per block, the recipe's grid. (``persistent_blocked``
+    would launch one program per SM and leave all but ``num_blocks`` idle.)
+    """
+    config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="flat")
     return helion.kernel(two_shot_all_reduce_bias_rms_norm_body, config=config, static_shapes=False)
 
 

@@ -50,22 +50,23 @@ MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
 # SMs a tile: large M is bound by the tensor cores and wants 128 x 256 tiles; small M is bound by
 # streaming ``b`` (and by re-reading ``a`` once per column of tiles) and wants enough blocks in
 # flight, so narrower tiles with a deeper k step. Any key may be overridden per call.
-# ``reduce_m`` rows per reduce tile keep the world_size loads of each in registers;
-# ``max_blocks`` None: one block per SM.
+# ``max_blocks`` None: one block per SM. ``reduce_m`` None: from ``reduce_rows``.
 TILE_CONFIGS = [
-    {"block_m": 128, "block_n": 256, "block_k": 64, "reduce_m": 16, "num_warps": 8, "num_stages": 4},
-    {"block_m": 128, "block_n": 128, "block_k": 64, "reduce_m": 32, "num_warps": 8, "num_stages": 5},
-    {"block_m": 128, "block_n": 64, "block_k": 128, "reduce_m": 32, "num_warps": 8, "num_stages": 4},
-    {"block_m": 64, "block_n": 64, "block_k": 128, "reduce_m": 32, "num_warps": 4, "num_stages": 5},
-    {"block_m": 64, "block_n": 32, "block_k": 256, "reduce_m": 32, "num_warps": 4, "num_stages": 3},
+    {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4},
+    {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 5},
+    {"block_m": 128, "block_n": 64, "block_k": 128, "num_warps": 8, "num_stages": 4},
+    {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 5},
+    {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3},
 ]
 MIN_TILES_PER_SM = 0.55
 # When a row of a or b is not a multiple of 16 elements, Triton cannot prove 16-byte alignment,
 # loads go element by element without cp.async, and small tiles keep the registers in check.
 UNALIGNED_CONFIG = {
-    "block_m": 64, "block_n": 64, "block_k": 32, "reduce_m": 16, "num_warps": 8, "num_stages": 1,
+    "block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 8, "num_stages": 1,
 }
-DEFAULT_CONFIG = {**TILE_CONFIGS[0], "max_blocks": None}  # every key a caller may pass
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "reduce_m": None, "max_blocks": None}  # every key a caller may pass
+# The reduce tile holds about this many values per thread (fp32 sums, and loads from up to 4 ranks in flight).
+REDUCE_VALUES_PER_THREAD = 64
 
 
 @triton.jit
@@ -164,12 +165,22 @@ def launch(
 def default_config(m: int, n: int, k: int, num_sms: int) -> dict:
     """This shape's config: the largest tile of ``TILE_CONFIGS`` that keeps enough SMs busy."""
     if n % 16 or k % 16:
-        return {**UNALIGNED_CONFIG, "max_blocks": None}
+        return {**UNALIGNED_CONFIG, "reduce_m": None, "max_blocks": None}
     for cfg in TILE_CONFIGS:
         tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
         if cfg["block_m"] <= max(64, m) and tiles >= MIN_TILES_PER_SM * num_sms:
             break
-    return {**cfg, "max_blocks": None}
+    return {**cfg, "reduce_m": None, "max_blocks": None}
+
+
+def reduce_rows(block_m: int, block_n: int, num_warps: int, world_size: int) -> int:
+    """Rows per reduce tile: as many as fit the register budget, so a block's region crosses NVLink
+    in as few round trips as possible (a whole 64 x 32 tile at a time for decode shapes)."""
+    budget = REDUCE_VALUES_PER_THREAD * 32 * num_warps
+    rows = block_m
+    while rows > 16 and rows * block_n * min(world_size, 4) > budget:
+        rows //= 2
+    return rows
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,6 +206,8 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     """
     host.resolve_config(config, DEFAULT_CONFIG, "gemm_one_shot_all_reduce")  # rejects unknown keys
     cfg = {**default_config(m, n, k, num_sms), **config}
+    if cfg["reduce_m"] is None:
+        cfg["reduce_m"] = reduce_rows(cfg["block_m"], cfg["block_n"], cfg["num_warps"], world_size)
     for key in ("block_m", "block_n", "block_k", "reduce_m"):
         if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
             raise ValueError(f"gemm_one_shot_all_reduce: {key} must be a power of two >= 16, got {cfg[key]}")

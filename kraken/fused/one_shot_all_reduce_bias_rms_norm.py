@@ -11,11 +11,16 @@ and normalised on the spot, with no second pass over memory and no extra launch.
 Block ``b`` of every rank owns ``rows_per_block`` consecutive rows and barrier
 slot ``b``:
 
-1. copy its rows of ``x`` into the symmetric workspace;
+1. copy its rows of ``x`` into the symmetric workspace, and load ``bias`` and
+   ``weight`` (once: they are the same for every row);
 2. barrier (release + acquire): staged rows are visible both ways;
 3. for each row: sum the peers' rows (rank order, fp32), add ``bias``,
    normalise (``rms_norm.rms_normalize``), store the local output;
 4. barrier (release): "done reading your workspace".
+
+The row is spread so that no thread holds more than one 16-byte vector of it
+(``rms_norm.row_warps``): at world size 2 a row costs one NVLink round trip,
+both peers' loads in flight together.
 
 Every rank computes every row itself, so the results are bitwise identical on
 all ranks. Staging: see ``one_shot_all_reduce_bias`` (``x`` is always copied).
@@ -32,12 +37,11 @@ from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
-from kraken.fused.rms_norm import rms_normalize
+from kraken.fused.rms_norm import rms_normalize, row_warps
 
-# Not tuned on its own: the tuned one-shot all-reduce's grid cap, and the widest block (16 warps)
-# for a row: every load in flight at once. (Narrower blocks also tempt ptxas to spill the barrier's
-# thread id around the row loop to fit a higher occupancy these one-CTA-per-SM kernels never use.)
-DEFAULT_CONFIG = {"num_warps": 16, "max_blocks": ONE_SHOT_CONFIG["max_blocks"]}
+# Not tuned on its own: the tuned one-shot all-reduce's grid cap; num_warps None: from the row width
+# (rms_norm.row_warps: at most one 16-byte vector per thread, so a row's loads go out together).
+DEFAULT_CONFIG = {"num_warps": None, "max_blocks": ONE_SHOT_CONFIG["max_blocks"]}
 
 
 # Row counts are not specialized: one binary per (dtype, hidden) serves every token count, and
@@ -63,15 +67,17 @@ def one_shot_all_reduce_bias_rms_norm_kernel(
     row_start = block_id * rows_per_block
     row_end = tl.minimum(row_start + rows_per_block, tokens)
     copy_slice(x_ptr, workspace_ptr, row_start * hidden, row_end * hidden, BLOCK_H)
-    # Release: my staged rows are visible to peers. Acquire: theirs are visible to me.
-    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+    # The same for every row, and not written by peers: loaded once, while the barrier waits.
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Release: my staged rows are visible to peers. Acquire: theirs are visible to me.
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
     for row in tl.range(row_start, row_end):
         offsets = row * hidden + cols
         h = sum_peers(peers, offsets, mask, world_size) + bias
-        y = rms_normalize(h, weight_ptr, cols, mask, eps, hidden)
+        y = rms_normalize(h, weight, eps, hidden)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
     # Done reading peers' workspaces: after this they may restage into them.
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
@@ -83,7 +89,8 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     num_blocks = host.persistent_grid(tokens, cfg["max_blocks"], world_size)
     rows_per_block = max(1, host.cdiv(tokens, num_blocks))
     num_blocks = max(1, host.cdiv(tokens, rows_per_block))  # no block left without rows
-    return {"num_warps": cfg["num_warps"], "num_blocks": num_blocks, "rows_per_block": rows_per_block}
+    num_warps = cfg["num_warps"] or row_warps(hidden)
+    return {"num_warps": num_warps, "num_blocks": num_blocks, "rows_per_block": rows_per_block}
 
 
 def prepare(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict):

@@ -35,10 +35,14 @@ NO_EPS = object()  # check_inputs: the op takes no eps
 
 
 @triton.jit
-def rms_normalize(h, weight_ptr, cols, mask, eps, hidden):
-    """``h * rsqrt(mean(h^2) + eps) * weight`` for one fp32 row (zeros in the masked lanes)."""
+def rms_normalize(h, weight, eps, hidden):
+    """``h * rsqrt(mean(h^2) + eps) * weight`` for one fp32 row and the fp32 ``weight`` row.
+
+    ``weight`` comes in as values, loaded by the caller before the row's
+    reduction (once per block in the fused kernels): loaded here, after the
+    reduction's thread barriers, its latency would be paid again on every row.
+    """
     mean_square = tl.sum(h * h, axis=0) / hidden
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return h * tl.rsqrt(mean_square + eps) * weight
 
 
@@ -48,8 +52,9 @@ def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, hidden, eps, BLOCK_H: tl.constex
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     offsets = row * hidden + cols
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    y = rms_normalize(h, weight_ptr, cols, mask, eps, hidden)
+    y = rms_normalize(h, weight, eps, hidden)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -102,6 +107,19 @@ def check_inputs(op: str, x: object, vectors: dict[str, object], eps: object = N
         if vector.device != x.device:
             raise ValueError(f"{op}: {name} is on {vector.device} but x is on {x.device}")
     return hidden
+
+
+def row_warps(hidden: int) -> int:
+    """Warps for the fused kernels' one-row tile: at most one 16-byte vector (8 bf16) per thread, 16 to 32.
+
+    Then a thread's share of a row is one load per peer, so (at world size 2)
+    the first add of the peers' rows needs every load the thread issued, and
+    they are all in flight at once. With two vectors per thread (16 warps for a
+    5120-wide row), ptxas may hold back a thread's last load until the first
+    ones have arrived, and did so in one of each pair of twins: a second NVLink
+    round trip on every row, about 1 us.
+    """
+    return max(16, min(32, triton.next_power_of_2(hidden) // (8 * 32)))
 
 
 def plan(tokens: int, hidden: int, config: dict) -> dict:

@@ -30,13 +30,12 @@ from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
-from kraken.fused.rms_norm import rms_normalize
+from kraken.fused.rms_norm import rms_normalize, row_warps
 from kraken.fused.two_shot_all_reduce_bias import WORKSPACE_COPIES, block_range
 
-# Not tuned on its own: the tuned two-shot all-reduce's grid cap, and the widest block (16 warps)
-# for a row: every load in flight at once. (Narrower blocks also tempt ptxas to spill the barrier's
-# thread id around the row loop to fit a higher occupancy these one-CTA-per-SM kernels never use.)
-DEFAULT_CONFIG = {"num_warps": 16, "max_blocks": TWO_SHOT_CONFIG["max_blocks"]}
+# Not tuned on its own: the tuned two-shot all-reduce's grid cap; num_warps None: from the row width
+# (rms_norm.row_warps: at most one 16-byte vector per thread, so a row's loads go out together).
+DEFAULT_CONFIG = {"num_warps": None, "max_blocks": TWO_SHOT_CONFIG["max_blocks"]}
 
 
 # Row counts are not specialized: one binary per (dtype, hidden) serves every token count, and
@@ -64,16 +63,18 @@ def two_shot_all_reduce_bias_rms_norm_kernel(
     for owner in tl.static_range(world_size):
         row_start, row_end = block_range(owner, block_id, shard, chunk, tokens)
         copy_slice(x_ptr, workspace_ptr, row_start * hidden, row_end * hidden, BLOCK_H)
-    # Release: my staged rows are visible to their owners. Acquire: peers' rows of my shard are visible to me.
-    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+    # The same for every row, and not written by peers: loaded once, while the barrier waits.
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Release: my staged rows are visible to their owners. Acquire: peers' rows of my shard are visible to me.
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
     row_start, row_end = block_range(rank, block_id, shard, chunk, tokens)
     for row in tl.range(row_start, row_end):
         offsets = row * hidden + cols
         h = sum_peers(peers, offsets, mask, world_size) + bias
-        y = rms_normalize(h, weight_ptr, cols, mask, eps, hidden).to(out_ptr.dtype.element_ty)
+        y = rms_normalize(h, weight, eps, hidden).to(out_ptr.dtype.element_ty)
         for r in tl.static_range(world_size):
             tl.store(peers[r] + result_offset + offsets, y, mask=mask)
     # Release: my pushed rows are visible to every rank. Acquire: every owner's rows are visible to me.
@@ -90,7 +91,8 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     num_blocks = host.persistent_grid(shard, cfg["max_blocks"], world_size)
     chunk = host.cdiv(shard, num_blocks)
     num_blocks = host.cdiv(shard, chunk)  # no block left without rows
-    return {"num_warps": cfg["num_warps"], "num_blocks": num_blocks, "shard": shard, "chunk": chunk}
+    num_warps = cfg["num_warps"] or row_warps(hidden)
+    return {"num_warps": num_warps, "num_blocks": num_blocks, "shard": shard, "chunk": chunk}
 
 
 def prepare(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict):
