@@ -225,6 +225,7 @@ def symm_empty(
 
 
 _workspaces: dict[tuple, torch.Tensor] = {}
+_workspace_requests: set[tuple] = set()
 
 
 def symm_workspace(
@@ -234,9 +235,14 @@ def symm_workspace(
 
     Kernels that take ordinary tensors stage them here. One workspace per
     (device, dtype, group); it grows by powers of two and is shared by all ops.
+    The first request of each size is checked across ranks *before* the buffer
+    may grow: growing is a collective, and a rank that grows alone would hang.
     """
     pg = resolve_group(group, op)
     key = (device, dtype, pg.group_name)
+    if (key, op, numel) not in _workspace_requests:
+        _agree(("workspace elements", numel, str(dtype)), pg, op)
+        _workspace_requests.add((key, op, numel))
     buf = _workspaces.get(key)
     if buf is None or buf.numel() < numel:
         size = 1 << max(12, math.ceil(math.log2(max(numel, 1))))

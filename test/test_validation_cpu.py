@@ -79,3 +79,30 @@ def test_plans_stay_inside_the_pad_at_every_world_size(module):
             assert covered >= numel, f"{module} ws={ws} numel={numel}: grid covers only {covered}"
     with pytest.raises(TypeError, match="unknown config keys"):
         plan(10, 2, {"blocksize": 1})
+
+
+def test_workspace_sizes_are_agreed_before_growing(monkeypatch):
+    """Growing the workspace is a collective: every rank must agree on the size first, or one rank
+    would enter the allocation alone and hang. So the agreement comes first, once per size."""
+    calls = []
+
+    class FakeGroup:
+        group_name = "fake"
+
+    monkeypatch.setattr(host, "resolve_group", lambda group, op: FakeGroup())
+    monkeypatch.setattr(host, "_agree", lambda signature, pg, op: calls.append(("agree", signature)))
+    monkeypatch.setattr(host, "symm_empty", lambda size, dtype, device, pg: calls.append(("grow", size))
+                        or torch.empty(size, dtype=dtype))
+    monkeypatch.setattr(host, "_workspaces", {})
+    monkeypatch.setattr(host, "_workspace_requests", set())
+    device = torch.device("cpu")
+    assert host.symm_workspace(5000, torch.float32, device, None, "op").numel() == 5000
+    assert host.symm_workspace(5000, torch.float32, device, None, "op").numel() == 5000  # no new collective
+    assert host.symm_workspace(100, torch.float32, device, None, "op").numel() == 100  # fits: agree only
+    assert calls == [("agree", ("workspace elements", 5000, "torch.float32")), ("grow", 8192),
+                     ("agree", ("workspace elements", 100, "torch.float32"))]
+    # A rank whose agreement fails (ranks disagree) never reaches the allocation.
+    monkeypatch.setattr(host, "_agree", lambda *a: (_ for _ in ()).throw(ValueError("ranks disagree")))
+    with pytest.raises(ValueError, match="ranks disagree"):
+        host.symm_workspace(1 << 20, torch.float32, device, None, "op")
+    assert calls[-1][0] == "agree"
