@@ -4,6 +4,7 @@ and each twin carries exactly the cross-GPU barrier atomics of its Triton siblin
 from __future__ import annotations
 
 import collections
+import inspect
 import importlib
 import re
 
@@ -57,3 +58,18 @@ def test_all_reduce_pairs_sync_with_cas_at_system_scope():
             assert sum(opcodes.values()) == 4, f"{module}: {dict(opcodes)}"
             assert all(".sys.cas.b32" in op for op in opcodes), f"{module}: {dict(opcodes)}"
             assert any("acquire" in op for op in opcodes) and any("release" in op for op in opcodes)
+
+
+@pytest.mark.parametrize("op_name,pair", PAIRS, ids=[f"{o}:{p.triton}" for o, p in PAIRS])
+def test_twin_mirrors_its_recipe(op_name, pair):
+    """Same module name under the mirrored package, the public function exported from the package,
+    and the same signature for the public function and for ``launch``."""
+    assert pair.helion_module == pair.triton_module.replace("kraken.", "helion_ports.", 1)
+    name = pair.triton_module.rsplit(".", 1)[1]
+    for module_path in (pair.triton_module, pair.helion_module):
+        module = importlib.import_module(module_path)
+        exported = getattr(importlib.import_module(module_path.rsplit(".", 1)[0]), name)
+        assert exported is getattr(module, name), f"{module_path}: {name} is not exported from its package"
+    recipe, twin = importlib.import_module(pair.triton_module), importlib.import_module(pair.helion_module)
+    for attr in (name, "launch"):
+        assert inspect.signature(getattr(twin, attr)) == inspect.signature(getattr(recipe, attr)), f"{name}.{attr}"
