@@ -112,8 +112,8 @@ def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     torch.cuda.synchronize()
     dist.barrier()
-    # Enough sleep to cover the host enqueueing every step, capped at 50 ms.
-    _sleep_us(min(50000.0, 2.0 * host_us * steps * burst + 100.0))
+    # Enough sleep to cover the host enqueueing every step (twice over), capped at 200 ms.
+    _sleep_us(min(200000.0, 2.0 * host_us * steps * burst + 100.0))
     for start, end in events:
         if flush is not None:
             flush.zero_()
