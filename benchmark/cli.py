@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Check every backend against the NCCL baseline on fresh random data, then time it with a fixed\n"
-            "number of iterations on every rank (CUDA events, slowest rank's median) and print one table per op:\n"
+            "number of iterations on every rank (CUDA events around bursts of calls, slowest rank's median)\n"
+            "and print one table per op:\n"
             "microseconds per backend, speedup over NCCL, helion/triton ratio, achieved NVLink bandwidth\n"
             "(the op's minimum bytes per rank / time) and the floor (those bytes at 361 GB/s + barrier latency).\n"
             "Standalone it spawns one process per visible GPU (at least 2); under torchrun it uses that world."
