@@ -29,6 +29,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 SM90 = GPUTarget("cuda", 90, 32)
 H200_NUM_SMS = 132
+FAKE_SIGNAL_PADS = 0x7F0000001000  # a device-address stand-in for the signal pads in CPU compile examples
 
 
 @dataclass
@@ -110,6 +111,25 @@ def ptx_instructions(ptx: str) -> list[str]:
 def barrier_atomics(ptx: str) -> int:
     """System-scope atomics and acquire/release accesses: the cross-GPU barrier traffic."""
     return sum(1 for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line))
+
+
+def sass_instructions(launch: Launch) -> list[str]:
+    """The kernel's sm_90 machine code (``nvdisasm`` of the cubin), one instruction per line.
+
+    For schedules the PTX cannot show: ptxas reorders loads and arithmetic, and
+    whether a thread's loads from every peer are all in flight before the first
+    add (one NVLink round trip) or not (two) is decided here.
+    """
+    cubin = compile_sm90(launch).asm["cubin"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        listing = subprocess.run(
+            [triton.knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True, check=True
+        ).stdout
+    lines = (re.sub(r"/\*.*?\*/", "", line).strip().rstrip(";").strip() for line in listing.splitlines())
+    return [line for line in lines if line and not line.startswith((".", "//"))]
 
 
 def kernel_stats(launch: Launch) -> dict:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
 from kraken import host
+from kraken.sm90 import FAKE_SIGNAL_PADS
 
 ONE_SHOT = "comm.one_shot_all_reduce"
 TWO_SHOT = "comm.two_shot_all_reduce"
@@ -45,9 +46,9 @@ def example(module, world_size: int) -> None:
     peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
     cfg = module.plan(numel, world_size, {})
     if "shard" in cfg:
-        module.launch(peers, 0x7F0000001000, 1, **cfg)
+        module.launch(peers, FAKE_SIGNAL_PADS, 1, **cfg)
     else:
-        module.launch(peers, torch.empty_like(peers[0]), 0x7F0000001000, 1, **cfg)
+        module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, 1, **cfg)
 
 
 def nvlink_bytes(shape, dtype, world_size):

@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
 from kraken import host
+from kraken.sm90 import FAKE_SIGNAL_PADS
 from kraken.comm.one_shot_all_reduce import one_shot_all_reduce
 from kraken.fused.rms_norm import rms_norm
 
 EPS = 1e-5
 FUSED = "fused.{shot}_shot_all_reduce_bias{norm}"
 EXAMPLE_SHAPE = (7, 1000)  # odd in both dimensions: row and column tails
-FAKE_SIGNAL_PADS = 0x7F0000001000  # a device address stand-in for CPU compile examples
 
 
 # ---------------------------------------------------------------------------

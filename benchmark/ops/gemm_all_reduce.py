@@ -24,13 +24,12 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, gemm_us, nvlink_us, register
 from kraken import host
-from kraken.sm90 import H200_NUM_SMS
+from kraken.sm90 import FAKE_SIGNAL_PADS, H200_NUM_SMS
 
 RECIPE = "fused.gemm_one_shot_all_reduce"
 OUT_DTYPE = torch.bfloat16
 HBM_GBPS = 4800.0  # H200 HBM3e peak (spec sheet, not measured): the floor of a GEMM bound by reading b
 EXAMPLE_SHAPE = (100, 200, 72)  # odd M and N, K not a multiple of the tile: every tail is masked
-FAKE_SIGNAL_PADS = 0x7F0000001000  # a device address stand-in for CPU compile examples
 
 _symm_buffers: dict[tuple, torch.Tensor] = {}
 
