@@ -163,14 +163,15 @@ def launch(
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> dict:
-    """This shape's config: the largest tile of ``TILE_CONFIGS`` that keeps enough SMs busy."""
+    """This shape's tile config: the largest of ``TILE_CONFIGS`` that keeps enough SMs busy, else the smallest."""
     if n % 16 or k % 16:
-        return {**UNALIGNED_CONFIG, "reduce_m": None, "max_blocks": None}
-    for cfg in TILE_CONFIGS:
+        return UNALIGNED_CONFIG
+
+    def fits(cfg: dict) -> bool:
         tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
-        if cfg["block_m"] <= max(64, m) and tiles >= MIN_TILES_PER_SM * num_sms:
-            break
-    return {**cfg, "reduce_m": None, "max_blocks": None}
+        return cfg["block_m"] <= max(64, m) and tiles >= MIN_TILES_PER_SM * num_sms
+
+    return next((cfg for cfg in TILE_CONFIGS if fits(cfg)), TILE_CONFIGS[-1])
 
 
 def reduce_rows(block_m: int, block_n: int, num_warps: int, world_size: int) -> int:
@@ -205,7 +206,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     most one block per SM and within the signal pad's budget.
     """
     host.resolve_config(config, DEFAULT_CONFIG, "gemm_one_shot_all_reduce")  # rejects unknown keys
-    cfg = {**default_config(m, n, k, num_sms), **config}
+    cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms), **config}
     if cfg["reduce_m"] is None:
         cfg["reduce_m"] = reduce_rows(cfg["block_m"], cfg["block_n"], cfg["num_warps"], world_size)
     for key in ("block_m", "block_n", "block_k", "reduce_m"):
