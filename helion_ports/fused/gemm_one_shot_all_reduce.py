@@ -79,7 +79,7 @@ def compiled(block_m: int, block_n: int, block_k: int, reduce_m: int, num_warps:
     """One Helion kernel per launch configuration, each with an explicit config.
 
     ``block_sizes`` follow the loops: the GEMM tile (m, n), its k step, then the reduce tile (m, n).
-    ``flat``: one program per block, the recipe's grid.
+    ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
     """
     config = helion.Config(
         block_sizes=[block_m, block_n, block_k, reduce_m, block_n], num_warps=num_warps, num_stages=num_stages,

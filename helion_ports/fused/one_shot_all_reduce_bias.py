@@ -65,8 +65,7 @@ def one_shot_all_reduce_bias_body(
 def compiled(block_size: int, num_warps: int) -> helion.Kernel:
     """One Helion kernel per launch configuration, each with an explicit config.
 
-    ``flat``: one program per block, the recipe's grid. (Left to itself, Helion picks a persistent
-    pid type for symmetric-memory kernels: one program per SM, all but ``num_blocks`` idle.)
+    ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
     """
     config = helion.Config(
         block_sizes=[block_size, block_size], num_warps=num_warps, num_stages=1, pid_type="flat"

@@ -72,8 +72,7 @@ def one_shot_all_reduce_bias_rms_norm_body(
 def compiled(num_warps: int) -> helion.Kernel:
     """One Helion kernel per launch configuration, each with an explicit config.
 
-    ``flat``: one program per block, the recipe's grid. (``persistent_blocked``
-    would launch one program per SM and leave all but ``num_blocks`` idle.)
+    ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
     """
     config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="flat")
     return helion.kernel(one_shot_all_reduce_bias_rms_norm_body, config=config, static_shapes=False)
