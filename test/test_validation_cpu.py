@@ -102,7 +102,11 @@ def test_workspace_sizes_are_agreed_before_growing(monkeypatch):
     assert calls == [("agree", ("workspace elements", 5000, "torch.float32")), ("grow", 8192),
                      ("agree", ("workspace elements", 100, "torch.float32"))]
     # A rank whose agreement fails (ranks disagree) never reaches the allocation.
-    monkeypatch.setattr(host, "_agree", lambda *a: (_ for _ in ()).throw(ValueError("ranks disagree")))
+    def disagree(signature, pg, op):
+        calls.append(("agree", signature))
+        raise ValueError("ranks disagree")
+
+    monkeypatch.setattr(host, "_agree", disagree)
     with pytest.raises(ValueError, match="ranks disagree"):
         host.symm_workspace(1 << 20, torch.float32, device, None, "op")
-    assert calls[-1][0] == "agree"
+    assert calls[-1] == ("agree", ("workspace elements", 1 << 20, "torch.float32"))  # and no "grow" after it
