@@ -13,6 +13,7 @@ barrier atomics) and by ``python -m benchmark.inspect``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass
 import os
@@ -111,6 +112,22 @@ def ptx_instructions(ptx: str) -> list[str]:
 def barrier_atomics(ptx: str) -> int:
     """System-scope atomics and acquire/release accesses: the cross-GPU barrier traffic."""
     return sum(1 for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line))
+
+
+def barrier_opcodes(ptx: str) -> collections.Counter:
+    """Opcode of every barrier instruction, e.g. ``{'red.release.sys.global.add.u32': 2, ...}``."""
+    return collections.Counter(line.split()[0] for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line))
+
+
+def signal_rounds(ptx: str) -> int:
+    """Barrier rounds of a kernel that signals through ``kraken._ptx_utils``: each round is one
+    posted send (``add.u32 [slot], 1``) and one consume (``add.u32 [slot], -1`` after the spin)."""
+    lines = [line for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line) and ".sys.global.add.u32" in line]
+    sends = sum(1 for line in lines if line.endswith("], 1;"))
+    consumes = sum(1 for line in lines if line.endswith("], 4294967295;"))
+    if sends != consumes or sends + consumes != len(lines):
+        raise AssertionError(f"{sends} signal sends, {consumes} consumes: {lines}")
+    return sends
 
 
 def sass_instructions(launch: Launch) -> list[str]:
