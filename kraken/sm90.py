@@ -121,12 +121,12 @@ def barrier_opcodes(ptx: str) -> collections.Counter:
 
 def signal_rounds(ptx: str) -> int:
     """Barrier rounds of a kernel that signals through ``kraken._ptx_utils``: each round is one
-    posted send (``add.u32 [slot], 1``) and one consume (``add.u32 [slot], -1`` after the spin)."""
-    lines = [line for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line) and ".sys.global.add.u32" in line]
-    sends = sum(1 for line in lines if line.endswith("], 1;"))
-    consumes = sum(1 for line in lines if line.endswith("], 4294967295;"))
-    if sends != consumes or sends + consumes != len(lines):
-        raise AssertionError(f"{sends} signal sends, {consumes} consumes: {lines}")
+    send (``CAS 0 -> 1`` on a peer's slot) and one wait (``CAS 1 -> 0`` on the local slot)."""
+    lines = [line for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line)]
+    sends = sum(1 for line in lines if ".sys.cas.b32" in line and line.endswith("], 0, 1;"))
+    waits = sum(1 for line in lines if ".sys.cas.b32" in line and line.endswith("], 1, 0;"))
+    if sends != waits:
+        raise AssertionError(f"{sends} signal sends but {waits} waits: {lines}")
     return sends
 
 

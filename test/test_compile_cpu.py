@@ -43,17 +43,16 @@ def test_pair_compiles_for_sm90_with_same_barriers(op_name, pair, world_size):
         )
 
 
-def test_all_reduce_pairs_signal_at_system_scope():
+def test_all_reduce_pairs_sync_with_cas_at_system_scope():
     op = registry.get("all_reduce")
     for pair in op.pairs:
         for module in (pair.triton_module, pair.helion_module):
             (stats,) = compiled_stats(module, pair, 2)
             opcodes = sm90.barrier_opcodes(stats["ptx"])
-            # Two barriers per call, each a posted send (red.add 1 on the peer) and a consume (red.add -1 locally).
-            assert sm90.signal_rounds(stats["ptx"]) == 2, f"{module}: {dict(opcodes)}"
-            assert all(".sys." in op for op in opcodes), f"{module}: {dict(opcodes)}"
-            assert any(op.startswith("ld.acquire") for op in opcodes), f"{module}: no acquiring wait"
-            assert any(op.startswith("red.release") for op in opcodes), f"{module}: no releasing send"
+            # Two barriers per call, each a send (CAS 0->1 on the peer) and a wait (CAS 1->0 locally).
+            assert sm90.signal_rounds(stats["ptx"]) == 2 and sum(opcodes.values()) == 4, f"{module}: {dict(opcodes)}"
+            assert all(".sys.cas.b32" in op for op in opcodes), f"{module}: {dict(opcodes)}"
+            assert any("acquire" in op for op in opcodes) and any("release" in op for op in opcodes)
 
 
 @pytest.mark.parametrize("op_name,pair", PAIRS, ids=[f"{o}:{p.triton}" for o, p in PAIRS])

@@ -44,7 +44,7 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size):
         assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
-    # Two barrier rounds per call: each a posted send to a peer and a consume on the local pad.
+    # Two barrier rounds per call: each a CAS send to a peer and a CAS wait on the local pad.
     assert sm90.signal_rounds(t["ptx"]) == 2, dict(sm90.barrier_opcodes(t["ptx"]))
     assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
     # The twin generates the same kernel: same pipeline buffers, about the same registers and code.

@@ -105,6 +105,4 @@ def test_inspector_prints_both_sides(capsys):
     assert "triton_1shot vs helion_1shot" in out and "triton_2shot vs helion_2shot" in out
     lines = [line for line in out.splitlines() if line.startswith("| triton") or line.startswith("| helion")]
     assert len(lines) == 4
-    atomics = [int(line.rstrip(" |").split("|")[-1]) for line in lines]
-    # Two barriers per call (a send and a consume each, plus the acquiring waits' loads), the same on both sides.
-    assert atomics[0] == atomics[1] >= 5 and atomics[2] == atomics[3] >= 5, atomics
+    assert all(line.rstrip(" |").split("|")[-1].strip() == "4" for line in lines), "4 barrier atomics each"

@@ -30,16 +30,13 @@ def test_inline_sources_embed_the_same_ptx():
 
 
 def test_sync_semantics_follow_the_flags():
-    assert "red.relaxed.sys.global.add.u32" in SYMM_MEM_SYNC_PTX[(False, False)]
-    assert "ld.relaxed.sys.global.u32" in SYMM_MEM_SYNC_PTX[(False, False)]
-    assert "red.release.sys.global.add.u32" in SYMM_MEM_SYNC_PTX[(True, False)]
-    assert "ld.acquire.sys.global.u32" in SYMM_MEM_SYNC_PTX[(False, True)]
+    assert "atom.global.relaxed.sys.cas" in SYMM_MEM_SYNC_PTX[(False, False)]
+    assert "atom.global.release.sys.cas" in SYMM_MEM_SYNC_PTX[(True, False)]
+    assert "atom.global.acquire.sys.cas" in SYMM_MEM_SYNC_PTX[(False, True)]
     both = SYMM_MEM_SYNC_PTX[(True, True)]
-    assert "red.release.sys" in both and "ld.acquire.sys" in both
-    # The send adds one and the wait takes one off: the pad is zero again after every barrier.
-    assert "add.u32 [%rd_pad], 1;" in both and "red.relaxed.sys.global.add.u32 [%rd_pad], 4294967295;" in both
-    for ptx in SYMM_MEM_SYNC_PTX.values():
-        assert "cas" not in ptx and "atom." not in ptx and ptx.count("red.") == 2
+    assert "release.sys.cas" in both and "acquire.sys.cas" in both
+    # The send sets 0 -> 1 and the wait resets 1 -> 0: the pad is zero again after every barrier.
+    assert "], 0, 1;" in both and "], 1, 0;" in both
 
 
 @triton.jit
@@ -62,8 +59,7 @@ def test_every_barrier_compiles_for_sm90():
     data = torch.zeros(4, dtype=torch.int32)
     launch = sm90.Launch(every_barrier_kernel, (flags, data, 0x7F0000001000, 1, 3), {"num_warps": 4}, (1,))
     stats = sm90.kernel_stats(launch)
-    # Sends (red) and consumes (atom): 2 syncs + send_signal/wait_signal twice. Acquire/release
-    # accesses: the acquiring sync's and wait_signal's loads, arrive's st.release, wait's ld.acquire.
-    assert sm90.signal_rounds(stats["ptx"]) == 4
-    assert stats["barrier_atomics"] == 4 + 4 + 4, dict(sm90.barrier_opcodes(stats["ptx"]))
+    # 2 syncs x (send + wait) + 2 x (send_signal + wait_signal) + arrive (st.release) + wait (ld.acquire)
+    assert stats["barrier_atomics"] == 10, stats["barrier_atomics"]
+    assert sm90.signal_rounds(stats["ptx"]) == 4  # the syncs' and send_signal/wait_signal's CAS pairs
     assert "%tid.x" in stats["ptx"] and "%ctaid.y" in stats["ptx"]

@@ -76,8 +76,8 @@ def test_pair_compiles_for_sm90_with_the_same_barriers(pair, world_size, hidden)
     if pair.triton_module.endswith(".rms_norm"):
         assert not t_ops, "the single-GPU rms_norm has no barrier"
     else:
-        # Two barrier rounds per call, each a posted send to the peer and a consume on the local pad.
-        assert sm90.signal_rounds(triton_stats["ptx"]) == 2, dict(t_ops)
+        # Two barrier rounds per call, each a send (CAS 0->1 on the peer) and a wait (CAS 1->0 locally).
+        assert sm90.signal_rounds(triton_stats["ptx"]) == 2 and sum(t_ops.values()) == 4, dict(t_ops)
 
 
 # ---------------------------------------------------------------------------

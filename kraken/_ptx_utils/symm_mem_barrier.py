@@ -5,32 +5,20 @@ peers can reach over NVLink. Block ``b`` of rank ``r`` owns the slots
 ``pad[b * world_size + p]`` for every peer ``p`` on every rank, so one barrier
 needs ``world_size`` slots per block id and never touches another block's.
 
-Every slot is a counting semaphore at system scope:
+A signal is a compare-and-swap at system scope:
 
-* send: ``red.add(slot, 1)`` on the *peer's* pad. A reduction is posted: the
-  thread does not wait for NVLink to answer, so a barrier costs one crossing
-  instead of a compare-and-swap's round trip (about 1 us less per barrier on
-  2x H200, measured on the GEMM + all-reduce recipe).
-* wait: spin on a load of *our own* slot until it is non-zero, then
-  ``red.add(slot, -1)``. The next wait on the slot is this thread's next access
-  to the same address, which the memory model orders after the decrement. Consuming the signal takes it back off the count, so
-  the pad is all zeros again once every barrier has completed. No host reset is
-  ever needed, which is what makes the kernels CUDA-graph safe.
-
-A slot counts rather than toggles, so a peer that runs ahead (it signals the
-next barrier, or the next launch's, before we consumed its last signal) never
-waits and never loses a signal. That is safe because every kernel here pairs
-the same sender with the same waiter on a slot: block ``b`` of rank ``p``
-signals block ``b`` of rank ``r`` on ``pad_r[b * world_size + p]``, and each
-waits as often as the other signals. A kernel that laid out its slots
-differently on the same pad could consume another kernel's late signal.
+* send: spin ``CAS(slot, 0 -> 1)`` on the *peer's* pad until it succeeds. If the
+  slot is still 1, the peer has not consumed the previous signal yet and we wait.
+* wait: spin ``CAS(slot, 1 -> 0)`` on *our own* pad. Consuming the signal resets
+  the slot, so the pad is all zeros again after every completed barrier. No host
+  reset is ever needed, which is what makes the kernels CUDA-graph safe.
 
 ``symm_mem_sync`` runs both in one asm block: thread ``t < world_size`` of the
 block signals peer ``t`` and then waits for peer ``t``'s signal. The send is a
 *release* when the block wrote memory that peers will read ("all my writes before
-this are visible to you"), the wait's load an *acquire* when the block will read
-what peers wrote ("all your writes before your signal are visible to me").
-Otherwise both are relaxed, which is cheaper.
+this are visible to you"), the wait an *acquire* when the block will read what
+peers wrote ("all your writes before your signal are visible to me"). Otherwise
+both are relaxed, which is cheaper.
 
 The PTX below is the only copy of these barriers in the project: the
 ``@triton.jit`` helpers here wrap it, and ``inline_source.py`` embeds the very
@@ -49,20 +37,21 @@ import triton.language as tl
 # ---------------------------------------------------------------------------
 
 
-def _send(addr: str, sem: str) -> str:
-    """Add one to the slot at ``addr`` (posted: no reply is awaited)."""
+def _cas_spin(label: str, addr: str, sem: str, expected: int, desired: int) -> str:
+    """Spin on ``CAS(addr, expected -> desired)`` at system scope until it succeeds."""
     return f"""
-    red.{sem}.sys.global.add.u32 [{addr}], 1;"""
+    {label}:
+    atom.global.{sem}.sys.cas.b32 %r_old, [{addr}], {expected}, {desired};
+    setp.ne.u32 %p_spin, %r_old, {expected};
+    @%p_spin bra {label};"""
+
+
+def _send(addr: str, sem: str) -> str:
+    return _cas_spin("SEND_SIGNAL", addr, sem, 0, 1)
 
 
 def _wait(addr: str, sem: str) -> str:
-    """Spin until the slot at ``addr`` is non-zero, then take one signal off it."""
-    return f"""
-    WAIT_SIGNAL:
-    ld.{sem}.sys.global.u32 %r_old, [{addr}];
-    setp.eq.u32 %p_spin, %r_old, 0;
-    @%p_spin bra WAIT_SIGNAL;
-    red.relaxed.sys.global.add.u32 [{addr}], 4294967295;"""
+    return _cas_spin("WAIT_SIGNAL", addr, sem, 1, 0)
 
 
 def _signal_ptx(spin: str) -> str:
@@ -78,7 +67,7 @@ def _sync_ptx(send_sem: str, wait_sem: str) -> str:
     # $0: dummy output, $1: device array of every rank's signal-pad address
     # (uint64[world_size]), $2: block id, $3: rank, $4: world size.
     return f"""{{
-    .reg .u32 %r_tid, %r_old;
+    .reg .u32 %r_tid, %r_slot, %r_old;
     .reg .u64 %rd_pad, %rd_off;
     .reg .pred %p_idle, %p_spin;
     mov.u32 %r_tid, %tid.x;
@@ -87,14 +76,14 @@ def _sync_ptx(send_sem: str, wait_sem: str) -> str:
     mul.wide.u32 %rd_off, %r_tid, 8;
     add.u64 %rd_pad, $1, %rd_off;
     ld.global.u64 %rd_pad, [%rd_pad];
-    mad.lo.u32 %r_old, $2, $4, $3;
-    mul.wide.u32 %rd_off, %r_old, 4;
+    mad.lo.u32 %r_slot, $2, $4, $3;
+    mul.wide.u32 %rd_off, %r_slot, 4;
     add.u64 %rd_pad, %rd_pad, %rd_off;{_send("%rd_pad", send_sem)}
     mul.wide.u32 %rd_off, $3, 8;
     add.u64 %rd_pad, $1, %rd_off;
     ld.global.u64 %rd_pad, [%rd_pad];
-    mad.lo.u32 %r_old, $2, $4, %r_tid;
-    mul.wide.u32 %rd_off, %r_old, 4;
+    mad.lo.u32 %r_slot, $2, $4, %r_tid;
+    mul.wide.u32 %rd_off, %r_slot, 4;
     add.u64 %rd_pad, %rd_pad, %rd_off;{_wait("%rd_pad", wait_sem)}
     SYNC_DONE:
     mov.u32 $0, 0;
@@ -152,7 +141,7 @@ def get_flat_bid():
 
 @triton.jit
 def send_signal(addr, sem: tl.constexpr = "release"):
-    """Add one signal to the uint32 slot at ``addr`` (usually on a peer's pad); never waits."""
+    """Set the uint32 slot at ``addr`` (usually on a peer) from 0 to 1, spinning while it is 1."""
     if sem == "release":
         tl.inline_asm_elementwise(_SEND_RELEASE, _SIGNAL_CONSTRAINTS, [addr], dtype=tl.int32, is_pure=False, pack=1)
     else:
@@ -161,7 +150,7 @@ def send_signal(addr, sem: tl.constexpr = "release"):
 
 @triton.jit
 def wait_signal(addr, sem: tl.constexpr = "acquire"):
-    """Wait until the uint32 slot at ``addr`` holds a signal and take it off."""
+    """Wait until the uint32 slot at ``addr`` is 1 and reset it to 0."""
     if sem == "acquire":
         tl.inline_asm_elementwise(_WAIT_ACQUIRE, _SIGNAL_CONSTRAINTS, [addr], dtype=tl.int32, is_pure=False, pack=1)
     else:
