@@ -43,23 +43,26 @@ def two_shot_all_reduce_bias_body(
         barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
         for owner in hl.static_range(world_size):
             start = owner * shard + block * chunk
-            for tile in hl.tile(start, min(start + chunk, owner * shard + shard, numel)):
-                workspace[0, tile] = x[tile]
+            for tile in hl.tile(start, start + chunk):
+                in_range = (tile.index < numel) & (tile.index < owner * shard + shard)
+                hl.store(workspace, [0, tile], hl.load(x, [tile], extra_mask=in_range), extra_mask=in_range)
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         start = rank * shard + block * chunk
-        for tile in hl.tile(start, min(start + chunk, rank * shard + shard, numel)):
-            acc = hl.load(peers[0], [0, tile]).to(torch.float32)
+        for tile in hl.tile(start, start + chunk):
+            in_range = (tile.index < numel) & (tile.index < rank * shard + shard)
+            acc = hl.load(peers[0], [0, tile], extra_mask=in_range).to(torch.float32)
             for r in hl.static_range(1, world_size):
-                acc = acc + hl.load(peers[r], [0, tile]).to(torch.float32)
-            acc = acc + hl.load(bias, [tile.index % hidden]).to(torch.float32)
+                acc = acc + hl.load(peers[r], [0, tile], extra_mask=in_range).to(torch.float32)
+            acc = acc + hl.load(bias, [tile.index % hidden], extra_mask=in_range).to(torch.float32)
             result = acc.to(out.dtype)
             for r in hl.static_range(world_size):
-                hl.store(peers[r], [1, tile], result)
+                hl.store(peers[r], [1, tile], result, extra_mask=in_range)
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         for owner in hl.static_range(world_size):
             start = owner * shard + block * chunk
-            for tile in hl.tile(start, min(start + chunk, owner * shard + shard, numel)):
-                out[tile] = workspace[1, tile]
+            for tile in hl.tile(start, start + chunk):
+                in_range = (tile.index < numel) & (tile.index < owner * shard + shard)
+                hl.store(out, [tile], hl.load(workspace, [1, tile], extra_mask=in_range), extra_mask=in_range)
     return out
 
 
