@@ -111,11 +111,11 @@ def ptx_instructions(ptx: str) -> list[str]:
 
 def barrier_atomics(ptx: str) -> int:
     """System-scope atomics and acquire/release accesses: the cross-GPU barrier traffic."""
-    return sum(1 for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line))
+    return sum(barrier_opcodes(ptx).values())
 
 
 def barrier_opcodes(ptx: str) -> collections.Counter:
-    """Opcode of every barrier instruction, e.g. ``{'red.release.sys.global.add.u32': 2, ...}``."""
+    """Opcode of every barrier instruction, e.g. ``{'atom.global.release.sys.cas.b32': 1, ...}``."""
     return collections.Counter(line.split()[0] for line in ptx_instructions(ptx) if _SYS_ATOMIC.search(line))
 
 

@@ -17,8 +17,6 @@ PAIRS = [(op.name, pair) for op in registry.load_all().values() for pair in op.p
 WORLD_SIZES = (2, 3, 8)
 
 
-
-
 def compiled_stats(module_path: str, pair: registry.Pair, world_size: int) -> list[dict]:
     with sm90.capture_launches() as launches:
         pair.example(importlib.import_module(module_path), world_size)

@@ -25,8 +25,6 @@ twin = importlib.import_module(TWIN)
 SHAPE_CLASSES = {"small_m": ((64, 4096, 4096), torch.bfloat16), "large_m": ((1024, 4096, 4096), torch.float32)}
 
 
-
-
 def compile_stats(module, shape, world_size: int, out_dtype) -> dict:
     with sm90.capture_launches() as launches:
         gemm_all_reduce.example(module, world_size, shape=shape, out_dtype=out_dtype)

@@ -37,8 +37,6 @@ PAIRS = [pair for op in ("all_reduce_bias", "all_reduce_bias_rms_norm") for pair
 PAD_BYTES = 9216  # torch 2.11's default signal pad
 
 
-
-
 def compiled(module_path: str, world_size: int, hidden: int) -> dict:
     with sm90.capture_launches() as launches:
         example_launch(importlib.import_module(module_path), world_size, (7, hidden))
