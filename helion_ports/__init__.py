@@ -5,3 +5,19 @@ exactly the recipe's ``num_blocks`` programs, and the grid index is the barrier'
 itself, Helion 1.5 picks a persistent pid type for kernels with symmetric-memory arguments: one
 program per SM, all but ``num_blocks`` of them idle. An explicit ``pid_type`` is honoured.
 """
+
+from __future__ import annotations
+
+import functools
+
+import helion
+
+
+@functools.cache
+def flat_kernel(body, block_sizes: tuple[int, ...], num_warps: int, num_stages: int = 1) -> helion.Kernel:
+    """``body`` as a Helion kernel with one explicit config: the given block sizes (in loop order),
+    warps and stages, ``pid_type="flat"`` (above) and ``static_shapes=False``. Cached per config."""
+    config = helion.Config(
+        block_sizes=list(block_sizes), num_warps=num_warps, num_stages=num_stages, pid_type="flat"
+    )
+    return helion.kernel(body, config=config, static_shapes=False)

@@ -21,6 +21,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
+from helion_ports import flat_kernel
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.one_shot_all_reduce import plan, prepare  # shared with the Triton recipe
 
@@ -62,8 +63,7 @@ def compiled(block_size: int, num_warps: int) -> helion.Kernel:
 
     ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
     """
-    config = helion.Config(block_sizes=[block_size], num_warps=num_warps, num_stages=1, pid_type="flat")
-    return helion.kernel(one_shot_all_reduce_body, config=config, static_shapes=False)
+    return flat_kernel(one_shot_all_reduce_body, (block_size,), num_warps)
 
 
 def launch(

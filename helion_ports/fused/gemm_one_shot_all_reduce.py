@@ -27,6 +27,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
+from helion_ports import flat_kernel
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.gemm_one_shot_all_reduce import plan, prepare  # shared with the Triton recipe
 
@@ -81,11 +82,8 @@ def compiled(block_m: int, block_n: int, block_k: int, reduce_m: int, num_warps:
     ``block_sizes`` follow the loops: the GEMM tile (m, n), its k step, then the reduce tile (m, n).
     ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
     """
-    config = helion.Config(
-        block_sizes=[block_m, block_n, block_k, reduce_m, block_n], num_warps=num_warps, num_stages=num_stages,
-        pid_type="flat",
-    )
-    return helion.kernel(gemm_one_shot_all_reduce_body, config=config, static_shapes=False)
+    block_sizes = (block_m, block_n, block_k, reduce_m, block_n)
+    return flat_kernel(gemm_one_shot_all_reduce_body, block_sizes, num_warps, num_stages)
 
 
 def launch(

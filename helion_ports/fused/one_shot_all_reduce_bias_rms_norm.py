@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
+from helion_ports import flat_kernel
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
 
@@ -74,8 +75,7 @@ def compiled(num_warps: int) -> helion.Kernel:
 
     ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
     """
-    config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="flat")
-    return helion.kernel(one_shot_all_reduce_bias_rms_norm_body, config=config, static_shapes=False)
+    return flat_kernel(one_shot_all_reduce_bias_rms_norm_body, (), num_warps)
 
 
 def launch(

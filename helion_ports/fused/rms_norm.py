@@ -19,6 +19,7 @@ import helion
 import helion.language as hl
 import torch
 
+from helion_ports import flat_kernel
 from kraken.fused.rms_norm import plan, prepare  # shared with the Triton recipe
 
 
@@ -40,8 +41,7 @@ def rms_norm_body(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps:
 @functools.cache
 def compiled(num_warps: int) -> helion.Kernel:
     """One Helion kernel per launch configuration, each with an explicit config."""
-    config = helion.Config(block_sizes=[], num_warps=num_warps, num_stages=1, pid_type="flat")
-    return helion.kernel(rms_norm_body, config=config, static_shapes=False)
+    return flat_kernel(rms_norm_body, (), num_warps)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int) -> torch.Tensor:
