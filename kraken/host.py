@@ -19,7 +19,7 @@ fails on that rank while the others wait for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 import math
 
 import torch
@@ -167,6 +167,17 @@ def _agree(signature: tuple, group: dist.ProcessGroup, op: str) -> None:
         raise ValueError(f"{op}: ranks disagree on the input's shape/dtype ({per_rank})")
 
 
+_agreed: set[tuple] = set()
+
+
+def agree_once(signature: tuple, group: dist.ProcessGroup | str | None, op: str) -> None:
+    """``_agree`` the first time this process sees ``signature`` (a collective then; a set lookup after)."""
+    pg = resolve_group(group, op)
+    if (signature, pg.group_name) not in _agreed:
+        _agree(signature, pg, op)
+        _agreed.add((signature, pg.group_name))
+
+
 def symm_context(
     tensor: torch.Tensor, group: dist.ProcessGroup | str | None, op: str, name: str = "tensor"
 ) -> SymmContext:
@@ -249,3 +260,104 @@ def symm_workspace(
         buf = symm_empty(size, dtype, device, pg)
         _workspaces[key] = buf
     return buf[:numel]
+
+
+# ---------------------------------------------------------------------------
+# Block-owned, double-buffered symmetric workspace (kernels with no trailing barrier)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockWorkspace:
+    """A symmetric buffer cut into two halves of ``num_chunks`` chunks of ``chunk_bytes`` each.
+
+    Block ``b`` of a kernel only ever writes chunk ``b`` of half ``parity[b]`` and
+    flips ``parity[b]`` when it finishes; a peer reads that chunk only through its
+    own block ``b``. A launch therefore writes the half that the previous launch of
+    block ``b`` did not, and the launch before that is finished on every rank: each
+    launch passes at least one barrier with every peer, and a peer's kernel starts
+    only after its previous one ended. No "done reading" barrier at the end of a
+    kernel, whatever the shapes and grids of the launches in between.
+    """
+
+    flat: SymmContext  # peers: every rank's whole buffer, uint8
+    parity: torch.Tensor  # int32[num_chunks], local; which half block b writes next
+    num_chunks: int
+    chunk_bytes: int
+
+    _contexts: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def context(self, dtype: torch.dtype, tile: tuple[int, ...]) -> SymmContext:
+        """The workspace as a kernel takes it: ``peers[r]`` is rank r's buffer viewed as
+        [2, num_chunks, tiles per chunk, *tile] of ``dtype`` (strided: chunks keep their byte size)."""
+        key = (dtype, tile)
+        if key not in self._contexts:
+            tile_elems = math.prod(tile)
+            chunk_elems = self.chunk_bytes // dtype.itemsize
+            shape = (2, self.num_chunks, chunk_elems // tile_elems, *tile)
+            tile_strides = tuple(math.prod(tile[i + 1:]) for i in range(len(tile)))
+            strides = (self.num_chunks * chunk_elems, chunk_elems, tile_elems, *tile_strides)
+            peers = tuple(p.view(dtype).as_strided(shape, strides) for p in self.flat.peers)
+            self._contexts[key] = replace(self.flat, peers=peers)
+        return self._contexts[key]
+
+
+_block_workspaces: dict[tuple, BlockWorkspace] = {}
+_retired: list[BlockWorkspace] = []  # outgrown buffers: a peer may still be reading one, so never freed
+
+
+def block_workspace(
+    chunk_bytes: int, device: torch.device, group: dist.ProcessGroup | str | None, op: str
+) -> BlockWorkspace:
+    """The cached ``BlockWorkspace`` of (device, group), with chunks of at least ``chunk_bytes`` (collective
+    when it grows; each new request size is first checked across ranks, as in ``symm_workspace``)."""
+    pg = resolve_group(group, op)
+    key = (device, pg.group_name)
+    ws = _block_workspaces.get(key)
+    if ws is not None and ws.chunk_bytes >= chunk_bytes:
+        return ws
+    if (key, op, chunk_bytes) not in _workspace_requests:
+        _agree(("block workspace bytes", chunk_bytes), pg, op)
+        _workspace_requests.add((key, op, chunk_bytes))
+    num_chunks = torch.cuda.get_device_properties(device).multi_processor_count
+    size = 1 << max(16, math.ceil(math.log2(chunk_bytes)))
+    if ws is not None:
+        _retired.append(ws)
+        size = max(size, 2 * ws.chunk_bytes)
+    buf = symm_mem.empty(2 * num_chunks * size, dtype=torch.uint8, device=device)
+    parity = torch.zeros(num_chunks, dtype=torch.int32, device=device)
+    ws = BlockWorkspace(symm_context(buf, pg, op, name="block workspace"), parity, num_chunks, size)
+    _block_workspaces[key] = ws
+    return ws
+
+
+_local_pads: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def local_barrier_pads(device: torch.device) -> int:
+    """Signal pads for a barrier between blocks of one GPU, as ``symm_mem_sync`` takes them.
+
+    ``symm_mem_sync(pads, group, party, parties)`` then synchronises ``parties``
+    (<= 8) blocks of the same launch on this GPU, ``group`` < the SM count: the
+    same CAS slots and self-resetting protocol as the cross-GPU barrier, with
+    "party" in the role of rank. Returns the device address of the pointer array.
+    """
+    if device not in _local_pads:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        pads = torch.zeros(MAX_WORLD_SIZE, num_sms * MAX_WORLD_SIZE, dtype=torch.int32, device=device)
+        ptrs = torch.tensor([row.data_ptr() for row in pads], dtype=torch.int64, device=device)
+        _local_pads[device] = (pads, ptrs)
+    return _local_pads[device][1].data_ptr()
+
+
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def local_scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached uninitialised local tensor of ``shape`` (one per device and dtype; grows, never shrinks)."""
+    numel = math.prod(shape)
+    buf = _scratch.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _scratch[(device, dtype)] = buf
+    return buf[:numel].view(shape)

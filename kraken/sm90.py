@@ -3,7 +3,7 @@
 ``capture_launches()`` intercepts every Triton launch (a kraken recipe's
 ``kernel[grid](...)`` and the launch inside a Helion kernel's generated host
 code alike) and records the kernel with its exact arguments instead of running
-it. ``compile_sm90`` then pushes a recorded launch through Triton's own argument
+it; Helion is told the target has an H100/H200's SM count and TMA. ``compile_sm90`` then pushes a recorded launch through Triton's own argument
 binder and compiler for an H100/H200 target, and ``kernel_stats`` reads the
 numbers the code inspector prints.
 
@@ -44,11 +44,13 @@ class Launch:
 @contextlib.contextmanager
 def capture_launches() -> Iterator[list[Launch]]:
     """Record Triton launches instead of running them (works on a machine with no GPU)."""
+    import helion._compat
     import helion.runtime
 
     launches: list[Launch] = []
     real_run = JITFunction.run
     real_num_sm = helion.runtime.get_num_sm
+    real_tma = helion._compat._supports_tensor_descriptor
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(Launch(self, args, kwargs, grid))
@@ -60,11 +62,14 @@ def capture_launches() -> Iterator[list[Launch]]:
 
     JITFunction.run = record
     helion.runtime.get_num_sm = num_sm
+    # Helion asks the current GPU whether it has TMA; the target here is sm_90, which has.
+    helion._compat._supports_tensor_descriptor = lambda: True
     try:
         yield launches
     finally:
         JITFunction.run = real_run
         helion.runtime.get_num_sm = real_num_sm
+        helion._compat._supports_tensor_descriptor = real_tma
 
 
 def compile_sm90(launch: Launch):

@@ -1,20 +1,24 @@
 """Helion twin of ``kraken.fused.gemm_one_shot_all_reduce``: same function, same arguments.
 
-The structure mirrors the Triton recipe one to one:
+The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are shared):
 
-* ``hl.grid(num_blocks)`` is the persistent grid; the grid index is the
-  barrier's block id, identical on every rank, and picks the block's region of
-  the output (``plan`` is shared with the recipe);
-* the GEMM is a 2-D ``hl.tile`` over that region, its end clipped to
-  ``[m, n]`` so Helion's masks cover the tails, with an ``hl.tile`` over k and
-  ``hl.dot`` into an fp32 accumulator; the reduce is a second 2-D ``hl.tile``
-  over the same region, with its own tile size;
-* the config is explicit: ``block_sizes`` are the GEMM tile (m, n), its k step
-  and the reduce tile (m, n), in loop order, from the recipe's ``plan``;
+* ``hl.grid(num_groups * split_k)`` is the persistent grid; the grid index is
+  the barrier's block id, identical on every rank. Block ``b`` is split
+  ``b % split_k`` of group ``b // split_k``, which owns tiles ``g, g + groups, ...``,
+  one per round (``hl.grid(rounds)``; a round past the last tile has empty loops
+  and only keeps the barriers paired);
+* the GEMM is a 2-D ``hl.tile`` over one tile, its end clipped to ``[m, n]``,
+  with an ``hl.tile`` over this split's k range and ``hl.dot`` into fp32. ``a``
+  and ``b`` load through tensor descriptors (TMA), as in the recipe;
+* with a k split, the partial goes to local scratch, the group meets at the same
+  PTX barrier over local pads, and each block sums its slice of rows;
 * the barriers are the kraken PTX, pasted in with ``hl.inline_triton``; the
-  peers' workspaces arrive as one tuple, walked with ``hl.static_range``, and
-  the local workspace is written through its own argument.
+  peers' workspaces arrive as one tuple, walked with ``hl.static_range``; the
+  local workspace is written through its own argument, and the block's parity
+  flips at the end (``host.BlockWorkspace``: no trailing barrier).
 
+The config is explicit: ``block_sizes`` follow the loops (the GEMM tile m, n, its k step, the
+slice's rows and columns, the reduce tile m, n), from the recipe's ``plan``.
 Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
 """
 
@@ -27,63 +31,92 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.gemm_one_shot_all_reduce import plan, prepare  # shared with the Triton recipe
+from kraken.fused.gemm_one_shot_all_reduce import plan, prepare, tma_operands  # shared with the Triton recipe
 
-# "My partial tiles are visible to you, yours to me" (release + acquire), then "done reading yours" (release).
-SYNC_PARTIALS = SYMM_MEM_SYNC[(True, True)]
-SYNC_END = SYMM_MEM_SYNC[(True, False)]
+# Both barriers are "my writes are visible to you, yours to me" (release + acquire): the k-split
+# group's over local pads, then the ranks' over the workspace's signal pad.
+SYNC = SYMM_MEM_SYNC[(True, True)]
+# Per load/store, in program order: the parity load, the ``a`` and ``b`` loads through tensor
+# descriptors (TMA, as in the recipe), then pointers; keyed by "has a k split".
+INDEXING = {False: ["pointer"] + ["tensor_descriptor"] * 2 + ["pointer"] * 40,
+            True: ["pointer"] + ["tensor_descriptor"] * 2 + ["pointer"] * 40}
 
 
 def gemm_one_shot_all_reduce_body(
     a: torch.Tensor,
     b: torch.Tensor,
+    partials: torch.Tensor,
     workspace: torch.Tensor,
     peers: tuple[torch.Tensor, ...],
+    parity: torch.Tensor,
     out: torch.Tensor,
     signal_pad_ptrs: int,
-    num_blocks: int,
-    region_m: int,
-    region_n: int,
+    split_pad_ptrs: int,
+    num_groups: int,
+    k_per_split: int,
     rank: int,
     world_size: hl.constexpr,
+    split_k: hl.constexpr,
+    block_m: hl.constexpr,
+    block_n: hl.constexpr,
     group_name: hl.ProcessGroupName,
 ) -> torch.Tensor:
     m, k = a.size()
     n = b.size(1)
-    for block in hl.grid(num_blocks):
-        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
-        regions_n = (n + region_n - 1) // region_n
-        m_begin = block // regions_n * region_m
-        n_begin = block % regions_n * region_n
-        region_end = [min(m_begin + region_m, m), min(n_begin + region_n, n)]
-        for tile_m, tile_n in hl.tile([m_begin, n_begin], region_end):
-            acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-            for tile_k in hl.tile(k):
-                acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
-            workspace[tile_m, tile_n] = acc.to(workspace.dtype)
-        # All my partial tiles are visible to peers; theirs (the same region: same block id) to me.
-        hl.inline_triton(SYNC_PARTIALS, args=barrier, output_like=None)
-        for tile_m, tile_n in hl.tile([m_begin, n_begin], region_end):
-            acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-            for r in hl.static_range(world_size):
-                acc = acc + hl.load(peers[r], [tile_m, tile_n]).to(torch.float32)
-            out[tile_m, tile_n] = acc.to(out.dtype)
-        # Done reading peers' workspaces: the next launch may overwrite them.
-        hl.inline_triton(SYNC_END, args=barrier, output_like=None)
+    slice_m = block_m // split_k
+    tiles_n = (n + block_n - 1) // block_n
+    num_tiles = (m + block_m - 1) // block_m * tiles_n
+    for block in hl.grid(num_groups * split_k):
+        group = block // split_k
+        split = block % split_k
+        half = parity[block]
+        k_begin = split * k_per_split
+        for rnd in hl.grid((num_tiles + num_groups - 1) // num_groups):
+            tile = group + rnd * num_groups
+            m0 = tile // tiles_n * block_m
+            n0 = tile % tiles_n * block_n
+            for tile_m, tile_n in hl.tile([m0, n0], [min(m0 + block_m, m), min(n0 + block_n, n)]):
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(k_begin, min(k_begin + k_per_split, k)):
+                    acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
+                if split_k == 1:
+                    workspace[half, block, rnd, tile_m.index - m0, tile_n.index - n0] = acc.to(workspace.dtype)
+                else:
+                    partials[block, rnd % 2, tile_m.index - m0, tile_n.index - n0] = acc
+            if split_k > 1:
+                hl.inline_triton(SYNC, args={"signal_pad_ptrs": split_pad_ptrs, "block_id": group, "rank": split, "world_size": split_k}, output_like=None)
+                for tile_r, tile_c in hl.tile([split * slice_m, 0], [(split + 1) * slice_m, block_n]):
+                    part = hl.zeros([tile_r, tile_c], dtype=torch.float32)
+                    for s in hl.static_range(split_k):
+                        part = part + partials[group * split_k + s, rnd % 2, tile_r, tile_c]
+                    workspace[half, block, rnd, tile_r, tile_c] = part.to(workspace.dtype)
+            hl.inline_triton(SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}, output_like=None)
+            for tile_m, tile_n in hl.tile([m0 + split * slice_m, n0], [min(m0 + (split + 1) * slice_m, m), min(n0 + block_n, n)]):
+                total = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for r in hl.static_range(world_size):
+                    total = total + hl.load(peers[r], [half, block, rnd, tile_m.index - m0, tile_n.index - n0]).to(torch.float32)
+                out[tile_m, tile_n] = total.to(out.dtype)
+        parity[block] = 1 - half
     return out
 
 
 @functools.cache
-def compiled(block_m: int, block_n: int, block_k: int, reduce_m: int, num_warps: int, num_stages: int) -> helion.Kernel:
+def compiled(
+    block_m: int, block_n: int, block_k: int, split_k: int, reduce_m: int, num_warps: int, num_stages: int
+) -> helion.Kernel:
     """One Helion kernel per launch configuration, each with an explicit config.
 
-    ``block_sizes`` follow the loops: the GEMM tile (m, n), its k step, then the reduce tile (m, n).
-    ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
+    ``block_sizes`` follow the loops: the GEMM tile (m, n), its k step, the k split's slice
+    (rows, columns: one step; no such loop without a split), the reduce tile (m, n). ``indexing="tensor_descriptor"``: TMA
+    where Helion can use it (``a``, ``b``), pointers elsewhere. ``pid_type="flat"``: the
+    recipe's grid, one program per block (see ``helion_ports``).
     """
-    block_sizes = (block_m, block_n, block_k, reduce_m, block_n)
-    return flat_kernel(gemm_one_shot_all_reduce_body, block_sizes, num_warps, num_stages)
+    config = helion.Config(
+        block_sizes=[block_m, block_n, block_k, *([block_m // split_k, block_n] if split_k > 1 else []), reduce_m, block_n],
+        num_warps=num_warps, num_stages=num_stages, pid_type="flat", indexing=INDEXING[split_k > 1],
+    )
+    return helion.kernel(gemm_one_shot_all_reduce_body, config=config, static_shapes=False)
 
 
 def launch(
@@ -93,27 +126,40 @@ def launch(
     out: torch.Tensor,
     signal_pad_ptrs: int,
     rank: int,
+    parity: torch.Tensor,
+    partials: torch.Tensor,
+    split_pad_ptrs: int,
     block_m: int,
     block_n: int,
     block_k: int,
+    split_k: int,
     reduce_m: int,
     num_warps: int,
     num_stages: int,
     num_blocks: int,
-    region_m: int,
-    region_n: int,
+    num_groups: int,
+    k_per_split: int,
     group_name: str = "",
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_one_shot_all_reduce.launch``.
 
-    ``peers[rank]`` goes in twice: as ``workspace``, the top-level argument the GEMM stores through
+    ``peers[rank]`` goes in twice: as ``workspace``, the top-level argument the kernel stores through
     (Helion cannot store through a tuple element; it sees the same tensor and passes one pointer),
     and inside ``peers``. Every size the body uses comes from top-level tensors, which is what makes
     Helion 1.5.0 re-specialize when a shape changes bucket (it ignores sizes inside tuples).
     """
-    compiled(block_m, block_n, block_k, reduce_m, num_warps, num_stages)(
-        a, b, peers[rank], peers, out, signal_pad_ptrs, num_blocks, region_m, region_n, rank, len(peers), group_name
+    a, b = tma_operands(a, b)
+    # Helion 1.5.0 specialises a size-1 dimension and then drops the row mask of a store through a
+    # taller tile (every row of the tile lands on row 0). So M = 1 runs on two rows, the second zero.
+    staged = out if a.shape[0] > 1 else out.new_empty(2, out.shape[1])
+    if a.shape[0] == 1:
+        a = torch.cat([a, a.new_zeros(a.shape)])
+    compiled(block_m, block_n, block_k, split_k, reduce_m, num_warps, num_stages)(
+        a, b, partials, peers[rank], peers, parity, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
+        rank, len(peers), split_k, block_m, block_n, group_name,
     )
+    if staged is not out:
+        out.copy_(staged[:1])
     return out
 
 

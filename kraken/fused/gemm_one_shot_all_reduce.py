@@ -2,41 +2,41 @@
 
 The row-parallel linear layer of tensor parallelism: every rank holds a slice of
 the reduction dimension, computes a partial product and the partials are summed.
-Here the GEMM and the all-reduce share one persistent launch. The output is
-cut into one rectangular region per block, a whole number of ``BLOCK_M x
-BLOCK_N`` tiles each (``plan`` picks the regions so that the busiest block has
-as few tiles as the grid allows). Block ``b`` of every rank owns region ``b``:
+The output is cut into ``BLOCK_M x BLOCK_N`` tiles. The persistent grid is
+``groups x SPLIT_K`` blocks; group ``g`` takes tiles ``g, g + groups, ...``, one
+per round, and its ``SPLIT_K`` blocks each multiply one k-slice of the tile (small
+M has too few tiles to keep the SMs streaming ``b``; splitting k keeps them busy).
+In each round, block ``b`` of every rank:
 
-1. GEMM: block ``b`` computes every tile of its region of the local ``a @ b``
-   (``tl.dot``, fp32 accumulation) and stores it into the rank's symmetric
-   workspace;
-2. barrier (release + acquire) for block id ``b``: "my region is visible to
-   you" and "yours to me". Block ``b`` of each peer wrote exactly the region
-   that block ``b`` reduces, so one barrier round per block suffices, however
-   many tiles the region holds;
-3. reduce: sum the region over every rank's workspace, in rank order (bitwise
-   identical on every rank), accumulating in fp32, and write ``out``;
-4. barrier (release): "I am done reading your workspace". The next launch
-   overwrites the workspace only after every block of this one has passed it,
-   so back-to-back launches (and CUDA-graph replays) need no other barrier.
+1. GEMM: loads ``a`` and ``b`` through TMA descriptors, ``tl.dot`` into fp32;
+2. with a k split, stores its fp32 partial, meets its group at a local barrier
+   (the same CAS barrier as across GPUs, over pads in local memory), and sums its
+   ``BLOCK_M / SPLIT_K`` rows of the tile over the group's partials;
+3. stores those rows (the rank's partial, in ``out_dtype``) into its chunk of
+   the symmetric workspace;
+4. barrier (release + acquire) with block ``b`` of every peer: "my rows are
+   visible to you, yours to me". Block ``b`` of each peer wrote exactly the rows
+   that block ``b`` reduces;
+5. reduce: sums those rows over every rank's chunk ``b``, in rank order (bitwise
+   identical on every rank), in fp32, and writes ``out``.
 
-Two barrier rounds per call, whatever the shape: the grid is persistent, at
-most one block per SM and within the signal pad's budget.
+No barrier at the end: the workspace is a ``host.BlockWorkspace``, double
+buffered per block, so the next launch writes the other half while a peer may
+still be reading this one. One cross-GPU barrier round per tile a block owns.
 
 The workspace holds partials in ``out_dtype``: fp32 partials for an fp32 output
 (no rounding before the sum), bf16 partials for a bf16 output, which halves the
 bytes crossing NVLink and rounds each partial once, as ``torch.matmul`` followed
-by a bf16 all-reduce does.
+by a bf16 all-reduce does. A k split sums its partials in fp32 first.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
@@ -44,91 +44,118 @@ from kraken._ptx_utils import symm_mem_sync
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
+TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides; others are padded (``tma_operands``)
 
-# Tile configs, largest tile first, swept on 2x H200 (``python -m benchmark.tune gemm_all_reduce``).
-# ``default_config`` takes the largest tile that still gives at least ``MIN_TILES_PER_SM`` of the
-# SMs a tile: large M is bound by the tensor cores and wants 128 x 256 tiles; small M is bound by
-# streaming ``b`` (and by re-reading ``a`` once per column of tiles) and wants enough blocks in
-# flight, so narrower tiles with a deeper k step. Any key may be overridden per call.
-# ``max_blocks`` None: one block per SM. ``reduce_m`` None: from ``reduce_rows``.
+# Tile configs, largest first, swept on 2x H200 (``python -m benchmark.tune gemm_all_reduce`` and a
+# probe of the recipe itself). Large M is bound by the tensor cores and wants the largest tile that
+# still gives ``MIN_TILES_PER_SM`` of the SMs a tile. Small M is bound by streaming ``b`` and has too
+# few tiles: ``split_k`` then cuts k so that tiles x split_k fills the SMs (up to ``MAX_SPLIT_K``). Any key may be
+# overridden per call. ``max_blocks`` None: one block per SM. ``split_k``/``reduce_m`` None: chosen.
 TILE_CONFIGS = [
-    {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4},
-    {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 5},
-    {"block_m": 128, "block_n": 64, "block_k": 128, "num_warps": 8, "num_stages": 4},
-    {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 5},
-    {"block_m": 64, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3},
+    {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4},
+    {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 6},
 ]
 MIN_TILES_PER_SM = 0.55
-# When a row of a or b is not a multiple of 16 elements, Triton cannot prove 16-byte alignment,
-# loads go element by element without cp.async, and small tiles keep the registers in check.
-UNALIGNED_CONFIG = {
-    "block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 8, "num_stages": 1,
-}
-DEFAULT_CONFIG = {**TILE_CONFIGS[0], "reduce_m": None, "max_blocks": None}  # every key a caller may pass
+MAX_SPLIT_K = 4
+MIN_K_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial than it saves
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "split_k": None, "reduce_m": None, "max_blocks": None}
 # The reduce tile holds about this many values per thread (fp32 sums, and loads from up to 4 ranks in flight).
 REDUCE_VALUES_PER_THREAD = 64
 
 
 @triton.jit
 def gemm_one_shot_all_reduce_kernel(
-    a_ptr,  # [M, K], row-major
-    b_ptr,  # [K, N], row-major
-    workspace_ptr,  # [M, N] in symmetric memory: this rank's partial a @ b
+    a_desc,  # TMA descriptor of a [M, K], BLOCK_M x BLOCK_K boxes
+    b_desc,  # TMA descriptor of b [K, N], BLOCK_K x BLOCK_N boxes
+    partials_ptr,  # [blocks, 2, BLOCK_M, BLOCK_N] fp32, local: k-split partials, double buffered by round
+    workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, tiles per chunk, BLOCK_M, BLOCK_N] in out_dtype
     peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
+    parity_ptr,  # int32[chunks]: the half of the workspace block b writes in this launch
     out_ptr,  # [M, N]
     signal_pad_ptrs,
+    split_pad_ptrs,  # local pads: the k-split group's barrier
     M,
     N,
     K,
-    region_m,  # every block owns a region_m x region_n region of the output (multiples of the tiles)
-    region_n,
+    half_stride,  # workspace strides, in elements
+    chunk_stride,
+    num_groups,
+    k_per_split,
     rank,
     world_size: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    REDUCE_M: tl.constexpr,  # rows per reduce tile: fewer than BLOCK_M keeps world_size loads in registers
+    SPLIT_K: tl.constexpr,
+    REDUCE_M: tl.constexpr,  # rows per reduce step: a slice of a tile, so world_size loads fit in registers
 ):
-    block_id = tl.program_id(0)
-    regions_n = tl.cdiv(N, region_n)
-    m_begin = block_id // regions_n * region_m
-    n_begin = block_id % regions_n * region_n
-    m_end = tl.minimum(m_begin + region_m, M)
-    n_end = tl.minimum(n_begin + region_n, N)
+    TILE: tl.constexpr = BLOCK_M * BLOCK_N
+    SLICE_M: tl.constexpr = BLOCK_M // SPLIT_K  # rows of each tile this block sums over the ranks
+    block = tl.program_id(0)
+    group = block // SPLIT_K
+    split = block % SPLIT_K
+    parity = tl.load(parity_ptr + block)
+    chunk = parity.to(tl.int64) * half_stride + block * chunk_stride
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    cols = tl.arange(0, BLOCK_N)
+    in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + cols[None, :]
+    in_slice = (split * SLICE_M + tl.arange(0, SLICE_M))[:, None] * BLOCK_N + cols[None, :]
 
-    # Offsets are summed in int32 before they meet the pointer: the part hoisted out of the
-    # loops stays 32-bit, which saves ~40 registers over pointer + rows + columns.
-    for m0 in tl.range(m_begin, m_end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        for n0 in tl.range(n_begin, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_ptr + (offs_m[:, None] * K + offs_k[None, :]),
-                            mask=(offs_m[:, None] < m_end) & (offs_k[None, :] < K), other=0.0)
-                b = tl.load(b_ptr + (offs_k[:, None] * N + offs_n[None, :]),
-                            mask=(offs_k[:, None] < K) & (offs_n[None, :] < n_end), other=0.0)
-                acc = tl.dot(a, b, acc)
-            tl.store(workspace_ptr + (offs_m[:, None] * N + offs_n[None, :]), acc.to(workspace_ptr.dtype.element_ty),
-                     mask=(offs_m[:, None] < m_end) & (offs_n[None, :] < n_end))
+    num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    # Every block of a group runs every round, so barriers stay paired even in a last round that
+    # has no tile for some groups (their GEMM is empty and their stores fall outside ``out``).
+    for rnd in tl.range(0, tl.cdiv(num_tiles, num_groups)):
+        tile = group + rnd * num_groups
+        m0 = tile // tiles_n * BLOCK_M
+        n0 = tile % tiles_n * BLOCK_N
+        # TMA fills rows and columns past M, N and K with zeros: no masks in the GEMM.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(k_begin, tl.where(tile < num_tiles, k_end, k_begin), BLOCK_K):
+            acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+        mine = workspace_ptr + chunk + rnd * TILE  # this round's tile in my chunk
+        if SPLIT_K == 1:
+            tl.store(mine + in_tile, acc.to(workspace_ptr.dtype.element_ty))
+        else:
+            scratch = partials_ptr + (rnd % 2) * TILE
+            tl.store(scratch + block * 2 * TILE + in_tile, acc)
+            # Every split's partial of this tile is visible to its whole group (local barrier).
+            symm_mem_sync(split_pad_ptrs, group, split, SPLIT_K, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+            part = tl.zeros([SLICE_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                part += tl.load(scratch + (group * SPLIT_K + s) * 2 * TILE + in_slice)
+            tl.store(mine + in_slice, part.to(workspace_ptr.dtype.element_ty))
 
-    # All my partial tiles are visible to peers; theirs (the same region: same block id) to me.
-    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+        # My slice of this tile is visible to peers; theirs (the same slice: same block id) to me.
+        symm_mem_sync(signal_pad_ptrs, block, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
 
-    for m0 in tl.range(m_begin, m_end, REDUCE_M):
-        offs_m = m0 + tl.arange(0, REDUCE_M)
-        for n0 in tl.range(n_begin, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            offsets = offs_m[:, None] * N + offs_n[None, :]
-            in_range = (offs_m[:, None] < m_end) & (offs_n[None, :] < n_end)
-            acc = tl.zeros([REDUCE_M, BLOCK_N], dtype=tl.float32)
+        for r0 in tl.static_range(0, SLICE_M, REDUCE_M):
+            rows = split * SLICE_M + r0 + tl.arange(0, REDUCE_M)
+            offsets = chunk + rnd * TILE + rows[:, None] * BLOCK_N + cols[None, :]
+            total = tl.zeros([REDUCE_M, BLOCK_N], dtype=tl.float32)
             for r in tl.static_range(world_size):
-                acc += tl.load(peers[r] + offsets, mask=in_range).to(tl.float32)
-            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=in_range)
+                total += tl.load(peers[r] + offsets).to(tl.float32)
+            offs_m = m0 + rows
+            offs_n = n0 + cols
+            tl.store(out_ptr + (offs_m[:, None] * N + offs_n[None, :]), total.to(out_ptr.dtype.element_ty),
+                     mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    # The next launch writes the other half: no "done reading" barrier needed (host.BlockWorkspace).
+    tl.store(parity_ptr + block, 1 - parity)
 
-    # Done reading peers' workspaces: the next launch may overwrite them.
-    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
+
+def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` as TMA can load them: if a base or a row is not 16-byte aligned, zero-padded copies
+    (k and n rounded up; the zeros add nothing to the product, and the output keeps the true N)."""
+    (m, k), n = a.shape, b.shape[1]
+    step = TMA_ALIGN // a.element_size()
+    if k % step == 0 and n % step == 0 and a.data_ptr() % TMA_ALIGN == 0 and b.data_ptr() % TMA_ALIGN == 0:
+        return a, b
+    k_pad, n_pad = host.round_up(k, step), host.round_up(n, step)
+    a_pad, b_pad = a.new_zeros(m, k_pad), b.new_zeros(k_pad, n_pad)
+    a_pad[:, :k], b_pad[:k, :n] = a, b
+    return a_pad, b_pad
 
 
 def launch(
@@ -138,91 +165,112 @@ def launch(
     out: torch.Tensor,
     signal_pad_ptrs: int,
     rank: int,
+    parity: torch.Tensor,
+    partials: torch.Tensor,
+    split_pad_ptrs: int,
     block_m: int,
     block_n: int,
     block_k: int,
+    split_k: int,
     reduce_m: int,
     num_warps: int,
     num_stages: int,
     num_blocks: int,
-    region_m: int,
-    region_n: int,
+    num_groups: int,
+    k_per_split: int,
     group_name: str = "",
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
-    ``peers[rank]`` is this rank's workspace; ``group_name`` is unused here (Helion's ``hl.ProcessGroupName``).
+    ``peers`` are every rank's workspace as ``prepare`` views it, ``peers[rank]`` this rank's;
+    ``group_name`` is unused here (Helion's ``hl.ProcessGroupName``).
     """
-    (m, k), n = a.shape, b.shape[1]
+    m, n = out.shape
+    a, b = tma_operands(a, b)
+    workspace = peers[rank]
     gemm_one_shot_all_reduce_kernel[(num_blocks,)](
-        a, b, peers[rank], peers, out, signal_pad_ptrs, m, n, k, region_m, region_n, rank, len(peers),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, REDUCE_M=reduce_m,
+        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
+        partials, workspace, peers, parity, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
+        workspace.stride(0), workspace.stride(1), num_groups, k_per_split, rank, len(peers),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> dict:
-    """This shape's tile config: the largest of ``TILE_CONFIGS`` that keeps enough SMs busy, else the smallest."""
-    if n % 16 or k % 16:
-        return UNALIGNED_CONFIG
+    """This shape's tile config: the largest of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the
+    SMs a tile (and is no taller than M needs); if none does, a k split fills the SMs, on 64 x 128
+    tiles for M <= 64 and 128 x 128 above."""
 
-    def fits(cfg: dict) -> bool:
+    def fills(cfg: dict) -> bool:
         tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
         return cfg["block_m"] <= max(64, m) and tiles >= MIN_TILES_PER_SM * num_sms
 
-    return next((cfg for cfg in TILE_CONFIGS if fits(cfg)), TILE_CONFIGS[-1])
+    return next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[2] if m <= 64 else TILE_CONFIGS[1])
 
 
-def reduce_rows(block_m: int, block_n: int, num_warps: int, world_size: int) -> int:
-    """Rows per reduce tile: as many as fit the register budget, so a block's region crosses NVLink
-    in as few round trips as possible (a whole 64 x 32 tile at a time for decode shapes)."""
+def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int) -> int:
+    """The largest power-of-two k split (<= ``MAX_SPLIT_K``) whose blocks all fit the grid at once and
+    divide k's tiles evenly, at least ``MIN_K_TILES_PER_SPLIT`` each."""
+    k_tiles, split = host.cdiv(k, block_k), 1
+    while (
+        2 * split <= MAX_SPLIT_K
+        and num_tiles * 2 * split <= max_blocks
+        and k_tiles % (2 * split) == 0
+        and k_tiles // (2 * split) >= MIN_K_TILES_PER_SPLIT
+    ):
+        split *= 2
+    return split
+
+
+def reduce_rows(rows: int, block_n: int, num_warps: int, world_size: int) -> int:
+    """Rows per reduce step: as many of ``rows`` as fit the register budget, so a slice crosses NVLink
+    in as few round trips as possible."""
     budget = REDUCE_VALUES_PER_THREAD * 32 * num_warps
-    rows = block_m
-    while rows > 16 and rows * block_n * min(world_size, 4) > budget:
+    while rows > 1 and rows * block_n * min(world_size, 4) > budget:
         rows //= 2
     return rows
 
 
-@functools.lru_cache(maxsize=256)
-def regions(tiles_m: int, tiles_n: int, max_blocks: int) -> tuple[int, int]:
-    """Tiles per block region (rows, cols): the fewest per block, then the most blocks, then the fewest rows."""
-    best = None
-    for blocks_m in range(1, min(tiles_m, max_blocks) + 1):
-        rows = host.cdiv(tiles_m, blocks_m)
-        cols = host.cdiv(tiles_n, max_blocks // host.cdiv(tiles_m, rows))
-        blocks = host.cdiv(tiles_m, rows) * host.cdiv(tiles_n, cols)
-        key = (rows * cols, -blocks, rows)
-        if best is None or key < best[0]:
-            best = (key, rows, cols)
-    return best[1], best[2]
+def _power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
 
 
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
     """Resolve the launch configuration (shared with the Helion port).
 
-    The output is cut into one region per block, a whole number of tiles each,
-    so that the busiest block has as few tiles as the grid allows; the grid is at
-    most one block per SM and within the signal pad's budget.
+    The grid is persistent: ``num_groups`` groups of ``split_k`` blocks, at most one block per SM
+    and within the signal pad's budget; group g owns tiles g, g + num_groups, ...
     """
     host.resolve_config(config, DEFAULT_CONFIG, "gemm_one_shot_all_reduce")  # rejects unknown keys
     cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms), **config}
-    if cfg["reduce_m"] is None:
-        cfg["reduce_m"] = reduce_rows(cfg["block_m"], cfg["block_n"], cfg["num_warps"], world_size)
-    for key in ("block_m", "block_n", "block_k", "reduce_m"):
-        if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"gemm_one_shot_all_reduce: {key} must be a power of two >= 16, got {cfg[key]}")
-    if cfg["reduce_m"] > cfg["block_m"]:
-        raise ValueError(f"gemm_one_shot_all_reduce: reduce_m {cfg['reduce_m']} > block_m {cfg['block_m']}")
-    tiles_m, tiles_n = host.cdiv(max(m, 1), cfg["block_m"]), host.cdiv(max(n, 1), cfg["block_n"])
+    op = "gemm_one_shot_all_reduce"
+    for key in ("block_m", "block_n", "block_k"):
+        if cfg[key] < 16 or not _power_of_two(cfg[key]):
+            raise ValueError(f"{op}: {key} must be a power of two >= 16, got {cfg[key]}")
+    num_tiles = host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
     max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
-    max_blocks = host.persistent_grid(tiles_m * tiles_n, max_blocks, world_size)
-    rows, cols = regions(tiles_m, tiles_n, max_blocks)
-    num_blocks = host.cdiv(tiles_m, rows) * host.cdiv(tiles_n, cols)
-    keys = ("block_m", "block_n", "block_k", "reduce_m", "num_warps", "num_stages")
+    max_blocks = host.persistent_grid(num_sms, max_blocks, world_size)
+    if cfg["split_k"] is None:
+        cfg["split_k"] = split_k_for(num_tiles, k, cfg["block_k"], max_blocks)
+    split = cfg["split_k"]
+    if not _power_of_two(split) or split > min(host.MAX_WORLD_SIZE, cfg["block_m"], max_blocks):
+        raise ValueError(
+            f"{op}: split_k must be a power of two <= min(8, block_m, blocks), got {split}"
+        )
+    slice_m = cfg["block_m"] // split
+    if cfg["reduce_m"] is None:
+        cfg["reduce_m"] = reduce_rows(slice_m, cfg["block_n"], cfg["num_warps"], world_size)
+    if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > slice_m:
+        raise ValueError(f"{op}: reduce_m must be a power of two <= block_m / split_k = {slice_m}, got {cfg['reduce_m']}")
+    num_groups = min(num_tiles, max_blocks // split)
+    keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "num_warps", "num_stages")
     return {
         **{key: cfg[key] for key in keys},
-        "num_blocks": num_blocks, "region_m": rows * cfg["block_m"], "region_n": cols * cfg["block_n"],
+        "num_blocks": num_groups * split,
+        "num_groups": num_groups,
+        "k_per_split": host.cdiv(host.cdiv(k, cfg["block_k"]), split) * cfg["block_k"],
     }
 
 
@@ -251,16 +299,27 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: s
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
 ) -> tuple[host.SymmContext, dict]:
-    """Validate, then rendezvous this shape's workspace (a [M, N] view of the shared symmetric scratch)."""
+    """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
+    ``host.BlockWorkspace`` viewed as [2, chunks, tiles per chunk, BLOCK_M, BLOCK_N] of ``out_dtype``."""
     check_inputs(a, b, out_dtype, op)
     (m, k), n = a.shape, b.shape[1]
-    workspace = host.symm_workspace(m * n, out_dtype, a.device, group, op).view(m, n)
-    # The first use of each shape checks that every rank passes the same one (K included, via the name).
-    ctx = host.symm_context(workspace, group, op, name=f"workspace of ({m}x{k}) @ ({k}x{n})")
+    # The first call of each shape checks that every rank passes the same one.
+    host.agree_once((op, "a @ b", m, k, n, str(a.dtype), str(out_dtype)), group, op)
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    launch_cfg = plan(m, n, k, ctx.world_size, config, num_sms)
-    host.check_barrier_blocks(launch_cfg["num_blocks"], ctx.world_size, op)
-    return ctx, launch_cfg
+    world_size = dist.get_world_size(host.resolve_group(group, op))
+    cfg = plan(m, n, k, world_size, config, num_sms)
+    tile = (cfg["block_m"], cfg["block_n"])
+    rounds = host.cdiv(host.cdiv(m, tile[0]) * host.cdiv(n, tile[1]), cfg["num_groups"])
+    workspace = host.block_workspace(rounds * tile[0] * tile[1] * out_dtype.itemsize, a.device, group, op)
+    host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
+    ctx = workspace.context(out_dtype, tile)
+    split_args = {
+        "parity": workspace.parity,
+        "partials": host.local_scratch((workspace.num_chunks, 2, *tile) if cfg["split_k"] > 1 else (1,),
+                                       torch.float32, a.device),
+        "split_pad_ptrs": host.local_barrier_pads(a.device),
+    }
+    return ctx, {**split_args, **cfg}
 
 
 def gemm_one_shot_all_reduce(
@@ -273,7 +332,8 @@ def gemm_one_shot_all_reduce(
     """``sum over ranks of a @ b`` as a new [M, N] tensor of ``out_dtype`` (bf16 or fp32).
 
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or
-    fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms)``.
+    fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms)``
+    and the chosen ``split_k``/``reduce_m``/``max_blocks`` (see ``plan``).
     """
     ctx, launch_cfg = prepare(a, b, group, out_dtype, "gemm_one_shot_all_reduce", config)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
