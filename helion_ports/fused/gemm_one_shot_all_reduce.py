@@ -62,8 +62,8 @@ def gemm_one_shot_all_reduce_body(
     block_n: hl.constexpr,
     group_name: hl.ProcessGroupName,
 ) -> torch.Tensor:
-    m, k = a.size()
-    n = b.size(1)
+    m, n = out.size()  # a and b may be zero-padded in k and n for TMA (``tma_operands``)
+    k = a.size(1)
     slice_m = block_m // split_k
     tiles_n = (n + block_n - 1) // block_n
     num_tiles = (m + block_m - 1) // block_m * tiles_n
