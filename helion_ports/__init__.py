@@ -14,10 +14,12 @@ import helion
 
 
 @functools.cache
-def flat_kernel(body, block_sizes: tuple[int, ...], num_warps: int, num_stages: int = 1) -> helion.Kernel:
+def flat_kernel(body, block_sizes: tuple[int, ...], num_warps: int, num_stages: int = 1, **settings) -> helion.Kernel:
     """``body`` as a Helion kernel with one explicit config: the given block sizes (in loop order),
-    warps and stages, ``pid_type="flat"`` (above) and ``static_shapes=False``. Cached per config."""
+    warps and stages, ``pid_type="flat"`` (above) and ``static_shapes=False``; ``settings`` are further
+    ``helion.Config`` keys (tuples stand for lists, to stay hashable). Cached per config."""
+    settings = {key: list(value) if isinstance(value, tuple) else value for key, value in settings.items()}
     config = helion.Config(
-        block_sizes=list(block_sizes), num_warps=num_warps, num_stages=num_stages, pid_type="flat"
+        block_sizes=list(block_sizes), num_warps=num_warps, num_stages=num_stages, pid_type="flat", **settings
     )
     return helion.kernel(body, config=config, static_shapes=False)

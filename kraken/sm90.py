@@ -45,12 +45,14 @@ class Launch:
 def capture_launches() -> Iterator[list[Launch]]:
     """Record Triton launches instead of running them (works on a machine with no GPU)."""
     import helion._compat
+    from helion.autotuner.config_spec import ConfigSpec
     import helion.runtime
 
     launches: list[Launch] = []
     real_run = JITFunction.run
     real_num_sm = helion.runtime.get_num_sm
     real_tma = helion._compat._supports_tensor_descriptor
+    real_supports_key = ConfigSpec.supports_config_key
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(Launch(self, args, kwargs, grid))
@@ -64,12 +66,15 @@ def capture_launches() -> Iterator[list[Launch]]:
     helion.runtime.get_num_sm = num_sm
     # Helion asks the current GPU whether it has TMA; the target here is sm_90, which has.
     helion._compat._supports_tensor_descriptor = lambda: True
+    # ... and host-built tensor descriptors, which Helion offers only when compiling for a CUDA device.
+    ConfigSpec.supports_config_key = lambda spec, key: key == "host_tensor_descriptors" or real_supports_key(spec, key)
     try:
         yield launches
     finally:
         JITFunction.run = real_run
         helion.runtime.get_num_sm = real_num_sm
         helion._compat._supports_tensor_descriptor = real_tma
+        ConfigSpec.supports_config_key = real_supports_key
 
 
 def compile_sm90(launch: Launch):

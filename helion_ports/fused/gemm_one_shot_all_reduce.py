@@ -31,6 +31,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
+from helion_ports import flat_kernel
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.gemm_one_shot_all_reduce import plan, prepare, tma_operands  # shared with the Triton recipe
 
@@ -38,9 +39,8 @@ from kraken.fused.gemm_one_shot_all_reduce import plan, prepare, tma_operands  #
 # group's over local pads, then the ranks' over the workspace's signal pad.
 SYNC = SYMM_MEM_SYNC[(True, True)]
 # Per load/store, in program order: the parity load, the ``a`` and ``b`` loads through tensor
-# descriptors (TMA, as in the recipe), then pointers; keyed by "has a k split".
-INDEXING = {False: ["pointer"] + ["tensor_descriptor"] * 2 + ["pointer"] * 40,
-            True: ["pointer"] + ["tensor_descriptor"] * 2 + ["pointer"] * 40}
+# descriptors (TMA, as in the recipe), then pointers.
+INDEXING = ("pointer",) + ("tensor_descriptor",) * 2 + ("pointer",) * 40
 
 
 def gemm_one_shot_all_reduce_body(
@@ -112,11 +112,8 @@ def compiled(
     where Helion can use it (``a``, ``b``), pointers elsewhere. ``pid_type="flat"``: the
     recipe's grid, one program per block (see ``helion_ports``).
     """
-    config = helion.Config(
-        block_sizes=[block_m, block_n, block_k, *([block_m // split_k, block_n] if split_k > 1 else []), reduce_m, block_n],
-        num_warps=num_warps, num_stages=num_stages, pid_type="flat", indexing=INDEXING[split_k > 1],
-    )
-    return helion.kernel(gemm_one_shot_all_reduce_body, config=config, static_shapes=False)
+    block_sizes = (block_m, block_n, block_k, *((block_m // split_k, block_n) if split_k > 1 else ()), reduce_m, block_n)
+    return flat_kernel(gemm_one_shot_all_reduce_body, block_sizes, num_warps, num_stages, indexing=INDEXING, host_tensor_descriptors=True)
 
 
 def launch(
