@@ -22,7 +22,8 @@ twin = importlib.import_module(TWIN)
 
 # One shape per class, with the output dtype each is most used with: small M (decode) with bf16 out,
 # large M with fp32 out. The unaligned class is the registry's example, compiled by test_compile_cpu.
-SHAPE_CLASSES = {"small_m": ((64, 4096, 4096), torch.bfloat16), "large_m": ((1024, 4096, 4096), torch.float32)}
+SHAPE_CLASSES = {"small_m": ((64, 4096, 4096), torch.bfloat16), "large_m": ((1024, 4096, 4096), torch.float32),
+                 "small_n_split_k": ((64, 1024, 4096), torch.bfloat16)}
 
 
 def compile_stats(module, shape, world_size: int, out_dtype) -> dict:
@@ -42,13 +43,18 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size):
         assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
-    # Two barrier rounds per call: each a CAS send to a peer and a CAS wait on the local pad.
-    assert sm90.signal_rounds(t["ptx"]) == 2, dict(sm90.barrier_opcodes(t["ptx"]))
+    # One barrier round per tile (a CAS send to each peer, a CAS wait on the local pad), plus the k-split
+    # group's round over local pads; none at the end (host.BlockWorkspace).
+    split = recipe.plan(*shape, world_size, {}, sm90.H200_NUM_SMS)["split_k"]
+    assert sm90.signal_rounds(t["ptx"]) == (2 if split > 1 else 1), dict(sm90.barrier_opcodes(t["ptx"]))
     assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
-    # The twin generates the same kernel: same pipeline buffers, about the same registers and code.
+    # The twin generates the same GEMM: the same pipeline buffers, wgmma and TMA loads, and about as much code.
+    # It keeps more int32 index math live (20-40% more registers: free at one block per SM, no spills), and
+    # computes each peer's reduce offsets from that peer's own strides (up to 1.4x the PTX at world size 8).
     assert h["shared_bytes"] == t["shared_bytes"]
-    assert abs(h["registers"] - t["registers"]) <= 0.1 * t["registers"] + 8, (h["registers"], t["registers"])
-    assert h["ptx_instructions"] <= 1.25 * t["ptx_instructions"], (h["ptx_instructions"], t["ptx_instructions"])
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor"):
+        assert h["ptx"].count(instruction) == t["ptx"].count(instruction) > 0, instruction
+    assert h["ptx_instructions"] <= 1.5 * t["ptx_instructions"], (h["ptx_instructions"], t["ptx_instructions"])
 
 
 def test_twin_shares_plan_and_launch_signature():
@@ -80,59 +86,67 @@ def test_helion_prints_its_generated_triton():
 # ---------------------------------------------------------------------------
 
 
-def covers(cfg: dict, m: int, n: int) -> bool:
-    """The blocks' regions tile the whole output, one region per block."""
-    regions = host.cdiv(m, cfg["region_m"]) * host.cdiv(n, cfg["region_n"])
-    return regions == cfg["num_blocks"] and cfg["region_m"] % cfg["block_m"] == 0 and (
-        cfg["region_n"] % cfg["block_n"] == 0 and cfg["region_m"] % cfg["reduce_m"] == 0
+def well_formed(cfg: dict, m: int, n: int, k: int) -> bool:
+    """Groups of ``split_k`` blocks, at least one tile each; the splits cover k in whole k steps (a forced
+    split may leave the last ones empty: they add zeros); every block's slice of rows is whole reduce steps."""
+    tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+    split, per_split = cfg["split_k"], cfg["k_per_split"]
+    return (
+        1 <= cfg["num_groups"] <= tiles
+        and cfg["num_blocks"] == cfg["num_groups"] * split
+        and per_split % cfg["block_k"] == 0 and per_split * split >= k
+        and cfg["block_m"] % split == 0 and (cfg["block_m"] // split) % cfg["reduce_m"] == 0
     )
 
 
 @pytest.mark.parametrize("world_size", range(2, 9))
 def test_plan_stays_inside_the_signal_pad(world_size):
-    shapes = [(8192, 8192, 8192), (65536, 16384, 1024), (1, 8, 16), (100, 200, 72), (2048, 4096, 4096)]
+    shapes = [(8192, 8192, 8192), (65536, 16384, 1024), (1, 8, 16), (100, 200, 72), (2048, 4096, 4096), (64, 1024, 4096)]
     for m, n, k in shapes:
-        for config in ({}, {"max_blocks": 100_000}, {"block_m": 16, "block_n": 16, "reduce_m": 16}):
+        for config in ({}, {"max_blocks": 100_000}, {"block_m": 16, "block_n": 16, "split_k": 1}, {"split_k": 2}):
             cfg = recipe.plan(m, n, k, world_size, config, 100_000)  # an absurd SM count: the pad must bind
             assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(world_size), (m, n, k, config, cfg)
             host.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
-            assert covers(cfg, m, n), (m, n, k, config, cfg)
+            assert well_formed(cfg, m, n, k), (m, n, k, config, cfg)
             cfg = recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
-            assert cfg["num_blocks"] <= sm90.H200_NUM_SMS and covers(cfg, m, n)
+            assert cfg["num_blocks"] <= sm90.H200_NUM_SMS and well_formed(cfg, m, n, k), (m, n, k, config, cfg)
 
 
 def test_plan_with_a_small_signal_pad(monkeypatch):
     monkeypatch.setattr(host, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
     cfg = recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS)
-    assert cfg["num_blocks"] <= 8 and covers(cfg, 8192, 8192)
+    assert cfg["num_blocks"] <= 8 and well_formed(cfg, 8192, 8192, 8192)
 
 
-def test_plan_balances_the_regions():
-    # 1024x4096 in 128x128 tiles: 8x32 tiles over 132 SMs -> 128 blocks of 2 tiles.
-    cfg = recipe.plan(1024, 4096, 4096, 2, {"block_n": 128}, 132)
-    assert cfg["num_blocks"] == 128 and cfg["region_m"] * cfg["region_n"] == 2 * 128 * 128
-    # Small M: one 64x32 tile per block.
+def test_plan_splits_k_only_when_tiles_leave_sms_idle():
+    # One 64x32 tile per block: no split.
     cfg = recipe.plan(64, 4096, 4096, 2, {}, 132)
-    assert (cfg["block_m"], cfg["block_n"], cfg["num_blocks"]) == (64, 32, 128)
-    # 8192^3: 128x256 tiles, 64x32 of them over at most 132 blocks -> 16 tiles each, the least possible.
-    cfg = recipe.plan(8192, 8192, 8192, 8, {}, 132)
-    assert cfg["region_m"] * cfg["region_n"] == 16 * 128 * 256 and cfg["num_blocks"] <= 132
-    for tiles_m, tiles_n, max_blocks in ((8, 32, 132), (16, 32, 132), (3, 45, 132), (1, 133, 132), (11, 13, 132)):
-        rows, cols = recipe.regions(tiles_m, tiles_n, max_blocks)
-        assert host.cdiv(tiles_m, rows) * host.cdiv(tiles_n, cols) <= max_blocks
-        assert rows * cols == host.cdiv(tiles_m * tiles_n, max_blocks), (tiles_m, tiles_n, rows, cols)
+    assert (cfg["block_m"], cfg["block_n"], cfg["split_k"], cfg["num_blocks"]) == (64, 32, 1, 128)
+    # 32 tiles: a 4-way split fills 128 SMs, 8 k steps of 128 each; each block reduces 16 of the 64 rows.
+    cfg = recipe.plan(64, 1024, 4096, 2, {}, 132)
+    assert (cfg["split_k"], cfg["num_groups"], cfg["num_blocks"], cfg["k_per_split"]) == (4, 32, 128, 1024)
+    assert cfg["reduce_m"] == 16
+    # 16 tiles, k = 1000 in 8 steps: 2 ways (4 would leave 2 steps a split, under MIN_K_TILES_PER_SPLIT).
+    assert recipe.plan(37, 500, 1000, 2, {}, 132)["split_k"] == 2
+    # Too short a k for any split.
+    assert recipe.plan(37, 500, 256, 2, {}, 132)["split_k"] == 1
+    # 256 tiles over 132 SMs: 132 groups, two rounds, no split.
+    cfg = recipe.plan(2048, 4096, 4096, 2, {}, 132)
+    assert (cfg["split_k"], cfg["num_groups"]) == (1, 132)
 
 
 def test_default_config_per_shape_class():
-    """The tuned picks on H200 (132 SMs): the largest tile that keeps more than half the SMs busy."""
-    tiles = {shape: (c["block_m"], c["block_n"]) for shape in [(64, 4096, 4096), (128, 4096, 4096), (256, 4096, 4096),
-             (512, 4096, 4096), (2048, 4096, 4096), (128, 8192, 8192), (512, 5120, 5120), (16, 65536, 4096)]
-             for c in [recipe.default_config(*shape, 132)]}
-    assert tiles == {(64, 4096, 4096): (64, 32), (128, 4096, 4096): (64, 64), (256, 4096, 4096): (128, 64),
-                     (512, 4096, 4096): (128, 128), (2048, 4096, 4096): (128, 256), (128, 8192, 8192): (128, 64),
-                     (512, 5120, 5120): (128, 256), (16, 65536, 4096): (64, 64)}
-    assert recipe.default_config(2048, 4100, 4096, 132)["block_k"] == recipe.UNALIGNED_CONFIG["block_k"]
-    assert recipe.default_config(64, 4096, 72, 132)["num_stages"] == recipe.UNALIGNED_CONFIG["num_stages"]
+    """The tuned picks on H200 (132 SMs): up to 256 rows the narrowest one-warpgroup tile that fits one wave;
+    above, the largest tile that keeps more than half the SMs busy."""
+    tiles = {shape: (c["block_m"], c["block_n"], c["num_warps"]) for shape in [
+             (64, 4096, 4096), (128, 4096, 4096), (256, 4096, 4096), (512, 4096, 4096), (2048, 4096, 4096),
+             (128, 8192, 8192), (512, 5120, 5120), (16, 65536, 4096)] for c in [recipe.default_config(*shape, 132)]}
+    assert tiles == {(64, 4096, 4096): (64, 32, 4), (128, 4096, 4096): (128, 32, 4), (256, 4096, 4096): (128, 64, 4),
+                     (512, 4096, 4096): (128, 128, 8), (2048, 4096, 4096): (128, 256, 8), (128, 8192, 8192): (128, 64, 4),
+                     (512, 5120, 5120): (128, 256, 8), (16, 65536, 4096): (64, 256, 4)}
+    # The pipeline fits shared memory: 5 stages of 64x128 + 128x32 bf16, 4 of 128x128 + 128x64.
+    assert recipe.default_config(64, 4096, 4096, 132)["num_stages"] == 5
+    assert recipe.default_config(256, 4096, 4096, 132)["num_stages"] == 4
     cfg = recipe.plan(2048, 4096, 4096, 2, {"block_n": 128, "num_stages": 3}, 132)
     assert (cfg["block_m"], cfg["block_n"], cfg["num_stages"]) == (128, 128, 3)
 
@@ -142,8 +156,10 @@ def test_plan_refuses_bad_config():
         recipe.plan(64, 64, 64, 2, {"blockm": 64}, 132)
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
         recipe.plan(64, 64, 64, 2, {"block_k": 48}, 132)
-    with pytest.raises(ValueError, match="reduce_m 128 > block_m 64"):
+    with pytest.raises(ValueError, match="reduce_m must be a power of two <= block_m / split_k = 64, got 128"):
         recipe.plan(64, 64, 64, 2, {"block_m": 64, "reduce_m": 128}, 132)
+    with pytest.raises(ValueError, match="split_k must be a power of two"):
+        recipe.plan(64, 64, 64, 2, {"split_k": 3}, 132)
 
 
 # ---------------------------------------------------------------------------

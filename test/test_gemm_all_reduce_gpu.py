@@ -26,8 +26,13 @@ MODULES = {
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # Odd shapes (every tail masked; K and N not multiples of 16: the unaligned class), each in every dtype pair.
 ODD_SHAPES = ((1, 8, 16), (37, 100, 72), (129, 257, 136), (1000, 3000, 520))
-# Default-class shapes: small M with one and with several tiles per block, large M likewise, a partial edge.
-CLASS_SHAPES = ((64, 4096, 4096), (256, 8192, 512), (512, 4096, 1024), (1024, 4096, 1024), (1000, 3008, 512))
+# Default-class shapes: small M, small M and N with a 4-way and (tails everywhere) a 2-way k split, several
+# tiles per block, large M, a partial edge.
+CLASS_SHAPES = ((64, 4096, 4096), (64, 1024, 4096), (37, 500, 1000), (256, 8192, 512), (512, 4096, 1024),
+                (1024, 4096, 1024), (1000, 3008, 512))
+# The stress test alternates a 4-way k split on 128 blocks with two rounds of tiles on 132: launches whose
+# grids and workspace layouts differ back to back.
+STRESS_SHAPES = ((64, 1024, 2048), (2048, 4096, 128))
 ALL_DTYPE_PAIRS = ((BF16, BF16), (BF16, FP32), (FP16, BF16), (FP16, FP32))
 CLASS_DTYPE_PAIRS = ((BF16, BF16), (FP16, FP32))
 # ||out - ref|| / ||ref|| against float64. bf16 out: the bf16 partials and the final rounding. fp32 out:
@@ -84,12 +89,13 @@ def correctness(backend: str, module, fn) -> None:
 
 
 def stress_and_cuda_graph(backend: str, module, fn) -> None:
-    """200 back-to-back launches on rotating inputs (a workspace overwritten while a peer still reads it
-    shows up here), then CUDA-graph capture and 20 replays against eager, bitwise."""
-    rank, shape, out_dtype = dist.get_rank(), (256, 1024, 512), BF16
-    inputs = [rank_operands(shape, BF16, 100 + s, rank) for s in range(10)]
-    refs = [reference(shape, BF16, 100 + s) for s in range(10)]
-    outs = [torch.full(shape[:2], POISON, dtype=out_dtype, device="cuda") for _ in range(10)]
+    """200 back-to-back launches on rotating inputs and alternating shapes (a workspace overwritten while a
+    peer still reads it shows up here), then CUDA-graph capture and 20 replays against eager, bitwise."""
+    rank, out_dtype = dist.get_rank(), BF16
+    shapes = [STRESS_SHAPES[s % 2] for s in range(10)]
+    inputs = [rank_operands(shape, BF16, 100 + s, rank) for s, shape in enumerate(shapes)]
+    refs = [reference(shape, BF16, 100 + s) for s, shape in enumerate(shapes)]
+    outs = [torch.full(shape[:2], POISON, dtype=out_dtype, device="cuda") for shape in shapes]
     for i in range(200):
         a, b = inputs[i % 10]
         launch_into(module, a, b, out_dtype, outs[i % 10])
@@ -97,10 +103,11 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
             heartbeat(f"{backend} launch {i + 1}")
             torch.cuda.synchronize()
             for k in range(10):
-                check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k})")
+                check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k}, {shapes[k]})")
                 outs[k].fill_(POISON)
 
-    eager = [fn(a, b, out_dtype=out_dtype) for a, b in inputs]
+    slots = range(0, 10, 2)  # the graph replays one shape
+    eager = {k: fn(*inputs[k], out_dtype=out_dtype) for k in slots}
     static_a, static_b = (t.clone() for t in inputs[0])
     fn(static_a, static_b, out_dtype=out_dtype)  # warm-up before capture
     torch.cuda.synchronize()
@@ -108,12 +115,13 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
     with torch.cuda.graph(graph):
         static_out = fn(static_a, static_b, out_dtype=out_dtype)
     for i in range(20):
-        static_a.copy_(inputs[i % 10][0])
-        static_b.copy_(inputs[i % 10][1])
+        k = slots[i % len(slots)]
+        static_a.copy_(inputs[k][0])
+        static_b.copy_(inputs[k][1])
         static_out.fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(static_out, eager[i % 10]), f"{backend} graph replay {i} differs from eager"
+        assert torch.equal(static_out, eager[k]), f"{backend} graph replay {i} differs from eager"
     heartbeat(f"{backend} graph replays done")
 
 

@@ -46,15 +46,21 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
 TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides; others are padded (``tma_operands``)
 
-# Tile configs, largest first, swept on 2x H200 (``python -m benchmark.tune gemm_all_reduce`` and a
-# probe of the recipe itself). Large M is bound by the tensor cores and wants the largest tile that
-# still gives ``MIN_TILES_PER_SM`` of the SMs a tile. Small M is bound by streaming ``b`` and has too
-# few tiles: ``split_k`` then cuts k so that tiles x split_k fills the SMs (up to ``MAX_SPLIT_K``). Any key may be
-# overridden per call. ``max_blocks`` None: one block per SM. ``split_k``/``reduce_m`` None: chosen.
+# Tile configs, swept on 2x H200 (``probe`` runs of the recipe and its twin, ``python -m benchmark.tune``).
+# Up to ``SKINNY_M`` rows the GEMM is bound by streaming ``b`` from HBM: one warpgroup per tile, 128-deep
+# k steps (fewer, larger TMA loads), and the narrowest tile that still fits all tiles in one wave of the
+# SMs, so every SM streams its own slice of ``b`` (64x32 tiles at M = 64: 15.6 us where 64x128 tiles with a
+# 4-way k split took 16.8). Larger M is bound by the tensor cores and takes the largest of
+# ``TILE_CONFIGS`` that still gives ``MIN_TILES_PER_SM`` of the SMs a tile. With too few tiles for the SMs
+# (small N), ``split_k`` cuts k so that tiles x split_k fills them (up to ``MAX_SPLIT_K``).
+# Any key may be overridden per call. ``max_blocks`` None: one block per SM. ``split_k``/``reduce_m`` None: chosen.
+SKINNY_M = 256
+SKINNY_BLOCK_K = 128
+SKINNY_STAGE_BYTES = 192 * 1024  # shared memory for the pipeline stages (of the 227 KiB an SM offers)
+SKINNY_MAX_STAGES = 5
 TILE_CONFIGS = [
     {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
     {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4},
-    {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 6},
 ]
 MIN_TILES_PER_SM = 0.55
 MAX_SPLIT_K = 4
@@ -199,15 +205,21 @@ def launch(
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> dict:
-    """This shape's tile config: the largest of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the
-    SMs a tile (and is no taller than M needs); if none does, a k split fills the SMs, on 64 x 128
-    tiles for M <= 64 and 128 x 128 above."""
+    """This shape's tile config (see ``TILE_CONFIGS``): for M <= ``SKINNY_M``, one warpgroup on 64- or
+    128-row tiles, as narrow (>= 32) as fits one wave of ``num_sms``; above, the largest of
+    ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a tile, else the smallest."""
+    if m <= SKINNY_M:
+        block_m, block_n = (64 if m <= 64 else 128), 32
+        while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
+            block_n *= 2
+        stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * SKINNY_BLOCK_K * 2)  # bf16/fp16 operands
+        return {"block_m": block_m, "block_n": block_n, "block_k": SKINNY_BLOCK_K, "num_warps": 4,
+                "num_stages": min(stages, SKINNY_MAX_STAGES)}
 
     def fills(cfg: dict) -> bool:
-        tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
-        return cfg["block_m"] <= max(64, m) and tiles >= MIN_TILES_PER_SM * num_sms
+        return host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
 
-    return next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[2] if m <= 64 else TILE_CONFIGS[1])
+    return next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1])
 
 
 def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int) -> int:
