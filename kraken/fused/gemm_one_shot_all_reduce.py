@@ -206,14 +206,17 @@ def launch(
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> dict:
     """This shape's tile config (see ``TILE_CONFIGS``): for M <= ``SKINNY_M``, one warpgroup on 64- or
-    128-row tiles, as narrow (>= 32) as fits one wave of ``num_sms``; above, the largest of
+    128-row tiles (128 from M = 128), as narrow (>= 32) as fits one wave of ``num_sms``; above, the largest of
     ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a tile, else the smallest."""
     if m <= SKINNY_M:
-        block_m, block_n = (64 if m <= 64 else 128), 32
+        # Boxes no larger than the operands where they can be (Helion loads a box larger than its tensor
+        # through pointers, not TMA).
+        block_m, block_n = (128 if m >= 128 else 64), 32
+        block_k = SKINNY_BLOCK_K if k >= SKINNY_BLOCK_K else 64
         while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
             block_n *= 2
-        stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * SKINNY_BLOCK_K * 2)  # bf16/fp16 operands
-        return {"block_m": block_m, "block_n": block_n, "block_k": SKINNY_BLOCK_K, "num_warps": 4,
+        stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * block_k * 2)  # bf16/fp16 operands
+        return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
                 "num_stages": min(stages, SKINNY_MAX_STAGES)}
 
     def fills(cfg: dict) -> bool:
