@@ -27,8 +27,8 @@ Shape = tuple[int, ...]
 class Pair:
     """A Triton recipe and its Helion twin, as benchmark backends and as modules.
 
-    ``example(module, world_size)`` calls ``module.launch(...)`` with CPU stand-in
-    tensors; run under ``kraken.sm90.capture_launches()`` it yields the kernels to
+    ``example(module, world_size, shape=...)`` calls ``module.launch(...)`` with CPU
+    stand-in tensors (of a small odd default shape, or the op's ``shape``); run under ``kraken.sm90.capture_launches()`` it yields the kernels to
     compile for sm_90 without a GPU (CPU tests, ``python -m benchmark.inspect``).
     """
 
@@ -36,7 +36,7 @@ class Pair:
     helion: str  # backend name, e.g. "helion_1shot"
     triton_module: str  # e.g. "kraken.comm.one_shot_all_reduce"
     helion_module: str  # e.g. "helion_ports.comm.one_shot_all_reduce"
-    example: Callable[[Any, int], None]
+    example: Callable[..., None]
 
 
 @dataclass

@@ -106,3 +106,21 @@ def test_inspector_prints_both_sides(capsys):
     lines = [line for line in out.splitlines() if line.startswith("| triton") or line.startswith("| helion")]
     assert len(lines) == 4
     assert all(line.rstrip(" |").split("|")[-1].strip() == "4" for line in lines), "4 barrier atomics each"
+
+
+def test_inspector_compiles_a_given_shape(capsys):
+    from benchmark import inspect as inspector
+
+    inspector.main(["gemm_all_reduce", "--shape", "64x4096x4096"])
+    out = capsys.readouterr().out
+    assert "shape 64x4096x4096" in out
+    rows = [[c.strip() for c in line.strip(" |").split("|")] for line in out.splitlines() if line.startswith(("| triton", "| helion"))]
+    assert [r[0] for r in rows] == ["triton", "helion"]
+    shared = [int(r[6]) for r in rows]
+    # 64x32 tiles, 128-deep k steps, 5 stages: (64 x 128 + 128 x 32) bf16 x 5 (+ barriers), on both sides.
+    assert shared[0] == shared[1] >= (64 * 128 + 128 * 32) * 2 * 5
+    with pytest.raises(SystemExit):
+        inspector.main(["--shape", "64x4096x4096"])  # a shape needs its op
+    with pytest.raises(SystemExit):
+        inspector.main(["gemm_all_reduce", "--shape", "64x4096"])
+    assert "expected MxNxK" in capsys.readouterr().err

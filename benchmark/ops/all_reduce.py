@@ -40,9 +40,10 @@ def backend(module_path: str):
     return lambda inputs: fn(inputs["symm"])
 
 
-def example(module, world_size: int) -> None:
-    """A CPU stand-in launch of a 1-shot or 2-shot module (both share ``plan``/``launch`` signatures)."""
-    numel = 10007  # odd: exercises the tails
+def example(module, world_size: int, shape=(10007,)) -> None:
+    """A CPU stand-in launch of a 1-shot or 2-shot module (both share ``plan``/``launch`` signatures);
+    the default size is odd, to exercise the tails."""
+    (numel,) = shape
     peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
     cfg = module.plan(numel, world_size, {})
     if "shard" in cfg:
