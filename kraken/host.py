@@ -278,10 +278,15 @@ class BlockWorkspace:
     launch passes at least one barrier with every peer, and a peer's kernel starts
     only after its previous one ended. No "done reading" barrier at the end of a
     kernel, whatever the shapes and grids of the launches in between.
+
+    The buffer's signal pad belongs to ``epoch_sync`` alone: block ``b``'s barrier
+    rounds are numbered ``epochs[b] + 1, + 2, ...`` and the block adds its rounds to
+    ``epochs[b]`` when it finishes (every rank runs block ``b`` the same rounds).
     """
 
     flat: SymmContext  # peers: every rank's whole buffer, uint8
     parity: torch.Tensor  # int32[num_chunks], local; which half block b writes next
+    epochs: torch.Tensor  # int32[num_chunks], local; barrier rounds block b has completed
     num_chunks: int
     chunk_bytes: int
 
@@ -326,7 +331,8 @@ def block_workspace(
         size = max(size, 2 * ws.chunk_bytes)
     buf = symm_mem.empty(2 * num_chunks * size, dtype=torch.uint8, device=device)
     parity = torch.zeros(num_chunks, dtype=torch.int32, device=device)
-    ws = BlockWorkspace(symm_context(buf, pg, op, name="block workspace"), parity, num_chunks, size)
+    epochs = torch.zeros(num_chunks, dtype=torch.int32, device=device)  # the new pad's slots are all 0
+    ws = BlockWorkspace(symm_context(buf, pg, op, name="block workspace"), parity, epochs, num_chunks, size)
     _block_workspaces[key] = ws
     return ws
 

@@ -43,10 +43,12 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size):
         assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
-    # One barrier round per tile (a CAS send to each peer, a CAS wait on the local pad), plus the k-split
-    # group's round over local pads; none at the end (host.BlockWorkspace).
+    # One epoch barrier round per tile (a release store to each peer's slot, an acquire spin on ours), plus
+    # the k-split group's CAS round over local pads; none at the end (host.BlockWorkspace).
     split = recipe.plan(*shape, world_size, {}, sm90.H200_NUM_SMS)["split_k"]
-    assert sm90.signal_rounds(t["ptx"]) == (2 if split > 1 else 1), dict(sm90.barrier_opcodes(t["ptx"]))
+    assert sm90.signal_rounds(t["ptx"]) == (1 if split > 1 else 0), dict(sm90.barrier_opcodes(t["ptx"]))
+    epoch_ops = {"st.global.release.sys.u32": 1, "ld.global.acquire.sys.u32": 1}
+    assert {op: n for op, n in sm90.barrier_opcodes(t["ptx"]).items() if ".cas." not in op} == epoch_ops
     assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
     # The twin generates the same GEMM: the same pipeline buffers, wgmma and TMA loads, and about as much code.
     # It keeps more int32 index math live (20-40% more registers: free at one block per SM, no spills), and

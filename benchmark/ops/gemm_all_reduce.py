@@ -94,10 +94,10 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, 
     tile = (cfg["block_m"], cfg["block_n"])
     rounds = host.cdiv(host.cdiv(m, tile[0]) * host.cdiv(n, tile[1]), cfg["num_groups"])
     peers = tuple(torch.empty(2, H200_NUM_SMS, rounds, *tile, dtype=out_dtype) for _ in range(world_size))
-    parity = torch.zeros(H200_NUM_SMS, dtype=torch.int32)
+    parity, epochs = torch.zeros(H200_NUM_SMS, dtype=torch.int32), torch.zeros(H200_NUM_SMS, dtype=torch.int32)
     partials = torch.empty(H200_NUM_SMS, 2, *tile)
     out = torch.empty(m, n, dtype=out_dtype)
-    module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, 1, parity, partials, FAKE_SIGNAL_PADS, **cfg)
+    module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, 1, parity, epochs, partials, FAKE_SIGNAL_PADS, **cfg)
 
 
 # ---------------------------------------------------------------------------

@@ -12,10 +12,11 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
   and ``b`` load through tensor descriptors (TMA), as in the recipe;
 * with a k split, the partial goes to local scratch, the group meets at the same
   PTX barrier over local pads, and each block sums its slice of rows;
-* the barriers are the kraken PTX, pasted in with ``hl.inline_triton``; the
-  peers' workspaces arrive as one tuple, walked with ``hl.static_range``; the
-  local workspace is written through its own argument, and the block's parity
-  flips at the end (``host.BlockWorkspace``: no trailing barrier).
+* the barriers are the kraken PTX, pasted in with ``hl.inline_triton``: the CAS
+  barrier for the split group, the epoch barrier across ranks; the peers'
+  workspaces arrive as one tuple, walked with ``hl.static_range``; the local
+  workspace is written through its own argument, and the block's parity flips
+  and its epoch count advances at the end (``host.BlockWorkspace``: no trailing barrier).
 
 The config is explicit: ``block_sizes`` follow the loops (the GEMM tile m, n, its k step, the
 slice's rows and columns, the reduce tile m, n), from the recipe's ``plan``.
@@ -32,15 +33,15 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel
-from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken._ptx_utils.inline_source import EPOCH_SYNC, SYMM_MEM_SYNC
 from kraken.fused.gemm_one_shot_all_reduce import plan, prepare, tma_operands  # shared with the Triton recipe
 
 # Both barriers are "my writes are visible to you, yours to me" (release + acquire): the k-split
-# group's over local pads, then the ranks' over the workspace's signal pad.
-SYNC = SYMM_MEM_SYNC[(True, True)]
-# Per load/store, in program order: the parity load, the ``a`` and ``b`` loads through tensor
-# descriptors (TMA, as in the recipe), then pointers.
-INDEXING = ("pointer",) + ("tensor_descriptor",) * 2 + ("pointer",) * 40
+# group's CAS barrier over local pads, then the ranks' epoch barrier over the workspace's own pad.
+SPLIT_SYNC = SYMM_MEM_SYNC[(True, True)]
+# Per load/store, in program order: the parity and epoch loads, the ``a`` and ``b`` loads through
+# tensor descriptors (TMA, as in the recipe), then pointers.
+INDEXING = ("pointer",) * 2 + ("tensor_descriptor",) * 2 + ("pointer",) * 40
 
 
 def gemm_one_shot_all_reduce_body(
@@ -50,6 +51,7 @@ def gemm_one_shot_all_reduce_body(
     workspace: torch.Tensor,
     peers: tuple[torch.Tensor, ...],
     parity: torch.Tensor,
+    epochs: torch.Tensor,
     out: torch.Tensor,
     signal_pad_ptrs: int,
     split_pad_ptrs: int,
@@ -71,8 +73,10 @@ def gemm_one_shot_all_reduce_body(
         group = block // split_k
         split = block % split_k
         half = parity[block]
+        epoch = epochs[block]
         k_begin = split * k_per_split
-        for rnd in hl.grid((num_tiles + num_groups - 1) // num_groups):
+        rounds = (num_tiles + num_groups - 1) // num_groups
+        for rnd in hl.grid(rounds):
             tile = group + rnd * num_groups
             m0 = tile // tiles_n * block_m
             n0 = tile % tiles_n * block_n
@@ -85,19 +89,20 @@ def gemm_one_shot_all_reduce_body(
                 else:
                     partials[block, rnd % 2, tile_m.index - m0, tile_n.index - n0] = acc
             if split_k > 1:
-                hl.inline_triton(SYNC, args={"signal_pad_ptrs": split_pad_ptrs, "block_id": group, "rank": split, "world_size": split_k}, output_like=None)
+                hl.inline_triton(SPLIT_SYNC, args={"signal_pad_ptrs": split_pad_ptrs, "block_id": group, "rank": split, "world_size": split_k}, output_like=None)
                 for tile_r, tile_c in hl.tile([split * slice_m, 0], [(split + 1) * slice_m, block_n]):
                     part = hl.zeros([tile_r, tile_c], dtype=torch.float32)
                     for s in hl.static_range(split_k):
                         part = part + partials[group * split_k + s, rnd % 2, tile_r, tile_c]
                     workspace[half, block, rnd, tile_r, tile_c] = part.to(workspace.dtype)
-            hl.inline_triton(SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}, output_like=None)
+            hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + rnd + 1}, output_like=None)
             for tile_m, tile_n in hl.tile([m0 + split * slice_m, n0], [min(m0 + (split + 1) * slice_m, m), min(n0 + block_n, n)]):
                 total = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                 for r in hl.static_range(world_size):
                     total = total + hl.load(peers[r], [half, block, rnd, tile_m.index - m0, tile_n.index - n0]).to(torch.float32)
                 out[tile_m, tile_n] = total.to(out.dtype)
         parity[block] = 1 - half
+        epochs[block] = epoch + rounds
     return out
 
 
@@ -124,6 +129,7 @@ def launch(
     signal_pad_ptrs: int,
     rank: int,
     parity: torch.Tensor,
+    epochs: torch.Tensor,
     partials: torch.Tensor,
     split_pad_ptrs: int,
     block_m: int,
@@ -152,7 +158,7 @@ def launch(
     if a.shape[0] == 1:
         a = torch.cat([a, a.new_zeros(a.shape)])
     compiled(block_m, block_n, block_k, split_k, reduce_m, num_warps, num_stages)(
-        a, b, partials, peers[rank], peers, parity, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
+        a, b, partials, peers[rank], peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
         rank, len(peers), split_k, block_m, block_n, group_name,
     )
     if staged is not out:

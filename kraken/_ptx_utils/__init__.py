@@ -2,10 +2,11 @@
 
 from . import inline_source
 from .gmem_barrier import arrive, wait
-from .symm_mem_barrier import get_flat_bid, get_flat_tid, send_signal, symm_mem_sync, wait_signal
+from .symm_mem_barrier import epoch_sync, get_flat_bid, get_flat_tid, send_signal, symm_mem_sync, wait_signal
 
 __all__ = [
     "arrive",
+    "epoch_sync",
     "get_flat_bid",
     "get_flat_tid",
     "inline_source",

@@ -19,7 +19,7 @@ Use::
 from __future__ import annotations
 
 from .gmem_barrier import GMEM_ARRIVE_PTX, GMEM_CONSTRAINTS, GMEM_WAIT_PTX
-from .symm_mem_barrier import SYMM_MEM_SYNC_PTX, SYNC_CONSTRAINTS
+from .symm_mem_barrier import EPOCH_CONSTRAINTS, EPOCH_SYNC_PTX, SYMM_MEM_SYNC_PTX, SYNC_CONSTRAINTS
 
 
 def _literal(text: str) -> str:
@@ -34,14 +34,16 @@ def _asm(ptx: str, constraints: str, operands: str) -> str:
     )
 
 
+_SYNC_OPERANDS = (
+    "tl.zeros([], tl.int64) + {signal_pad_ptrs}, "
+    "(tl.zeros([], tl.int32) + {block_id}).to(tl.int32), "
+    "(tl.zeros([], tl.int32) + {rank}).to(tl.int32), "
+    "tl.zeros([], tl.int32) + {world_size}"
+)
+
+
 def _sync_source(has_previous: bool, has_subsequent: bool) -> str:
-    operands = (
-        "tl.zeros([], tl.int64) + {signal_pad_ptrs}, "
-        "(tl.zeros([], tl.int32) + {block_id}).to(tl.int32), "
-        "(tl.zeros([], tl.int32) + {rank}).to(tl.int32), "
-        "tl.zeros([], tl.int32) + {world_size}"
-    )
-    lines = [_asm(SYMM_MEM_SYNC_PTX[(has_previous, has_subsequent)], SYNC_CONSTRAINTS, operands)]
+    lines = [_asm(SYMM_MEM_SYNC_PTX[(has_previous, has_subsequent)], SYNC_CONSTRAINTS, _SYNC_OPERANDS)]
     # Same thread barriers as kraken._ptx_utils.symm_mem_sync.
     if has_previous:
         lines.insert(0, "tl.debug_barrier()")
@@ -53,6 +55,12 @@ def _sync_source(has_previous: bool, has_subsequent: bool) -> str:
 # symm_mem_sync, keyed by (hasPreviousMemAccess, hasSubsequentMemAccess).
 # Placeholders: signal_pad_ptrs, block_id, rank, world_size.
 SYMM_MEM_SYNC = {(p, s): _sync_source(p, s) for p in (False, True) for s in (False, True)}
+# epoch_sync (always release + acquire). Placeholders: signal_pad_ptrs, block_id, rank, world_size, epoch.
+EPOCH_SYNC = "\n".join([
+    "tl.debug_barrier()",
+    _asm(EPOCH_SYNC_PTX, EPOCH_CONSTRAINTS, _SYNC_OPERANDS + ", (tl.zeros([], tl.int32) + {epoch}).to(tl.int32)"),
+    "tl.debug_barrier()",
+])
 
 _FLAG_OPERANDS = "{flag}, (tl.zeros([], tl.int32) + {value}).to(tl.int32)"
 # Placeholders: flag (a pointer expression), value.

@@ -63,9 +63,10 @@ def _signal_ptx(spin: str) -> str:
     }}"""
 
 
-def _sync_ptx(send_sem: str, wait_sem: str) -> str:
+def _sync_ptx(send: str, wait: str) -> str:
     # $0: dummy output, $1: device array of every rank's signal-pad address
-    # (uint64[world_size]), $2: block id, $3: rank, $4: world size.
+    # (uint64[world_size]), $2: block id, $3: rank, $4: world size (, $5: the epoch of ``epoch_sync``).
+    # ``send`` signals the slot at %rd_pad on peer %r_tid, ``wait`` waits on our slot for that peer.
     return f"""{{
     .reg .u32 %r_tid, %r_slot, %r_old;
     .reg .u64 %rd_pad, %rd_off;
@@ -78,23 +79,38 @@ def _sync_ptx(send_sem: str, wait_sem: str) -> str:
     ld.global.u64 %rd_pad, [%rd_pad];
     mad.lo.u32 %r_slot, $2, $4, $3;
     mul.wide.u32 %rd_off, %r_slot, 4;
-    add.u64 %rd_pad, %rd_pad, %rd_off;{_send("%rd_pad", send_sem)}
+    add.u64 %rd_pad, %rd_pad, %rd_off;{send}
     mul.wide.u32 %rd_off, $3, 8;
     add.u64 %rd_pad, $1, %rd_off;
     ld.global.u64 %rd_pad, [%rd_pad];
     mad.lo.u32 %r_slot, $2, $4, %r_tid;
     mul.wide.u32 %rd_off, %r_slot, 4;
-    add.u64 %rd_pad, %rd_pad, %rd_off;{_wait("%rd_pad", wait_sem)}
+    add.u64 %rd_pad, %rd_pad, %rd_off;{wait}
     SYNC_DONE:
     mov.u32 $0, 0;
     }}"""
 
 
+# The epoch barrier: send is a posted release store of the epoch (no round trip, unlike a CAS), wait
+# spins on an acquire load until our slot has reached the epoch. Compared as a difference, so it
+# survives the int32 wrap. A slot holds the last epoch its peer reached and is never reset, so this
+# barrier needs a signal pad no other kind of barrier uses (torch's kernels expect 0/1 slots there).
+_EPOCH_SEND = """
+    st.global.release.sys.u32 [%rd_pad], $5;"""
+_EPOCH_WAIT = """
+    EPOCH_WAIT:
+    ld.global.acquire.sys.u32 %r_old, [%rd_pad];
+    sub.s32 %r_old, %r_old, $5;
+    setp.lt.s32 %p_spin, %r_old, 0;
+    @%p_spin bra EPOCH_WAIT;"""
+EPOCH_SYNC_PTX = _sync_ptx(_EPOCH_SEND, _EPOCH_WAIT)
+EPOCH_CONSTRAINTS = "=r,l,r,r,r,r"
+
 SEND_SIGNAL_PTX = {sem: _signal_ptx(_send("$1", sem)) for sem in ("relaxed", "release")}
 WAIT_SIGNAL_PTX = {sem: _signal_ptx(_wait("$1", sem)) for sem in ("relaxed", "acquire")}
 # Keyed by (hasPreviousMemAccess, hasSubsequentMemAccess).
 SYMM_MEM_SYNC_PTX = {
-    (prev, subs): _sync_ptx("release" if prev else "relaxed", "acquire" if subs else "relaxed")
+    (prev, subs): _sync_ptx(_send("%rd_pad", "release" if prev else "relaxed"), _wait("%rd_pad", "acquire" if subs else "relaxed"))
     for prev in (False, True)
     for subs in (False, True)
 }
@@ -122,6 +138,8 @@ _SYNC_RELEASE = tl.constexpr(SYMM_MEM_SYNC_PTX[(True, False)])
 _SYNC_ACQUIRE = tl.constexpr(SYMM_MEM_SYNC_PTX[(False, True)])
 _SYNC_ACQ_REL = tl.constexpr(SYMM_MEM_SYNC_PTX[(True, True)])
 _SYNC_CONSTRAINTS = tl.constexpr(SYNC_CONSTRAINTS)
+_EPOCH_SYNC = tl.constexpr(EPOCH_SYNC_PTX)
+_EPOCH_CONSTRAINTS = tl.constexpr(EPOCH_CONSTRAINTS)
 _SIGNAL_CONSTRAINTS = tl.constexpr(SIGNAL_CONSTRAINTS)
 _FLAT_TID = tl.constexpr(FLAT_TID_PTX)
 _FLAT_BID = tl.constexpr(FLAT_BID_PTX)
@@ -200,3 +218,24 @@ def symm_mem_sync(
     if hasSubsequentMemAccess:
         # The waiting threads' acquire happens before every thread's later reads.
         tl.debug_barrier()
+
+
+@triton.jit
+def epoch_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
+    """Barrier between block ``block_id`` of every rank, release + acquire, on a private signal pad.
+
+    Round ``epoch`` (counting up from 1 over the pad's life, the same on every rank) of
+    block ``block_id``: every thread's earlier writes are visible to the peers, and theirs
+    to every thread after it. Only for pads no other barrier uses (see ``EPOCH_SYNC_PTX``);
+    ``host.BlockWorkspace`` keeps the count per block.
+    """
+    pads = tl.zeros([], tl.int64) + signal_pad_ptrs
+    block = (tl.zeros([], tl.int32) + block_id).to(tl.int32)
+    me = (tl.zeros([], tl.int32) + rank).to(tl.int32)
+    peers = tl.zeros([], tl.int32) + world_size
+    round_ = (tl.zeros([], tl.int32) + epoch).to(tl.int32)
+    tl.debug_barrier()
+    tl.inline_asm_elementwise(
+        _EPOCH_SYNC, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32, is_pure=False, pack=1
+    )
+    tl.debug_barrier()

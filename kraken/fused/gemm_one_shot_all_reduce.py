@@ -16,7 +16,9 @@ In each round, block ``b`` of every rank:
    the symmetric workspace;
 4. barrier (release + acquire) with block ``b`` of every peer: "my rows are
    visible to you, yours to me". Block ``b`` of each peer wrote exactly the rows
-   that block ``b`` reduces;
+   that block ``b`` reduces. The workspace's signal pad is its own, so this is the
+   epoch barrier: a posted store of the round number to each peer and a spin
+   until theirs arrive, no compare-and-swap round trip (``epoch_sync``);
 5. reduce: sums those rows over every rank's chunk ``b``, in rank order (bitwise
    identical on every rank), in fp32, and writes ``out``.
 
@@ -39,7 +41,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
-from kraken._ptx_utils import symm_mem_sync
+from kraken._ptx_utils import epoch_sync, symm_mem_sync
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -78,6 +80,7 @@ def gemm_one_shot_all_reduce_kernel(
     workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, tiles per chunk, BLOCK_M, BLOCK_N] in out_dtype
     peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
     parity_ptr,  # int32[chunks]: the half of the workspace block b writes in this launch
+    epochs_ptr,  # int32[chunks]: the barrier rounds block b has completed (host.BlockWorkspace)
     out_ptr,  # [M, N]
     signal_pad_ptrs,
     split_pad_ptrs,  # local pads: the k-split group's barrier
@@ -102,6 +105,7 @@ def gemm_one_shot_all_reduce_kernel(
     group = block // SPLIT_K
     split = block % SPLIT_K
     parity = tl.load(parity_ptr + block)
+    epoch = tl.load(epochs_ptr + block)
     chunk = parity.to(tl.int64) * half_stride + block * chunk_stride
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_begin = split * k_per_split
@@ -113,7 +117,8 @@ def gemm_one_shot_all_reduce_kernel(
     num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
     # Every block of a group runs every round, so barriers stay paired even in a last round that
     # has no tile for some groups (their GEMM is empty and their stores fall outside ``out``).
-    for rnd in tl.range(0, tl.cdiv(num_tiles, num_groups)):
+    rounds = tl.cdiv(num_tiles, num_groups)
+    for rnd in tl.range(0, rounds):
         tile = group + rnd * num_groups
         m0 = tile // tiles_n * BLOCK_M
         n0 = tile % tiles_n * BLOCK_N
@@ -135,7 +140,7 @@ def gemm_one_shot_all_reduce_kernel(
             tl.store(mine + in_slice, part.to(workspace_ptr.dtype.element_ty))
 
         # My slice of this tile is visible to peers; theirs (the same slice: same block id) to me.
-        symm_mem_sync(signal_pad_ptrs, block, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+        epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + rnd + 1)
 
         for r0 in tl.static_range(0, SLICE_M, REDUCE_M):
             rows = split * SLICE_M + r0 + tl.arange(0, REDUCE_M)
@@ -149,6 +154,7 @@ def gemm_one_shot_all_reduce_kernel(
                      mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
     # The next launch writes the other half: no "done reading" barrier needed (host.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
+    tl.store(epochs_ptr + block, epoch + rounds)
 
 
 def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +178,7 @@ def launch(
     signal_pad_ptrs: int,
     rank: int,
     parity: torch.Tensor,
+    epochs: torch.Tensor,
     partials: torch.Tensor,
     split_pad_ptrs: int,
     block_m: int,
@@ -196,7 +203,7 @@ def launch(
     workspace = peers[rank]
     gemm_one_shot_all_reduce_kernel[(num_blocks,)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
-        partials, workspace, peers, parity, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
+        partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_groups, k_per_split, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m,
         num_warps=num_warps, num_stages=num_stages,
@@ -330,6 +337,7 @@ def prepare(
     ctx = workspace.context(out_dtype, tile)
     split_args = {
         "parity": workspace.parity,
+        "epochs": workspace.epochs,
         "partials": host.local_scratch((workspace.num_chunks, 2, *tile) if cfg["split_k"] > 1 else (1,),
                                        torch.float32, a.device),
         "split_pad_ptrs": host.local_barrier_pads(a.device),
