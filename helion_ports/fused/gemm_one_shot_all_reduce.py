@@ -148,8 +148,8 @@ def launch(
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_one_shot_all_reduce.launch``.
 
     ``peers[rank]`` goes in twice: as ``workspace``, the top-level argument the kernel stores through
-    (Helion cannot store through a tuple element; it sees the same tensor and passes one pointer),
-    and inside ``peers``. Every size the body uses comes from top-level tensors, which is what makes
+    (``rank`` is a runtime value, and a tuple is indexed only by ``hl.static_range``; Helion sees the
+    same tensor and passes one pointer), and inside ``peers``. Every size the body uses comes from top-level tensors, which is what makes
     Helion 1.5.0 re-specialize when a shape changes bucket (it ignores sizes inside tuples).
     """
     a, b = tma_operands(a, b)
