@@ -3,9 +3,10 @@
 ``capture_launches()`` intercepts every Triton launch (a kraken recipe's
 ``kernel[grid](...)`` and the launch inside a Helion kernel's generated host
 code alike) and records the kernel with its exact arguments instead of running
-it; Helion is told the target has an H100/H200's SM count and TMA. ``compile_sm90`` then pushes a recorded launch through Triton's own argument
-binder and compiler for an H100/H200 target, and ``kernel_stats`` reads the
-numbers the code inspector prints.
+it; Helion is told the target has an H100/H200's SM count, TMA and host-built
+tensor descriptors. ``compile_sm90`` then pushes a recorded launch through
+Triton's own argument binder and compiler for an H100/H200 target, and
+``kernel_stats`` reads the numbers the code inspector prints.
 
 Used by the CPU tests (every kernel and port compiles, ports carry the same
 barrier atomics) and by ``python -m benchmark.inspect``.

@@ -92,7 +92,7 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, 
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     cfg = module.plan(m, n, k, world_size, {}, H200_NUM_SMS)
     tile = (cfg["block_m"], cfg["block_n"])
-    rounds = host.cdiv(host.cdiv(m, tile[0]) * host.cdiv(n, tile[1]), cfg["num_groups"])
+    rounds = module.rounds_of(m, n, cfg)
     peers = tuple(torch.empty(2, H200_NUM_SMS, rounds, *tile, dtype=out_dtype) for _ in range(world_size))
     parity, epochs = torch.zeros(H200_NUM_SMS, dtype=torch.int32), torch.zeros(H200_NUM_SMS, dtype=torch.int32)
     partials = torch.empty(H200_NUM_SMS, 2, *tile)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel
 from kraken._ptx_utils.inline_source import EPOCH_SYNC, SYMM_MEM_SYNC
-from kraken.fused.gemm_one_shot_all_reduce import plan, prepare, tma_operands  # shared with the Triton recipe
+from kraken.fused.gemm_one_shot_all_reduce import plan, prepare, rounds_of, tma_operands  # shared with the recipe
 
 # Both barriers are "my writes are visible to you, yours to me" (release + acquire): the k-split
 # group's CAS barrier over local pads, then the ranks' epoch barrier over the workspace's own pad.

@@ -296,6 +296,12 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     }
 
 
+def rounds_of(m: int, n: int, cfg: dict) -> int:
+    """Rounds of the persistent loop (``plan``'s ``cfg``): the tiles each group takes, and so the tiles of
+    workspace each block owns."""
+    return host.cdiv(host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]), cfg["num_groups"])
+
+
 def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str) -> None:
     """Argument checks that need neither a GPU nor torch.distributed."""
     if out_dtype not in OUT_DTYPES:
@@ -331,8 +337,8 @@ def prepare(
     world_size = dist.get_world_size(host.resolve_group(group, op))
     cfg = plan(m, n, k, world_size, config, num_sms)
     tile = (cfg["block_m"], cfg["block_n"])
-    rounds = host.cdiv(host.cdiv(m, tile[0]) * host.cdiv(n, tile[1]), cfg["num_groups"])
-    workspace = host.block_workspace(rounds * tile[0] * tile[1] * out_dtype.itemsize, a.device, group, op)
+    chunk_bytes = rounds_of(m, n, cfg) * tile[0] * tile[1] * out_dtype.itemsize
+    workspace = host.block_workspace(chunk_bytes, a.device, group, op)
     host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
     ctx = workspace.context(out_dtype, tile)
     split_args = {
