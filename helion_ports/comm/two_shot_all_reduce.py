@@ -43,14 +43,15 @@ def two_shot_all_reduce_body(
         barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
         hl.inline_triton(SYNC_START, args=barrier, output_like=None)
         start = rank * shard + block * chunk
-        for tile in hl.tile(start, start + chunk):
-            in_range = (tile.index < numel) & (tile.index < rank * shard + shard)
+        # The range is clipped here, as in the recipe, rather than masked per element: with one bound,
+        # ptxas issues the peers' loads as the recipe's do (see the one-shot twin).
+        for tile in hl.tile(start, min(start + chunk, min(rank * shard + shard, numel))):
             acc = hl.zeros([tile], dtype=torch.float32)
             for r in hl.static_range(world_size):
-                acc = acc + hl.load(peers[r], [tile], extra_mask=in_range).to(torch.float32)
+                acc = acc + hl.load(peers[r], [tile]).to(torch.float32)
             result = acc.to(local.dtype)
             for r in hl.static_range(world_size):
-                hl.store(peers[r], [tile], result, extra_mask=in_range)
+                hl.store(peers[r], [tile], result)
         hl.inline_triton(SYNC_END, args=barrier, output_like=None)
 
 

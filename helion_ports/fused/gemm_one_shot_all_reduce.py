@@ -32,7 +32,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, own_storage
 from kraken._ptx_utils.inline_source import EPOCH_SYNC, SYMM_MEM_SYNC
 from kraken.fused.gemm_one_shot_all_reduce import plan, prepare, rounds_of, tma_operands  # shared with the recipe
 
@@ -159,7 +159,7 @@ def launch(
     if a.shape[0] == 1:
         a = torch.cat([a, a.new_zeros(a.shape)])
     compiled(block_m, block_n, block_k, split_k, reduce_m, num_warps, num_stages)(
-        a, b, partials, peers[rank], peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
+        a, b, partials, own_storage(peers[rank]), peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
         rank, len(peers), split_k, block_m, block_n, group_name,
     )
     if staged is not out:

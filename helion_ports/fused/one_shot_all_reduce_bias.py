@@ -20,7 +20,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, own_storage
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
 
@@ -47,17 +47,17 @@ def one_shot_all_reduce_bias_body(
     for block in hl.grid(num_blocks):
         barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
         start = block * chunk
-        for tile in hl.tile(start, start + chunk):
-            in_range = tile.index < numel
-            hl.store(workspace, [tile], hl.load(x, [tile], extra_mask=in_range), extra_mask=in_range)
+        # Ranges are clipped, as in the recipe, rather than masked per element: with one bound ptxas
+        # batches the peers' loads as it does for the recipe (the CPU tests compare the schedules).
+        for tile in hl.tile(start, min(start + chunk, numel)):
+            hl.store(workspace, [tile], hl.load(x, [tile]))
         hl.inline_triton(SYNC_STAGED, args=barrier, output_like=None)
-        for tile in hl.tile(start, start + chunk):
-            in_range = tile.index < numel
-            acc = hl.load(peers[0], [tile], extra_mask=in_range).to(torch.float32)
+        for tile in hl.tile(start, min(start + chunk, numel)):
+            acc = hl.load(peers[0], [tile]).to(torch.float32)
             for r in hl.static_range(1, world_size):
-                acc = acc + hl.load(peers[r], [tile], extra_mask=in_range).to(torch.float32)
-            acc = acc + hl.load(bias, [tile.index % hidden], extra_mask=in_range).to(torch.float32)
-            hl.store(out, [tile], acc.to(out.dtype), extra_mask=in_range)
+                acc = acc + hl.load(peers[r], [tile]).to(torch.float32)
+            acc = acc + hl.load(bias, [tile.index % hidden]).to(torch.float32)
+            hl.store(out, [tile], acc.to(out.dtype))
         hl.inline_triton(SYNC_DONE, args=barrier, output_like=None)
     return out
 
@@ -85,10 +85,10 @@ def launch(
     group_name: str = "",
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.one_shot_all_reduce_bias.launch``."""
-    # Fresh views: Helion sees `workspace` and `peers[rank]` as distinct tensors, one compile for all ranks.
+    # `workspace` through its own storage object: see helion_ports.own_storage.
     flat_peers = tuple(p.view(-1) for p in peers)
     compiled(block_size, num_warps)(
-        x.view(-1), bias, peers[rank].view(-1), flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk,
+        x.view(-1), bias, own_storage(peers[rank]).view(-1), flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk,
         rank, len(peers), group_name,
     )
     return out

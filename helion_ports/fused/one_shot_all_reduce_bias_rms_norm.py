@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, own_storage
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
 
@@ -48,23 +48,22 @@ def one_shot_all_reduce_bias_rms_norm_body(
     for block in hl.grid(num_blocks):
         barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
         start = block * rows_per_block
-        for rows in hl.tile(start, start + rows_per_block, block_size=1):
-            valid = (rows.index < tokens)[:, None]
-            row = hl.load(x, [rows, slice(None)], extra_mask=valid)
-            hl.store(workspace, [rows, slice(None)], row, extra_mask=valid)
+        # Ranges are clipped, as in the recipe, rather than masked per row: with one bound ptxas
+        # batches the peers' loads as it does for the recipe (the CPU tests compare the schedules).
+        for rows in hl.tile(start, min(start + rows_per_block, tokens), block_size=1):
+            hl.store(workspace, [rows, slice(None)], hl.load(x, [rows, slice(None)]))
         # The same for every row, and not written by peers: loaded once, while the barrier waits.
         bias_row = hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
         weight_row = hl.load(weight, [slice(None)]).to(torch.float32)[None, :]
         hl.inline_triton(SYNC_STAGED, args=barrier, output_like=None)
-        for rows in hl.tile(start, start + rows_per_block, block_size=1):
-            valid = (rows.index < tokens)[:, None]
+        for rows in hl.tile(start, min(start + rows_per_block, tokens), block_size=1):
             # Start from rank 0's row (as sum_peers does): hl.zeros([rows, hidden]) would need hidden specialized.
-            h = hl.load(peers[0], [rows, slice(None)], extra_mask=valid).to(torch.float32)
+            h = hl.load(peers[0], [rows, slice(None)]).to(torch.float32)
             for r in hl.static_range(1, world_size):
-                h = h + hl.load(peers[r], [rows, slice(None)], extra_mask=valid).to(torch.float32)
+                h = h + hl.load(peers[r], [rows, slice(None)]).to(torch.float32)
             h = h + bias_row
             y = rms_normalize(h, weight_row, eps)
-            hl.store(out, [rows, slice(None)], y.to(out.dtype), extra_mask=valid)
+            hl.store(out, [rows, slice(None)], y.to(out.dtype))
         hl.inline_triton(SYNC_DONE, args=barrier, output_like=None)
     return out
 
@@ -93,10 +92,10 @@ def launch(
     group_name: str = "",
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
-    # Fresh [tokens, hidden] views: Helion sees `workspace` and `peers[rank]` as distinct tensors.
+    # `workspace` through its own storage object: see helion_ports.own_storage.
     row_peers = tuple(p.view(x.shape) for p in peers)
     compiled(num_warps)(
-        x, bias, weight, float(eps), peers[rank].view(x.shape), row_peers, out, signal_pad_ptrs, num_blocks,
+        x, bias, weight, float(eps), own_storage(peers[rank]).view(x.shape), row_peers, out, signal_pad_ptrs, num_blocks,
         rows_per_block, rank, len(peers), group_name,
     )
     return out

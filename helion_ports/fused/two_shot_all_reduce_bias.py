@@ -16,7 +16,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, own_storage
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.two_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
 
@@ -44,26 +44,25 @@ def two_shot_all_reduce_bias_body(
         barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
         for owner in hl.static_range(world_size):
             start = owner * shard + block * chunk
-            for tile in hl.tile(start, start + chunk):
-                in_range = (tile.index < numel) & (tile.index < owner * shard + shard)
-                hl.store(workspace, [0, tile], hl.load(x, [tile], extra_mask=in_range), extra_mask=in_range)
+            # Ranges are clipped, as in the recipe, rather than masked per element: with one bound ptxas
+            # batches the peers' loads as it does for the recipe (the CPU tests compare the schedules).
+            for tile in hl.tile(start, min(start + chunk, min(owner * shard + shard, numel))):
+                hl.store(workspace, [0, tile], hl.load(x, [tile]))
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         start = rank * shard + block * chunk
-        for tile in hl.tile(start, start + chunk):
-            in_range = (tile.index < numel) & (tile.index < rank * shard + shard)
-            acc = hl.load(peers[0], [0, tile], extra_mask=in_range).to(torch.float32)
+        for tile in hl.tile(start, min(start + chunk, min(rank * shard + shard, numel))):
+            acc = hl.load(peers[0], [0, tile]).to(torch.float32)
             for r in hl.static_range(1, world_size):
-                acc = acc + hl.load(peers[r], [0, tile], extra_mask=in_range).to(torch.float32)
-            acc = acc + hl.load(bias, [tile.index % hidden], extra_mask=in_range).to(torch.float32)
+                acc = acc + hl.load(peers[r], [0, tile]).to(torch.float32)
+            acc = acc + hl.load(bias, [tile.index % hidden]).to(torch.float32)
             result = acc.to(out.dtype)
             for r in hl.static_range(world_size):
-                hl.store(peers[r], [1, tile], result, extra_mask=in_range)
+                hl.store(peers[r], [1, tile], result)
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         for owner in hl.static_range(world_size):
             start = owner * shard + block * chunk
-            for tile in hl.tile(start, start + chunk):
-                in_range = (tile.index < numel) & (tile.index < owner * shard + shard)
-                hl.store(out, [tile], hl.load(workspace, [1, tile], extra_mask=in_range), extra_mask=in_range)
+            for tile in hl.tile(start, min(start + chunk, min(owner * shard + shard, numel))):
+                hl.store(out, [tile], hl.load(workspace, [1, tile]))
     return out
 
 
@@ -92,10 +91,10 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.two_shot_all_reduce_bias.launch``."""
     regions = (2, x.numel())
-    # Fresh views: Helion sees `workspace` and `peers[rank]` as distinct tensors, one compile for all ranks.
+    # `workspace` through its own storage object: see helion_ports.own_storage.
     region_peers = tuple(p.view(regions) for p in peers)
     compiled(block_size, num_warps)(
-        x.view(-1), bias, peers[rank].view(regions), region_peers, out.view(-1), signal_pad_ptrs, num_blocks,
+        x.view(-1), bias, own_storage(peers[rank]).view(regions), region_peers, out.view(-1), signal_pad_ptrs, num_blocks,
         shard, chunk, rank, len(peers), group_name,
     )
     return out

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, own_storage
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
 
@@ -46,32 +46,29 @@ def two_shot_all_reduce_bias_rms_norm_body(
         barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
         for owner in hl.static_range(world_size):
             start = owner * shard + block * chunk
-            for rows in hl.tile(start, start + chunk, block_size=1):
-                valid = ((rows.index < tokens) & (rows.index < owner * shard + shard))[:, None]
-                row = hl.load(x, [rows, slice(None)], extra_mask=valid)
-                hl.store(workspace, [0, rows, slice(None)], row, extra_mask=valid)
+            # Ranges are clipped, as in the recipe, rather than masked per row: with one bound ptxas
+            # batches the peers' loads as it does for the recipe (the CPU tests compare the schedules).
+            for rows in hl.tile(start, min(start + chunk, min(owner * shard + shard, tokens)), block_size=1):
+                hl.store(workspace, [0, rows, slice(None)], hl.load(x, [rows, slice(None)]))
         # The same for every row, and not written by peers: loaded once, while the barrier waits.
         bias_row = hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
         weight_row = hl.load(weight, [slice(None)]).to(torch.float32)[None, :]
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         start = rank * shard + block * chunk
-        for rows in hl.tile(start, start + chunk, block_size=1):
-            valid = ((rows.index < tokens) & (rows.index < rank * shard + shard))[:, None]
+        for rows in hl.tile(start, min(start + chunk, min(rank * shard + shard, tokens)), block_size=1):
             # Start from rank 0's row (as sum_peers does): hl.zeros([rows, hidden]) would need hidden specialized.
-            h = hl.load(peers[0], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
+            h = hl.load(peers[0], [0, rows, slice(None)]).to(torch.float32)
             for r in hl.static_range(1, world_size):
-                h = h + hl.load(peers[r], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
+                h = h + hl.load(peers[r], [0, rows, slice(None)]).to(torch.float32)
             h = h + bias_row
             y = rms_normalize(h, weight_row, eps).to(out.dtype)
             for r in hl.static_range(world_size):
-                hl.store(peers[r], [1, rows, slice(None)], y, extra_mask=valid)
+                hl.store(peers[r], [1, rows, slice(None)], y)
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         for owner in hl.static_range(world_size):
             start = owner * shard + block * chunk
-            for rows in hl.tile(start, start + chunk, block_size=1):
-                valid = ((rows.index < tokens) & (rows.index < owner * shard + shard))[:, None]
-                row = hl.load(workspace, [1, rows, slice(None)], extra_mask=valid)
-                hl.store(out, [rows, slice(None)], row, extra_mask=valid)
+            for rows in hl.tile(start, min(start + chunk, min(owner * shard + shard, tokens)), block_size=1):
+                hl.store(out, [rows, slice(None)], hl.load(workspace, [1, rows, slice(None)]))
     return out
 
 
@@ -101,10 +98,10 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     regions = (2, *x.shape)
-    # Fresh views: Helion sees `workspace` and `peers[rank]` as distinct tensors, one compile for all ranks.
+    # `workspace` through its own storage object: see helion_ports.own_storage.
     region_peers = tuple(p.view(regions) for p in peers)
     compiled(num_warps)(
-        x, bias, weight, float(eps), peers[rank].view(regions), region_peers, out, signal_pad_ptrs, num_blocks,
+        x, bias, weight, float(eps), own_storage(peers[rank]).view(regions), region_peers, out, signal_pad_ptrs, num_blocks,
         shard, chunk, rank, len(peers), group_name,
     )
     return out
