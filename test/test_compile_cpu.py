@@ -113,25 +113,26 @@ def first_load_batch(sass: list[str]) -> int:
 # Shapes where one block's reduce step reads one vector per peer (latency-bound: the batch is the cost).
 SCHEDULE_SHAPES = {"all_reduce": (8192,), "all_reduce_bias": (4, 5120), "all_reduce_bias_rms_norm": (4, 5120),
                    "gemm_all_reduce": (64, 4096, 4096)}
-# Twins whose schedule still trails the recipe's: ptxas holds back loads there for reasons not yet found.
-SCHEDULE_GAPS = {"kraken.fused.two_shot_all_reduce_bias", "kraken.fused.two_shot_all_reduce_bias_rms_norm"}
+# (recipe, world size) where the twin's schedule still trails: ptxas holds back a load there, for
+# reasons not found yet (the generated code has the same loads; see the README's Helion notes).
+SCHEDULE_GAPS = {("kraken.fused.two_shot_all_reduce_bias", 4), ("kraken.fused.two_shot_all_reduce_bias", 8),
+                 ("kraken.fused.two_shot_all_reduce_bias_rms_norm", 4)}
 DISTRIBUTED_PAIRS = [(o, p) for o, p in PAIRS if p.triton_module != "kraken.fused.rms_norm"]
 
 
-@pytest.mark.parametrize("world_size", (4, 8))
 @pytest.mark.parametrize(
-    "op_name,pair",
-    [pytest.param(o, p, marks=[pytest.mark.xfail(strict=True, reason="known gap")] if p.triton_module in SCHEDULE_GAPS else [])
-     for o, p in DISTRIBUTED_PAIRS],
-    ids=[f"{o}:{p.triton}" for o, p in DISTRIBUTED_PAIRS],
+    "op_name,pair,world_size",
+    [pytest.param(o, p, ws, marks=[pytest.mark.xfail(strict=True, reason="known gap")] if (p.triton_module, ws) in SCHEDULE_GAPS else [],
+                  id=f"{o}:{p.triton}-{ws}")
+     for ws in (4, 8) for o, p in DISTRIBUTED_PAIRS],
 )
 def test_twin_batches_peer_loads_like_its_recipe(op_name, pair, world_size):
     """From 3 ranks on, the twin issues at least as many peers' loads up front as the recipe does.
 
     With 2 ranks there is one remote load per step and nothing to batch, so a twin that issued its
-    loads one round trip apart matched the recipe there and was 5-14% slower at 4 GPUs. Two causes,
-    both fixed: a per-element mask where the recipe clips the loop (the twins now clip), and the
-    CTA barrier Helion put before the ``peers[rank]`` load (``helion_ports.own_storage``).
+    loads one round trip apart matched the recipe there and was up to 14% slower at 4 GPUs. Two
+    causes, both fixed: a per-element mask where the recipe clips the loop (those twins now clip),
+    and the CTA barrier Helion put before the ``peers[rank]`` load (``helion_ports.own_storage``).
     """
     batches = []
     for module_path in (pair.triton_module, pair.helion_module):
