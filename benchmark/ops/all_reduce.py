@@ -40,16 +40,16 @@ def backend(module_path: str):
     return lambda inputs: fn(inputs["symm"])
 
 
-def example(module, world_size: int, shape=(10007,), rank=1) -> None:
+def example(module, world_size: int, shape=(10007,)) -> None:
     """A CPU stand-in launch of a 1-shot or 2-shot module (both share ``plan``/``launch`` signatures);
     the default size is odd, to exercise the tails."""
     (numel,) = shape
     peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
     cfg = module.plan(numel, world_size, {})
     if "shard" in cfg:
-        module.launch(peers, FAKE_SIGNAL_PADS, rank, **cfg)
+        module.launch(peers, FAKE_SIGNAL_PADS, 1, **cfg)
     else:
-        module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, rank, **cfg)
+        module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, 1, **cfg)
 
 
 def nvlink_bytes(shape, dtype, world_size):

@@ -112,7 +112,7 @@ def backends(norm: bool) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def example_launch(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, rank=1) -> None:
+def example_launch(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16) -> None:
     """Call ``module.launch`` on CPU stand-ins; works for every module of the family and its twin."""
     tokens, hidden = shape
     x = torch.randn(shape, dtype=dtype)
@@ -124,7 +124,7 @@ def example_launch(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfl
     copies = 2 if "shard" in cfg else 1  # two-shot workspaces: [staged x | result]
     peers = tuple(torch.empty(copies * x.numel(), dtype=dtype) for _ in range(world_size))
     norm_args = (weight, EPS) if module.__name__.endswith("_rms_norm") else ()
-    module.launch(x, bias, *norm_args, peers, out, FAKE_SIGNAL_PADS, rank, **cfg)
+    module.launch(x, bias, *norm_args, peers, out, FAKE_SIGNAL_PADS, 1, **cfg)
 
 
 def pairs(norm: bool) -> list[Pair]:

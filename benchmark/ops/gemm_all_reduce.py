@@ -86,7 +86,7 @@ def fused(package: str):
 # ---------------------------------------------------------------------------
 
 
-def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, out_dtype=OUT_DTYPE, rank=1) -> None:
+def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, out_dtype=OUT_DTYPE) -> None:
     """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``)."""
     m, n, k = shape
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -97,7 +97,7 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, 
     parity, epochs = torch.zeros(H200_NUM_SMS, dtype=torch.int32), torch.zeros(H200_NUM_SMS, dtype=torch.int32)
     partials = torch.empty(H200_NUM_SMS, 2, *tile)
     out = torch.empty(m, n, dtype=out_dtype)
-    module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, rank, parity, epochs, partials, FAKE_SIGNAL_PADS, **cfg)
+    module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, 1, parity, epochs, partials, FAKE_SIGNAL_PADS, **cfg)
 
 
 # ---------------------------------------------------------------------------
