@@ -31,7 +31,8 @@ def own_storage(local: torch.Tensor) -> torch.Tensor:
     same memory, wrapped through DLPack once and kept on ``local`` (freed with it).
 
     Twins that stage into their own buffer (``workspace``), meet the peers at the barrier, then read
-    every rank's buffer (``peers[r]``) pass ``workspace`` through this. Helion 1.5.0 inserts a CTA
+    every rank's buffer (``peers[r]``), or push into every rank's buffer and then read their own, pass
+    ``workspace`` through this. Helion 1.5.0 inserts a CTA
     barrier before a load from storage that the same kernel stored to earlier, and it cannot see the
     ``bar.sync`` inside the ``hl.inline_triton`` barrier between them; so it put one before the
     ``peers[rank]`` load, on every iteration. ptxas then waits for the loads from ranks before

@@ -271,9 +271,9 @@ def symm_workspace(
 class BlockWorkspace:
     """A symmetric buffer cut into two halves of ``num_chunks`` chunks of ``chunk_bytes`` each.
 
-    Block ``b`` of a kernel only ever writes chunk ``b`` of half ``parity[b]`` and
-    flips ``parity[b]`` when it finishes; a peer reads that chunk only through its
-    own block ``b``. A launch therefore writes the half that the previous launch of
+    Block ``b`` of a kernel only ever writes chunk ``b`` of half ``parity[b]`` (its
+    own, or every rank's when it pushes) and flips ``parity[b]`` when it finishes;
+    a chunk is read only by block ``b`` of a rank. A launch therefore writes the half that the previous launch of
     block ``b`` did not, and the launch before that is finished on every rank: each
     launch passes at least one barrier with every peer, and a peer's kernel starts
     only after its previous one ended. No "done reading" barrier at the end of a

@@ -121,13 +121,15 @@ def test_plan_with_a_small_signal_pad(monkeypatch):
 
 
 def test_plan_splits_k_only_when_tiles_leave_sms_idle():
-    # One 64x32 tile per block: no split.
+    # 64 tiles of 64x64 give SKINNY_FILL of the SMs a tile: no split, one block per tile.
     cfg = recipe.plan(64, 4096, 4096, 2, {}, 132)
-    assert (cfg["block_m"], cfg["block_n"], cfg["split_k"], cfg["num_blocks"]) == (64, 32, 1, 128)
-    # 32 tiles: a 4-way split fills 128 SMs, 8 k steps of 128 each; each block reduces 16 of the 64 rows.
+    assert (cfg["block_m"], cfg["block_n"], cfg["split_k"], cfg["num_blocks"]) == (64, 64, 1, 64)
+    # 16 tiles: a 4-way split, 8 k steps of 128 each; each block reduces 16 of the 64 rows.
     cfg = recipe.plan(64, 1024, 4096, 2, {}, 132)
-    assert (cfg["split_k"], cfg["num_groups"], cfg["num_blocks"], cfg["k_per_split"]) == (4, 32, 128, 1024)
+    assert (cfg["split_k"], cfg["num_groups"], cfg["num_blocks"], cfg["k_per_split"]) == (4, 16, 64, 1024)
     assert cfg["reduce_m"] == 16
+    # An explicit split_k still wins over the skinny default.
+    assert recipe.plan(64, 4096, 4096, 2, {"split_k": 2}, 132)["num_blocks"] == 128
     # 16 tiles, k = 1000 in 8 steps: 2 ways (4 would leave 2 steps a split, under MIN_K_TILES_PER_SPLIT).
     assert recipe.plan(37, 500, 1000, 2, {}, 132)["split_k"] == 2
     # Too short a k for any split.
@@ -138,15 +140,19 @@ def test_plan_splits_k_only_when_tiles_leave_sms_idle():
 
 
 def test_default_config_per_shape_class():
-    """The tuned picks on H200 (132 SMs): up to 256 rows the narrowest one-warpgroup tile that fits one wave;
-    above, the largest tile that keeps more than half the SMs busy."""
+    """The tuned picks on H200 (132 SMs): up to 256 rows the narrowest one-warpgroup tile (64 wide below 128
+    rows) that fits one wave, pushing partials; above, the largest tile that keeps more than half the SMs busy,
+    pulling them."""
     tiles = {shape: (c["block_m"], c["block_n"], c["num_warps"]) for shape in [
              (64, 4096, 4096), (128, 4096, 4096), (256, 4096, 4096), (512, 4096, 4096), (2048, 4096, 4096),
              (128, 8192, 8192), (512, 5120, 5120), (16, 65536, 4096)] for c in [recipe.default_config(*shape, 132)]}
-    assert tiles == {(64, 4096, 4096): (64, 32, 4), (128, 4096, 4096): (128, 32, 4), (256, 4096, 4096): (128, 64, 4),
+    assert tiles == {(64, 4096, 4096): (64, 64, 4), (128, 4096, 4096): (128, 32, 4), (256, 4096, 4096): (128, 64, 4),
                      (512, 4096, 4096): (128, 128, 8), (2048, 4096, 4096): (128, 256, 8), (128, 8192, 8192): (128, 64, 4),
                      (512, 5120, 5120): (128, 256, 8), (16, 65536, 4096): (64, 256, 4)}
-    # The pipeline fits shared memory: 5 stages of 64x128 + 128x32 bf16, 4 of 128x128 + 128x64.
+    pushes = {shape: recipe.plan(*shape, 2, {}, 132)["push"] for shape in [(64, 4096, 4096), (256, 4096, 4096),
+                                                                              (512, 4096, 4096)]}
+    assert pushes == {(64, 4096, 4096): True, (256, 4096, 4096): True, (512, 4096, 4096): False}
+    # The pipeline fits shared memory: 5 stages of 64x128 + 128x64 bf16, 4 of 128x128 + 128x64.
     assert recipe.default_config(64, 4096, 4096, 132)["num_stages"] == 5
     assert recipe.default_config(256, 4096, 4096, 132)["num_stages"] == 4
     cfg = recipe.plan(2048, 4096, 4096, 2, {"block_n": 128, "num_stages": 3}, 132)

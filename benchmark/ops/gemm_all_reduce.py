@@ -91,11 +91,11 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, 
     m, n, k = shape
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     cfg = module.plan(m, n, k, world_size, {}, H200_NUM_SMS)
-    tile = (cfg["block_m"], cfg["block_n"])
+    tile = module.chunk_tile(cfg, world_size)
     rounds = module.rounds_of(m, n, cfg)
     peers = tuple(torch.empty(2, H200_NUM_SMS, rounds, *tile, dtype=out_dtype) for _ in range(world_size))
     parity, epochs = torch.zeros(H200_NUM_SMS, dtype=torch.int32), torch.zeros(H200_NUM_SMS, dtype=torch.int32)
-    partials = torch.empty(H200_NUM_SMS, 2, *tile)
+    partials = torch.empty(H200_NUM_SMS, 2, *tile[1:])
     out = torch.empty(m, n, dtype=out_dtype)
     module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, 1, parity, epochs, partials, FAKE_SIGNAL_PADS, **cfg)
 

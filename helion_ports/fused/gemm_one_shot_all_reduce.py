@@ -7,16 +7,22 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
   ``b % split_k`` of group ``b // split_k``, which owns tiles ``g, g + groups, ...``,
   one per round (``hl.grid(rounds)``; a round past the last tile has empty loops
   and only keeps the barriers paired);
-* the GEMM is a 2-D ``hl.tile`` over one tile, its end clipped to ``[m, n]``,
-  with an ``hl.tile`` over this split's k range and ``hl.dot`` into fp32. ``a``
-  and ``b`` load through tensor descriptors (TMA), as in the recipe;
+* the GEMM is a 2-D ``hl.tile`` over one whole tile, with an ``hl.tile`` over this
+  split's k range and ``hl.dot`` into fp32. ``a`` and ``b`` load through tensor
+  descriptors (TMA), as in the recipe: rows and columns past ``m``, ``n`` and ``k``
+  come in as zeros, so the whole tile goes to the workspace with no mask (masks
+  on the pushes to 8 peers made ptxas spill) and only the reduce clips to ``[m, n]``;
 * with a k split, the partial goes to local scratch, the group meets at the same
   PTX barrier over local pads, and each block sums its slice of rows;
+* the block stores its rows into its slot of the workspace: with ``push``, into every
+  rank's (the peers' workspaces arrive as one tuple, walked with ``hl.static_range``,
+  stored to with ``hl.store(peers[r], ...)``), else into its own (the top-level
+  ``workspace`` argument);
 * the barriers are the kraken PTX, pasted in with ``hl.inline_triton``: the CAS
-  barrier for the split group, the epoch barrier across ranks; the peers'
-  workspaces arrive as one tuple, walked with ``hl.static_range``; the local
-  workspace is written through its own argument, and the block's parity flips
-  and its epoch count advances at the end (``host.BlockWorkspace``: no trailing barrier).
+  barrier for the split group, and after the last round the epoch barrier across
+  ranks; then a second ``hl.grid(rounds)`` sums every rank's partial (from the local
+  ``workspace`` with ``push``, else from ``peers[r]``), and the block's parity flips and
+  its epoch count advances at the end (``host.BlockWorkspace``: no trailing barrier).
 
 The config is explicit: ``block_sizes`` follow the loops (the GEMM tile m, n, its k step, the
 slice's rows and columns, the reduce tile m, n), from the recipe's ``plan``.
@@ -34,7 +40,7 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage
 from kraken._ptx_utils.inline_source import EPOCH_SYNC, SYMM_MEM_SYNC
-from kraken.fused.gemm_one_shot_all_reduce import plan, prepare, rounds_of, tma_operands  # shared with the recipe
+from kraken.fused.gemm_one_shot_all_reduce import chunk_tile, plan, prepare, rounds_of, tma_operands  # shared with the recipe
 
 # Both barriers are "my writes are visible to you, yours to me" (release + acquire): the k-split
 # group's CAS barrier over local pads, then the ranks' epoch barrier over the workspace's own pad.
@@ -62,6 +68,7 @@ def gemm_one_shot_all_reduce_body(
     split_k: hl.constexpr,
     block_m: hl.constexpr,
     block_n: hl.constexpr,
+    push: hl.constexpr,
     group_name: hl.ProcessGroupName,
 ) -> torch.Tensor:
     m, n = out.size()  # a and b may be zero-padded in k and n for TMA (``tma_operands``)
@@ -80,12 +87,17 @@ def gemm_one_shot_all_reduce_body(
             tile = group + rnd * num_groups
             m0 = tile // tiles_n * block_m
             n0 = tile % tiles_n * block_n
-            for tile_m, tile_n in hl.tile([m0, n0], [min(m0 + block_m, m), min(n0 + block_n, n)]):
+            for tile_m, tile_n in hl.tile([m0, n0], [m0 + block_m, n0 + block_n]):
                 acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                 for tile_k in hl.tile(k_begin, min(k_begin + k_per_split, k)):
                     acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
                 if split_k == 1:
-                    workspace[half, block, rnd, tile_m.index - m0, tile_n.index - n0] = acc.to(workspace.dtype)
+                    partial = acc.to(workspace.dtype)
+                    if push:
+                        for r in hl.static_range(world_size):
+                            hl.store(peers[r], [half, block, rnd, rank, tile_m.index - m0, tile_n.index - n0], partial)
+                    else:
+                        workspace[half, block, rnd, 0, tile_m.index - m0, tile_n.index - n0] = partial
                 else:
                     partials[block, rnd % 2, tile_m.index - m0, tile_n.index - n0] = acc
             if split_k > 1:
@@ -94,21 +106,33 @@ def gemm_one_shot_all_reduce_body(
                     part = hl.zeros([tile_r, tile_c], dtype=torch.float32)
                     for s in hl.static_range(split_k):
                         part = part + partials[group * split_k + s, rnd % 2, tile_r, tile_c]
-                    workspace[half, block, rnd, tile_r, tile_c] = part.to(workspace.dtype)
-            hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + rnd + 1}, output_like=None)
+                    partial = part.to(workspace.dtype)
+                    if push:
+                        for r in hl.static_range(world_size):
+                            hl.store(peers[r], [half, block, rnd, rank, tile_r, tile_c], partial)
+                    else:
+                        workspace[half, block, rnd, 0, tile_r, tile_c] = partial
+        hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+        for rnd in hl.grid(rounds):
+            tile = group + rnd * num_groups
+            m0 = tile // tiles_n * block_m
+            n0 = tile % tiles_n * block_n
             for tile_m, tile_n in hl.tile([m0 + split * slice_m, n0], [min(m0 + (split + 1) * slice_m, m), min(n0 + block_n, n)]):
                 total = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                 for r in hl.static_range(world_size):
-                    total = total + hl.load(peers[r], [half, block, rnd, tile_m.index - m0, tile_n.index - n0]).to(torch.float32)
+                    if push:
+                        total = total + workspace[half, block, rnd, r, tile_m.index - m0, tile_n.index - n0].to(torch.float32)
+                    else:
+                        total = total + hl.load(peers[r], [half, block, rnd, 0, tile_m.index - m0, tile_n.index - n0]).to(torch.float32)
                 out[tile_m, tile_n] = total.to(out.dtype)
         parity[block] = 1 - half
-        epochs[block] = epoch + rounds
+        epochs[block] = epoch + 1
     return out
 
 
 @functools.cache
 def compiled(
-    block_m: int, block_n: int, block_k: int, split_k: int, reduce_m: int, num_warps: int, num_stages: int
+    block_m: int, block_n: int, block_k: int, split_k: int, reduce_m: int, push: bool, num_warps: int, num_stages: int
 ) -> helion.Kernel:
     """One Helion kernel per launch configuration, each with an explicit config.
 
@@ -138,6 +162,7 @@ def launch(
     block_k: int,
     split_k: int,
     reduce_m: int,
+    push: bool,
     num_warps: int,
     num_stages: int,
     num_blocks: int,
@@ -147,10 +172,12 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_one_shot_all_reduce.launch``.
 
-    ``peers[rank]`` goes in twice: as ``workspace``, the top-level argument the kernel stores through
-    (``rank`` is a runtime value, and a tuple is indexed only by ``hl.static_range``; Helion sees the
-    same tensor and passes one pointer), and inside ``peers``. Every size the body uses comes from top-level tensors, which is what makes
-    Helion 1.5.0 re-specialize when a shape changes bucket (it ignores sizes inside tuples).
+    ``peers[rank]`` goes in twice: as ``workspace``, the top-level argument for this rank's own slots
+    (``rank`` is a runtime value, and a tuple is indexed only by ``hl.static_range``), under its own
+    storage object (``own_storage``: Helion would put a CTA barrier before loads from storage the
+    kernel stored to; the epoch barrier already orders them), and inside ``peers``. Every size the body
+    uses comes from top-level tensors, which is what makes Helion 1.5.0 re-specialize when a shape
+    changes bucket (it ignores sizes inside tuples).
     """
     a, b = tma_operands(a, b)
     # Helion 1.5.0 specialises a size-1 dimension and then drops the row mask of a store through a
@@ -158,9 +185,9 @@ def launch(
     staged = out if a.shape[0] > 1 else out.new_empty(2, out.shape[1])
     if a.shape[0] == 1:
         a = torch.cat([a, a.new_zeros(a.shape)])
-    compiled(block_m, block_n, block_k, split_k, reduce_m, num_warps, num_stages)(
+    compiled(block_m, block_n, block_k, split_k, reduce_m, push, num_warps, num_stages)(
         a, b, partials, own_storage(peers[rank]), peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
-        rank, len(peers), split_k, block_m, block_n, group_name,
+        rank, len(peers), split_k, block_m, block_n, push, group_name,
     )
     if staged is not out:
         out.copy_(staged[:1])

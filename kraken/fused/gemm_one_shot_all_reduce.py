@@ -4,27 +4,32 @@ The row-parallel linear layer of tensor parallelism: every rank holds a slice of
 the reduction dimension, computes a partial product and the partials are summed.
 The output is cut into ``BLOCK_M x BLOCK_N`` tiles. The persistent grid is
 ``groups x SPLIT_K`` blocks; group ``g`` takes tiles ``g, g + groups, ...``, one
-per round, and its ``SPLIT_K`` blocks each multiply one k-slice of the tile (small
-M has too few tiles to keep the SMs streaming ``b``; splitting k keeps them busy).
-In each round, block ``b`` of every rank:
+per round (small M has too few tiles to keep the SMs streaming ``b``; splitting k
+over the ``SPLIT_K`` blocks of a group keeps them busy). Block ``b`` of every rank:
 
-1. GEMM: loads ``a`` and ``b`` through TMA descriptors, ``tl.dot`` into fp32;
+1. GEMM, every round: loads ``a`` and ``b`` through TMA descriptors, ``tl.dot`` into fp32;
 2. with a k split, stores its fp32 partial, meets its group at a local barrier
    (the same CAS barrier as across GPUs, over pads in local memory), and sums its
    ``BLOCK_M / SPLIT_K`` rows of the tile over the group's partials;
-3. stores those rows (the rank's partial, in ``out_dtype``) into its chunk of
-   the symmetric workspace;
-4. barrier (release + acquire) with block ``b`` of every peer: "my rows are
-   visible to you, yours to me". Block ``b`` of each peer wrote exactly the rows
-   that block ``b`` reduces. The workspace's signal pad is its own, so this is the
-   epoch barrier: a posted store of the round number to each peer and a spin
-   until theirs arrive, no compare-and-swap round trip (``epoch_sync``);
-5. reduce: sums those rows over every rank's chunk ``b``, in rank order (bitwise
-   identical on every rank), in fp32, and writes ``out``.
+3. stores those rows (the rank's partial, in ``out_dtype``) into its slot of chunk
+   ``b`` of the symmetric workspace. With ``PUSH`` (the default for skinny tiles),
+   into that slot on every rank, its own included: posted stores that drain over
+   NVLink while the next round's GEMM runs; else only into its own;
+4. after the last round, one barrier (release + acquire) with block ``b`` of every
+   peer: "my partials are visible to you, yours to me". The workspace's signal pad is
+   its own, so this is the epoch barrier: a posted store of the round number to each
+   peer and a spin until theirs arrive, no compare-and-swap round trip (``epoch_sync``);
+5. reduce, every round: sums its rows over every rank's partial, in rank order (bitwise
+   identical on every rank), in fp32, and writes ``out``. With ``PUSH`` they are all in
+   its local chunk; else it loads them from every rank's chunk ``b``.
 
-No barrier at the end: the workspace is a ``host.BlockWorkspace``, double
-buffered per block, so the next launch writes the other half while a peer may
-still be reading this one. One cross-GPU barrier round per tile a block owns.
+Pushing keeps the NVLink round trip of remote loads out of the tail (M = 64 on 2 H200s:
+13.9 us against 14.8 for the best tiles pulling). The cost is memory, a slot per rank (``world_size`` times the
+output, twice), and registers: one address per element and peer, which made the Helion
+twin spill on the 128x256 tiles of large M, where the exchange is a small part of the
+time and the recipe pulls. No barrier at the end: the workspace is a
+``host.BlockWorkspace``, so the next launch writes the other half while a peer may
+still be reading this one.
 
 The workspace holds partials in ``out_dtype``: fp32 partials for an fp32 output
 (no rounding before the sum), bf16 partials for a bf16 output, which halves the
@@ -33,6 +38,8 @@ by a bf16 all-reduce does. A k split sums its partials in fp32 first.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -50,16 +57,19 @@ TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides; others
 
 # Tile configs, swept on 2x H200 (``probe`` runs of the recipe and its twin, ``python -m benchmark.tune``).
 # Up to ``SKINNY_M`` rows the GEMM is bound by streaming ``b`` from HBM: one warpgroup per tile, 128-deep
-# k steps (fewer, larger TMA loads), and the narrowest tile that still fits all tiles in one wave of the
-# SMs, so every SM streams its own slice of ``b`` (64x32 tiles at M = 64: 15.6 us where 64x128 tiles with a
-# 4-way k split took 16.8). Larger M is bound by the tensor cores and takes the largest of
-# ``TILE_CONFIGS`` that still gives ``MIN_TILES_PER_SM`` of the SMs a tile. With too few tiles for the SMs
-# (small N), ``split_k`` cuts k so that tiles x split_k fills them (up to ``MAX_SPLIT_K``).
+# k steps (fewer, larger TMA loads), and the narrowest tile (64 wide below M = 128, else 32) that still
+# fits all tiles in one wave of the SMs. ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of them
+# (M = 64: 64x64 tiles on 64 SMs, 10.5 us; 64x32 on 128, 10.4), and half the blocks push, fence and meet
+# half as often (13.9 us against 14.3 for the whole fused kernel), so those tiles take no k split.
+# Larger M is bound by the tensor cores and takes the largest of ``TILE_CONFIGS`` that still gives
+# ``MIN_TILES_PER_SM`` of the SMs a tile. With too few tiles for the SMs (small N), ``split_k`` cuts k
+# so that tiles x split_k fills them (up to ``MAX_SPLIT_K``).
 # Any key may be overridden per call. ``max_blocks`` None: one block per SM. ``split_k``/``reduce_m`` None: chosen.
 SKINNY_M = 256
 SKINNY_BLOCK_K = 128
 SKINNY_STAGE_BYTES = 192 * 1024  # shared memory for the pipeline stages (of the 227 KiB an SM offers)
 SKINNY_MAX_STAGES = 5
+SKINNY_FILL = 0.45
 TILE_CONFIGS = [
     {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
     {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4},
@@ -67,7 +77,7 @@ TILE_CONFIGS = [
 MIN_TILES_PER_SM = 0.55
 MAX_SPLIT_K = 4
 MIN_K_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial than it saves
-DEFAULT_CONFIG = {**TILE_CONFIGS[0], "split_k": None, "reduce_m": None, "max_blocks": None}
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "split_k": None, "reduce_m": None, "max_blocks": None, "push": False}
 # The reduce tile holds about this many values per thread (fp32 sums, and loads from up to 4 ranks in flight).
 REDUCE_VALUES_PER_THREAD = 64
 
@@ -77,7 +87,7 @@ def gemm_one_shot_all_reduce_kernel(
     a_desc,  # TMA descriptor of a [M, K], BLOCK_M x BLOCK_K boxes
     b_desc,  # TMA descriptor of b [K, N], BLOCK_K x BLOCK_N boxes
     partials_ptr,  # [blocks, 2, BLOCK_M, BLOCK_N] fp32, local: k-split partials, double buffered by round
-    workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, tiles per chunk, BLOCK_M, BLOCK_N] in out_dtype
+    workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, tiles per chunk, slots, BLOCK_M, BLOCK_N], out_dtype
     peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
     parity_ptr,  # int32[chunks]: the half of the workspace block b writes in this launch
     epochs_ptr,  # int32[chunks]: the barrier rounds block b has completed (host.BlockWorkspace)
@@ -98,9 +108,11 @@ def gemm_one_shot_all_reduce_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     REDUCE_M: tl.constexpr,  # rows per reduce step: a slice of a tile, so world_size loads fit in registers
+    PUSH: tl.constexpr,  # partials go to every rank's workspace (a slot per rank) or stay in mine (one slot)
 ):
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLICE_M: tl.constexpr = BLOCK_M // SPLIT_K  # rows of each tile this block sums over the ranks
+    SLOTS: tl.constexpr = world_size if PUSH else 1  # partials of a tile in one rank's chunk
     block = tl.program_id(0)
     group = block // SPLIT_K
     split = block % SPLIT_K
@@ -115,8 +127,8 @@ def gemm_one_shot_all_reduce_kernel(
     in_slice = (split * SLICE_M + tl.arange(0, SLICE_M))[:, None] * BLOCK_N + cols[None, :]
 
     num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
-    # Every block of a group runs every round, so barriers stay paired even in a last round that
-    # has no tile for some groups (their GEMM is empty and their stores fall outside ``out``).
+    # Every block of a group runs every round, so the split barriers stay paired even in a last round
+    # that has no tile for some groups (their GEMM is empty and their stores fall outside ``out``).
     rounds = tl.cdiv(num_tiles, num_groups)
     for rnd in tl.range(0, rounds):
         tile = group + rnd * num_groups
@@ -126,9 +138,10 @@ def gemm_one_shot_all_reduce_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(k_begin, tl.where(tile < num_tiles, k_end, k_begin), BLOCK_K):
             acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
-        mine = workspace_ptr + chunk + rnd * TILE  # this round's tile in my chunk
+        slots = chunk + rnd * SLOTS * TILE  # this round's slots in a chunk; mine is ``rank`` when pushing, else 0
         if SPLIT_K == 1:
-            tl.store(mine + in_tile, acc.to(workspace_ptr.dtype.element_ty))
+            rows_of_mine = in_tile
+            partial = acc.to(workspace_ptr.dtype.element_ty)
         else:
             scratch = partials_ptr + (rnd % 2) * TILE
             tl.store(scratch + block * 2 * TILE + in_tile, acc)
@@ -137,24 +150,37 @@ def gemm_one_shot_all_reduce_kernel(
             part = tl.zeros([SLICE_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 part += tl.load(scratch + (group * SPLIT_K + s) * 2 * TILE + in_slice)
-            tl.store(mine + in_slice, part.to(workspace_ptr.dtype.element_ty))
+            rows_of_mine = in_slice
+            partial = part.to(workspace_ptr.dtype.element_ty)
+        if PUSH:
+            for r in tl.static_range(world_size):
+                tl.store(peers[r] + slots + rank * TILE + rows_of_mine, partial)
+        else:
+            tl.store(workspace_ptr + slots + rows_of_mine, partial)
 
-        # My slice of this tile is visible to peers; theirs (the same slice: same block id) to me.
-        epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + rnd + 1)
+    # My partials are visible to every peer's block b, theirs (the same slices: same block id) to me.
+    epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
 
+    for rnd in tl.range(0, rounds):
+        tile = group + rnd * num_groups
+        m0 = tile // tiles_n * BLOCK_M
+        n0 = tile % tiles_n * BLOCK_N
         for r0 in tl.static_range(0, SLICE_M, REDUCE_M):
             rows = split * SLICE_M + r0 + tl.arange(0, REDUCE_M)
-            offsets = chunk + rnd * TILE + rows[:, None] * BLOCK_N + cols[None, :]
+            offsets = chunk + rnd * SLOTS * TILE + rows[:, None] * BLOCK_N + cols[None, :]
             total = tl.zeros([REDUCE_M, BLOCK_N], dtype=tl.float32)
             for r in tl.static_range(world_size):
-                total += tl.load(peers[r] + offsets).to(tl.float32)
+                if PUSH:
+                    total += tl.load(workspace_ptr + offsets + r * TILE).to(tl.float32)
+                else:
+                    total += tl.load(peers[r] + offsets).to(tl.float32)
             offs_m = m0 + rows
             offs_n = n0 + cols
             tl.store(out_ptr + (offs_m[:, None] * N + offs_n[None, :]), total.to(out_ptr.dtype.element_ty),
                      mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
     # The next launch writes the other half: no "done reading" barrier needed (host.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
-    tl.store(epochs_ptr + block, epoch + rounds)
+    tl.store(epochs_ptr + block, epoch + 1)
 
 
 def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +212,7 @@ def launch(
     block_k: int,
     split_k: int,
     reduce_m: int,
+    push: bool,
     num_warps: int,
     num_stages: int,
     num_blocks: int,
@@ -205,7 +232,7 @@ def launch(
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
         partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_groups, k_per_split, rank, len(peers),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m, PUSH=push,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -213,18 +240,23 @@ def launch(
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> dict:
     """This shape's tile config (see ``TILE_CONFIGS``): for M <= ``SKINNY_M``, one warpgroup on 64- or
-    128-row tiles (128 from M = 128), as narrow (>= 32) as fits one wave of ``num_sms``; above, the largest of
-    ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a tile, else the smallest."""
+    128-row tiles (128 from M = 128), as narrow (>= 64 or 32) as fits one wave of ``num_sms``, and no k
+    split if that gives ``SKINNY_FILL`` of the SMs a tile; above, the largest of ``TILE_CONFIGS`` that
+    gives ``MIN_TILES_PER_SM`` of the SMs a tile, else the smallest."""
     if m <= SKINNY_M:
         # Boxes no larger than the operands where they can be (Helion loads a box larger than its tensor
         # through pointers, not TMA).
-        block_m, block_n = (128 if m >= 128 else 64), 32
+        block_m = 128 if m >= 128 else 64
+        block_n = 32 if block_m == 128 else 64
         block_k = SKINNY_BLOCK_K if k >= SKINNY_BLOCK_K else 64
         while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
             block_n *= 2
         stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * block_k * 2)  # bf16/fp16 operands
-        return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
-                "num_stages": min(stages, SKINNY_MAX_STAGES)}
+        cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
+               "num_stages": min(stages, SKINNY_MAX_STAGES), "push": True}
+        if host.cdiv(m, block_m) * host.cdiv(n, block_n) >= SKINNY_FILL * num_sms:
+            cfg["split_k"] = 1
+        return cfg
 
     def fills(cfg: dict) -> bool:
         return host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
@@ -287,7 +319,8 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > slice_m:
         raise ValueError(f"{op}: reduce_m must be a power of two <= block_m / split_k = {slice_m}, got {cfg['reduce_m']}")
     num_groups = min(num_tiles, max_blocks // split)
-    keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "num_warps", "num_stages")
+    cfg["push"] = bool(cfg["push"])
+    keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "push", "num_warps", "num_stages")
     return {
         **{key: cfg[key] for key in keys},
         "num_blocks": num_groups * split,
@@ -297,9 +330,14 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
 
 
 def rounds_of(m: int, n: int, cfg: dict) -> int:
-    """Rounds of the persistent loop (``plan``'s ``cfg``): the tiles each group takes, and so the tiles of
-    workspace each block owns."""
+    """Rounds of the persistent loop (``plan``'s ``cfg``): the tiles each group takes."""
     return host.cdiv(host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]), cfg["num_groups"])
+
+
+def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
+    """What block ``b``'s chunk of the workspace holds per round (``plan``'s ``cfg``): [slots, BLOCK_M,
+    BLOCK_N], a slot per rank's partial of the round's tile when pushing, else one for this rank's."""
+    return (world_size if cfg["push"] else 1, cfg["block_m"], cfg["block_n"])
 
 
 def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str) -> None:
@@ -328,7 +366,8 @@ def prepare(
     a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
 ) -> tuple[host.SymmContext, dict]:
     """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
-    ``host.BlockWorkspace`` viewed as [2, chunks, tiles per chunk, BLOCK_M, BLOCK_N] of ``out_dtype``."""
+    ``host.BlockWorkspace`` viewed as [2, chunks, tiles per chunk, slots, BLOCK_M, BLOCK_N] of
+    ``out_dtype`` (``chunk_tile``)."""
     check_inputs(a, b, out_dtype, op)
     (m, k), n = a.shape, b.shape[1]
     # The first call of each shape checks that every rank passes the same one.
@@ -336,15 +375,15 @@ def prepare(
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     world_size = dist.get_world_size(host.resolve_group(group, op))
     cfg = plan(m, n, k, world_size, config, num_sms)
-    tile = (cfg["block_m"], cfg["block_n"])
-    chunk_bytes = rounds_of(m, n, cfg) * tile[0] * tile[1] * out_dtype.itemsize
+    tile = chunk_tile(cfg, world_size)
+    chunk_bytes = rounds_of(m, n, cfg) * math.prod(tile) * out_dtype.itemsize
     workspace = host.block_workspace(chunk_bytes, a.device, group, op)
     host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
     ctx = workspace.context(out_dtype, tile)
     split_args = {
         "parity": workspace.parity,
         "epochs": workspace.epochs,
-        "partials": host.local_scratch((workspace.num_chunks, 2, *tile) if cfg["split_k"] > 1 else (1,),
+        "partials": host.local_scratch((workspace.num_chunks, 2, *tile[1:]) if cfg["split_k"] > 1 else (1,),
                                        torch.float32, a.device),
         "split_pad_ptrs": host.local_barrier_pads(a.device),
     }
