@@ -117,14 +117,17 @@ def gemm_one_shot_all_reduce_body(
             tile = group + rnd * num_groups
             m0 = tile // tiles_n * block_m
             n0 = tile % tiles_n * block_n
-            for tile_m, tile_n in hl.tile([m0 + split * slice_m, n0], [min(m0 + (split + 1) * slice_m, m), min(n0 + block_n, n)]):
+            # Whole slices, as the recipe: the slots hold whole tiles, so only the store to ``out`` has a mask
+            # (with masked loads from 8 slots, ptxas ran out of predicates and held loads back).
+            for tile_m, tile_n in hl.tile([m0 + split * slice_m, n0], [m0 + (split + 1) * slice_m, n0 + block_n]):
                 total = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                 for r in hl.static_range(world_size):
                     if push:
                         total = total + workspace[half, block, rnd, r, tile_m.index - m0, tile_n.index - n0].to(torch.float32)
                     else:
                         total = total + hl.load(peers[r], [half, block, rnd, 0, tile_m.index - m0, tile_n.index - n0]).to(torch.float32)
-                out[tile_m, tile_n] = total.to(out.dtype)
+                inside = (tile_m.index < m)[:, None] & (tile_n.index < n)[None, :]
+                hl.store(out, [tile_m, tile_n], total.to(out.dtype), extra_mask=inside)
         parity[block] = 1 - half
         epochs[block] = epoch + 1
     return out
