@@ -145,16 +145,19 @@ def test_default_config_per_shape_class():
     pulling them."""
     tiles = {shape: (c["block_m"], c["block_n"], c["num_warps"]) for shape in [
              (64, 4096, 4096), (128, 4096, 4096), (256, 4096, 4096), (512, 4096, 4096), (2048, 4096, 4096),
-             (128, 8192, 8192), (512, 5120, 5120), (16, 65536, 4096)] for c in [recipe.default_config(*shape, 132)]}
+             (128, 8192, 8192), (512, 5120, 5120), (16, 65536, 4096)] for c in [recipe.default_config(*shape, 132, 2)]}
     assert tiles == {(64, 4096, 4096): (64, 64, 4), (128, 4096, 4096): (128, 32, 4), (256, 4096, 4096): (128, 64, 4),
                      (512, 4096, 4096): (128, 128, 8), (2048, 4096, 4096): (128, 256, 8), (128, 8192, 8192): (128, 64, 4),
                      (512, 5120, 5120): (128, 256, 8), (16, 65536, 4096): (64, 256, 4)}
-    pushes = {shape: recipe.plan(*shape, 2, {}, 132)["push"] for shape in [(64, 4096, 4096), (256, 4096, 4096),
-                                                                              (512, 4096, 4096)]}
-    assert pushes == {(64, 4096, 4096): True, (256, 4096, 4096): True, (512, 4096, 4096): False}
+    pushes = {(shape, ws): recipe.plan(*shape, ws, {}, 132)["push"] for shape in [(64, 4096, 4096), (256, 4096, 4096),
+              (512, 4096, 4096)] for ws in (2, 4)}
+    assert pushes == {((64, 4096, 4096), 2): True, ((256, 4096, 4096), 2): True, ((512, 4096, 4096), 2): False,
+                      ((64, 4096, 4096), 4): False, ((256, 4096, 4096), 4): False, ((512, 4096, 4096), 4): False}
+    # Pulling, 64-row tiles are 32 wide again (128 blocks, as before pushing).
+    assert recipe.default_config(64, 4096, 4096, 132, 4)["block_n"] == 32
     # The pipeline fits shared memory: 5 stages of 64x128 + 128x64 bf16, 4 of 128x128 + 128x64.
-    assert recipe.default_config(64, 4096, 4096, 132)["num_stages"] == 5
-    assert recipe.default_config(256, 4096, 4096, 132)["num_stages"] == 4
+    assert recipe.default_config(64, 4096, 4096, 132, 2)["num_stages"] == 5
+    assert recipe.default_config(256, 4096, 4096, 132, 2)["num_stages"] == 4
     cfg = recipe.plan(2048, 4096, 4096, 2, {"block_n": 128, "num_stages": 3}, 132)
     assert (cfg["block_m"], cfg["block_n"], cfg["num_stages"]) == (128, 128, 3)
 

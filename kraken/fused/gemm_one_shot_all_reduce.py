@@ -12,7 +12,7 @@ over the ``SPLIT_K`` blocks of a group keeps them busy). Block ``b`` of every ra
    (the same CAS barrier as across GPUs, over pads in local memory), and sums its
    ``BLOCK_M / SPLIT_K`` rows of the tile over the group's partials;
 3. stores those rows (the rank's partial, in ``out_dtype``) into its slot of chunk
-   ``b`` of the symmetric workspace. With ``PUSH`` (the default for skinny tiles),
+   ``b`` of the symmetric workspace. With ``PUSH`` (the default for skinny tiles at 2 ranks),
    into that slot on every rank, its own included: posted stores that drain over
    NVLink while the next round's GEMM runs; else only into its own;
 4. after the last round, one barrier (release + acquire) with block ``b`` of every
@@ -24,7 +24,8 @@ over the ``SPLIT_K`` blocks of a group keeps them busy). Block ``b`` of every ra
    its local chunk; else it loads them from every rank's chunk ``b``.
 
 Pushing keeps the NVLink round trip of remote loads out of the tail (M = 64 on 2 H200s:
-13.9 us against 14.8 for the best tiles pulling). The cost is memory, a slot per rank (``world_size`` times the
+13.9 us against 14.8 for the best tiles pulling); at 4 ranks, pushing to 3 peers was
+slower than pulling (``PUSH_MAX_WORLD_SIZE``). The cost is memory, a slot per rank (``world_size`` times the
 output, twice), and registers: one address per element and peer, which made the Helion
 twin spill on the 128x256 tiles of large M, where the exchange is a small part of the
 time and the recipe pulls. No barrier at the end: the workspace is a
@@ -57,19 +58,22 @@ TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides; others
 
 # Tile configs, swept on 2x H200 (``probe`` runs of the recipe and its twin, ``python -m benchmark.tune``).
 # Up to ``SKINNY_M`` rows the GEMM is bound by streaming ``b`` from HBM: one warpgroup per tile, 128-deep
-# k steps (fewer, larger TMA loads), and the narrowest tile (64 wide below M = 128, else 32) that still
-# fits all tiles in one wave of the SMs. ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of them
-# (M = 64: 64x64 tiles on 64 SMs, 10.5 us; 64x32 on 128, 10.4), and half the blocks push, fence and meet
-# half as often (13.9 us against 14.3 for the whole fused kernel), so those tiles take no k split.
+# k steps (fewer, larger TMA loads), and the narrowest tile (32 wide, 64 when pushing below M = 128) that
+# still fits all tiles in one wave of the SMs. ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of
+# them (M = 64: 64x64 tiles on 64 SMs, 10.5 us; 64x32 on 128, 10.4), and pushing, half the blocks push,
+# fence and meet half as often (13.9 us against 14.3 for the whole fused kernel), so those tiles take no
+# k split. Skinny tiles push at world size 2 (``PUSH_MAX_WORLD_SIZE``); at 4, pushing to 3 peers was
+# slower than pulling from them (M = 256: 53.8 us against 43.1), so they pull there.
 # Larger M is bound by the tensor cores and takes the largest of ``TILE_CONFIGS`` that still gives
-# ``MIN_TILES_PER_SM`` of the SMs a tile. With too few tiles for the SMs (small N), ``split_k`` cuts k
-# so that tiles x split_k fills them (up to ``MAX_SPLIT_K``).
+# ``MIN_TILES_PER_SM`` of the SMs a tile, and pulls. With too few tiles for the SMs (small N), ``split_k``
+# cuts k so that tiles x split_k fills them (up to ``MAX_SPLIT_K``).
 # Any key may be overridden per call. ``max_blocks`` None: one block per SM. ``split_k``/``reduce_m`` None: chosen.
 SKINNY_M = 256
 SKINNY_BLOCK_K = 128
 SKINNY_STAGE_BYTES = 192 * 1024  # shared memory for the pipeline stages (of the 227 KiB an SM offers)
 SKINNY_MAX_STAGES = 5
 SKINNY_FILL = 0.45
+PUSH_MAX_WORLD_SIZE = 2
 TILE_CONFIGS = [
     {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
     {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4},
@@ -238,22 +242,24 @@ def launch(
     return out
 
 
-def default_config(m: int, n: int, k: int, num_sms: int) -> dict:
+def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dict:
     """This shape's tile config (see ``TILE_CONFIGS``): for M <= ``SKINNY_M``, one warpgroup on 64- or
-    128-row tiles (128 from M = 128), as narrow (>= 64 or 32) as fits one wave of ``num_sms``, and no k
-    split if that gives ``SKINNY_FILL`` of the SMs a tile; above, the largest of ``TILE_CONFIGS`` that
-    gives ``MIN_TILES_PER_SM`` of the SMs a tile, else the smallest."""
+    128-row tiles (128 from M = 128), as narrow (>= 32, or 64 when pushing 64-row tiles) as fits one wave
+    of ``num_sms``, no k split if that gives ``SKINNY_FILL`` of the SMs a tile, pushing up to
+    ``PUSH_MAX_WORLD_SIZE``; above, the largest of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of
+    the SMs a tile, else the smallest, pulling."""
     if m <= SKINNY_M:
         # Boxes no larger than the operands where they can be (Helion loads a box larger than its tensor
         # through pointers, not TMA).
+        push = world_size <= PUSH_MAX_WORLD_SIZE
         block_m = 128 if m >= 128 else 64
-        block_n = 32 if block_m == 128 else 64
+        block_n = 64 if block_m == 64 and push else 32
         block_k = SKINNY_BLOCK_K if k >= SKINNY_BLOCK_K else 64
         while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
             block_n *= 2
         stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * block_k * 2)  # bf16/fp16 operands
         cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
-               "num_stages": min(stages, SKINNY_MAX_STAGES), "push": True}
+               "num_stages": min(stages, SKINNY_MAX_STAGES), "push": push}
         if host.cdiv(m, block_m) * host.cdiv(n, block_n) >= SKINNY_FILL * num_sms:
             cfg["split_k"] = 1
         return cfg
@@ -298,7 +304,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     and within the signal pad's budget; group g owns tiles g, g + num_groups, ...
     """
     host.resolve_config(config, DEFAULT_CONFIG, "gemm_one_shot_all_reduce")  # rejects unknown keys
-    cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms), **config}
+    cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms, world_size), **config}
     op = "gemm_one_shot_all_reduce"
     for key in ("block_m", "block_n", "block_k"):
         if cfg[key] < 16 or not _power_of_two(cfg[key]):
@@ -400,7 +406,7 @@ def gemm_one_shot_all_reduce(
     """``sum over ranks of a @ b`` as a new [M, N] tensor of ``out_dtype`` (bf16 or fp32).
 
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or
-    fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms)``
+    fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms, world_size)``
     and the chosen ``split_k``/``reduce_m``/``max_blocks`` (see ``plan``).
     """
     ctx, launch_cfg = prepare(a, b, group, out_dtype, "gemm_one_shot_all_reduce", config)
