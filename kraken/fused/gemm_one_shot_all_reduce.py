@@ -24,13 +24,13 @@ over the ``SPLIT_K`` blocks of a group keeps them busy). Block ``b`` of every ra
    its local chunk; else it loads them from every rank's chunk ``b``.
 
 Pushing keeps the NVLink round trip of remote loads out of the tail (M = 64 on 2 H200s:
-13.9 us against 14.8 for the best tiles pulling); at 4 ranks, pushing to 3 peers was
-slower than pulling (``PUSH_MAX_WORLD_SIZE``). The cost is memory, a slot per rank (``world_size`` times the
-output, twice), and registers: one address per element and peer, which made the Helion
-twin spill on the 128x256 tiles of large M, where the exchange is a small part of the
-time and the recipe pulls. No barrier at the end: the workspace is a
-``host.BlockWorkspace``, so the next launch writes the other half while a peer may
-still be reading this one.
+13.9 us against 14.8 for the best tiles pulling). At 4 ranks pushing to 3 peers was
+slower than pulling from them, so only 2 ranks push (``PUSH_MAX_WORLD_SIZE``). The cost
+is memory, a slot per rank (``world_size`` times the output, twice), and registers: an
+address per element and peer, which made the Helion twin spill on the 128x256 tiles of
+large M, where the exchange is a small part of the time and the recipe pulls. No barrier
+at the end: the workspace is a ``host.BlockWorkspace``, so the next launch writes the
+other half while a peer may still be reading this one.
 
 The workspace holds partials in ``out_dtype``: fp32 partials for an fp32 output
 (no rounding before the sum), bf16 partials for a bf16 output, which halves the
@@ -63,7 +63,7 @@ TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides; others
 # them (M = 64: 64x64 tiles on 64 SMs, 10.5 us; 64x32 on 128, 10.4), and pushing, half the blocks push,
 # fence and meet half as often (13.9 us against 14.3 for the whole fused kernel), so those tiles take no
 # k split. Skinny tiles push at world size 2 (``PUSH_MAX_WORLD_SIZE``); at 4, pushing to 3 peers was
-# slower than pulling from them (M = 256: 53.8 us against 43.1), so they pull there.
+# slower than pulling from them (M = 256: 53.8 us against 42.3), so they pull there.
 # Larger M is bound by the tensor cores and takes the largest of ``TILE_CONFIGS`` that still gives
 # ``MIN_TILES_PER_SM`` of the SMs a tile, and pulls. With too few tiles for the SMs (small N), ``split_k``
 # cuts k so that tiles x split_k fills them (up to ``MAX_SPLIT_K``).
