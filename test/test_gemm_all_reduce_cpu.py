@@ -43,7 +43,7 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size):
         assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
-    # One epoch barrier round per tile (a release store to each peer's slot, an acquire spin on ours), plus
+    # One epoch barrier round per launch (a release store to each peer's slot, an acquire spin on ours), plus
     # the k-split group's CAS round over local pads; none at the end (host.BlockWorkspace).
     split = recipe.plan(*shape, world_size, {}, sm90.H200_NUM_SMS)["split_k"]
     assert sm90.signal_rounds(t["ptx"]) == (1 if split > 1 else 0), dict(sm90.barrier_opcodes(t["ptx"]))

@@ -117,8 +117,9 @@ def test_inspector_compiles_a_given_shape(capsys):
     rows = [[c.strip() for c in line.strip(" |").split("|")] for line in out.splitlines() if line.startswith(("| triton", "| helion"))]
     assert [r[0] for r in rows] == ["triton", "helion"]
     shared = [int(r[6]) for r in rows]
-    # 64x32 tiles, 128-deep k steps, 5 stages: (64 x 128 + 128 x 32) bf16 x 5 (+ barriers), on both sides.
-    assert shared[0] == shared[1] >= (64 * 128 + 128 * 32) * 2 * 5
+    # 64x64 tiles (world size 2 pushes), 128-deep k steps, 5 stages: (64 x 128 + 128 x 64) bf16 x 5 (+ barriers),
+    # on both sides.
+    assert shared[0] == shared[1] >= (64 * 128 + 128 * 64) * 2 * 5
     with pytest.raises(SystemExit):
         inspector.main(["--shape", "64x4096x4096"])  # a shape needs its op
     with pytest.raises(SystemExit):

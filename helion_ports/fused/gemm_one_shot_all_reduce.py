@@ -6,7 +6,7 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
   the barrier's block id, identical on every rank. Block ``b`` is split
   ``b % split_k`` of group ``b // split_k``, which owns tiles ``g, g + groups, ...``,
   one per round (``hl.grid(rounds)``; a round past the last tile has empty loops
-  and only keeps the barriers paired);
+  and only keeps the split group's barriers paired);
 * the GEMM is a 2-D ``hl.tile`` over one whole tile, with an ``hl.tile`` over this
   split's k range and ``hl.dot`` into fp32. ``a`` and ``b`` load through tensor
   descriptors (TMA), as in the recipe: rows and columns past ``m``, ``n`` and ``k``
