@@ -273,11 +273,12 @@ class BlockWorkspace:
 
     Block ``b`` of a kernel only ever writes chunk ``b`` of half ``parity[b]`` (its
     own, or every rank's when it pushes) and flips ``parity[b]`` when it finishes;
-    a chunk is read only by block ``b`` of a rank. A launch therefore writes the half that the previous launch of
-    block ``b`` did not, and the launch before that is finished on every rank: each
-    launch passes at least one barrier with every peer, and a peer's kernel starts
-    only after its previous one ended. No "done reading" barrier at the end of a
-    kernel, whatever the shapes and grids of the launches in between.
+    a chunk is read only by block ``b`` of a rank. A launch therefore writes the half
+    that the previous launch of block ``b`` did not, and the launch before that is
+    finished on every rank: each launch passes at least one barrier with every peer,
+    and a peer's kernel starts only after its previous one ended. No "done reading"
+    barrier at the end of a kernel, whatever the shapes and grids of the launches in
+    between.
 
     The buffer's signal pad belongs to ``epoch_sync`` alone: block ``b``'s barrier
     rounds are numbered ``epochs[b] + 1, + 2, ...`` and the block adds its rounds to
