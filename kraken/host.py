@@ -171,11 +171,13 @@ _agreed: set[tuple] = set()
 
 
 def agree_once(signature: tuple, group: dist.ProcessGroup | str | None, op: str) -> None:
-    """``_agree`` the first time this process sees ``signature`` (a collective then; a set lookup after)."""
+    """``_agree`` the first time this process sees ``signature`` from ``op`` in ``group`` (a collective
+    then; a set lookup after). A failed agreement is not remembered: the next call checks again."""
     pg = resolve_group(group, op)
-    if (signature, pg.group_name) not in _agreed:
+    key = (op, signature, pg.group_name)
+    if key not in _agreed:
         _agree(signature, pg, op)
-        _agreed.add((signature, pg.group_name))
+        _agreed.add(key)
 
 
 def symm_context(
@@ -236,7 +238,6 @@ def symm_empty(
 
 
 _workspaces: dict[tuple, torch.Tensor] = {}
-_workspace_requests: set[tuple] = set()
 
 
 def symm_workspace(
@@ -250,10 +251,8 @@ def symm_workspace(
     may grow: growing is a collective, and a rank that grows alone would hang.
     """
     pg = resolve_group(group, op)
+    agree_once(("workspace elements", numel, str(dtype)), pg, op)
     key = (device, dtype, pg.group_name)
-    if (key, op, numel) not in _workspace_requests:
-        _agree(("workspace elements", numel, str(dtype)), pg, op)
-        _workspace_requests.add((key, op, numel))
     buf = _workspaces.get(key)
     if buf is None or buf.numel() < numel:
         size = 1 << max(12, math.ceil(math.log2(max(numel, 1))))
@@ -322,9 +321,7 @@ def block_workspace(
     ws = _block_workspaces.get(key)
     if ws is not None and ws.chunk_bytes >= chunk_bytes:
         return ws
-    if (key, op, chunk_bytes) not in _workspace_requests:
-        _agree(("block workspace bytes", chunk_bytes), pg, op)
-        _workspace_requests.add((key, op, chunk_bytes))
+    agree_once(("block workspace bytes", chunk_bytes), pg, op)
     num_chunks = torch.cuda.get_device_properties(device).multi_processor_count
     size = 1 << max(16, math.ceil(math.log2(chunk_bytes)))
     if ws is not None:

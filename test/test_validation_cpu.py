@@ -94,7 +94,7 @@ def test_workspace_sizes_are_agreed_before_growing(monkeypatch):
     monkeypatch.setattr(host, "symm_empty", lambda size, dtype, device, pg: calls.append(("grow", size))
                         or torch.empty(size, dtype=dtype))
     monkeypatch.setattr(host, "_workspaces", {})
-    monkeypatch.setattr(host, "_workspace_requests", set())
+    monkeypatch.setattr(host, "_agreed", set())
     device = torch.device("cpu")
     assert host.symm_workspace(5000, torch.float32, device, None, "op").numel() == 5000
     assert host.symm_workspace(5000, torch.float32, device, None, "op").numel() == 5000  # no new collective
