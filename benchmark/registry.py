@@ -28,8 +28,9 @@ class Pair:
     """A Triton recipe and its Helion twin, as benchmark backends and as modules.
 
     ``example(module, world_size, shape=...)`` calls ``module.launch(...)`` with CPU
-    stand-in tensors (of a small odd default shape, or the op's ``shape``); run under ``kraken.sm90.capture_launches()`` it yields the kernels to
-    compile for sm_90 without a GPU (CPU tests, ``python -m benchmark.inspect``).
+    stand-in tensors (of a small odd default shape, or the op's ``shape``); run under
+    ``kraken.sm90.capture_launches()`` it yields the kernels to compile for sm_90 without
+    a GPU (CPU tests, ``python -m benchmark.inspect``).
     """
 
     triton: str  # backend name, e.g. "triton_1shot"

@@ -30,8 +30,8 @@ ODD_SHAPES = ((1, 8, 16), (37, 100, 72), (129, 257, 136), (1000, 3000, 520))
 # tiles per block, large M, a partial edge.
 CLASS_SHAPES = ((64, 4096, 4096), (64, 1024, 4096), (37, 500, 1000), (256, 8192, 512), (512, 4096, 1024),
                 (1024, 4096, 1024), (1000, 3008, 512))
-# The stress test alternates a 4-way k split on 128 blocks with two rounds of tiles on 132: launches whose
-# grids and workspace layouts differ back to back.
+# The stress test alternates a 4-way k split on 64 blocks (pushing at 2 ranks) with two rounds of tiles on 132
+# (pulling): launches whose grids and workspace layouts differ back to back.
 STRESS_SHAPES = ((64, 1024, 2048), (2048, 4096, 128))
 ALL_DTYPE_PAIRS = ((BF16, BF16), (BF16, FP32), (FP16, BF16), (FP16, FP32))
 CLASS_DTYPE_PAIRS = ((BF16, BF16), (FP16, FP32))

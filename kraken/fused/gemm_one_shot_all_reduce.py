@@ -285,8 +285,8 @@ def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int) -> int:
 
 
 def reduce_rows(rows: int, block_n: int, num_warps: int, world_size: int) -> int:
-    """Rows per reduce step: as many of ``rows`` as fit the register budget, so a slice crosses NVLink
-    in as few round trips as possible."""
+    """Rows per reduce step: as many of ``rows`` as fit the register budget, so a slice is loaded (over
+    NVLink when pulling) in as few round trips as possible."""
     budget = REDUCE_VALUES_PER_THREAD * 32 * num_warps
     while rows > 1 and rows * block_n * min(world_size, 4) > budget:
         rows //= 2
@@ -407,7 +407,7 @@ def gemm_one_shot_all_reduce(
 
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or
     fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms, world_size)``
-    and the chosen ``split_k``/``reduce_m``/``max_blocks`` (see ``plan``).
+    (tiles, ``push``) and the chosen ``split_k``/``reduce_m``/``max_blocks`` (see ``plan``).
     """
     ctx, launch_cfg = prepare(a, b, group, out_dtype, "gemm_one_shot_all_reduce", config)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
