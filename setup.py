@@ -13,5 +13,6 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["kraken*", "helion_ports*", "benchmark*"]),
     install_requires=requirements,
-    extras_require={"test": ["pytest"]},
+    # matplotlib draws `--plot` figures; the tests draw one from a fixture, so they need it too.
+    extras_require={"plot": ["matplotlib"], "test": ["pytest", "matplotlib"]},
 )

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from benchmark import harness, registry
+from benchmark import harness, provenance, registry
 from benchmark.launch import in_torchrun, init_from_env, print_rank0, require_gpus, spawn
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -52,7 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "every call, which adds ~2.5 us of event overhead to each (default 10)")
     parser.add_argument("--l2-flush", action="store_true", help="flush L2 (256 MB write) before every timed call")
     parser.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
-    parser.add_argument("--json", metavar="PATH", help="also write every row to this JSON file")
+    parser.add_argument("--json", metavar="PATH", help="also write every row to this JSON file (the input of "
+                        "python -m benchmark.report)")
+    parser.add_argument("--plot", metavar="DIR", help="also draw one PNG per op into DIR: time per call against size "
+                        "for every backend with the floor, and the speedup over NCCL (needs matplotlib: "
+                        'pip install -e ".[plot]")')
     parser.add_argument("--nproc", type=int, help="processes to spawn when standalone (default: visible GPUs)")
     args = parser.parse_args(argv)
 
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> list[harness.Row]:
     settings = harness.Settings(iters=args.iters, warmup=args.warmup, cuda_graph=args.cuda_graph,
                                 burst=args.burst, l2_flush=args.l2_flush)
     world_size = torch.distributed.get_world_size()
+    meta = provenance.collect(args.iters, args.warmup, 1 if args.l2_flush else args.burst)
     all_rows = []
     for name in args.ops:
         op = registry.get(name)
@@ -95,7 +100,8 @@ def run(args: argparse.Namespace) -> list[harness.Row]:
         mode = "CUDA graph" if args.cuda_graph else "eager"
         print_rank0(f"\n## {op.name}: {op.description} ({args.dtype}, world size {world_size}, {mode}, "
                     f"{args.iters} iters in bursts of {1 if args.l2_flush else args.burst}, {torch.cuda.get_device_name()})\n")
-        rows = harness.run_op(op, shapes, backends, dtype, settings)
+        print_rank0(f"Measured on {provenance.describe(meta)}.\n")
+        rows = harness.run_op(op, shapes, backends, dtype, settings, meta)
         header, body = harness.table_rows(op, rows, backends)
         print_rank0(tabulate(body, headers=header, tablefmt="github", disable_numparse=True))
         host_header, host_body = harness.host_table(rows, backends)
@@ -117,6 +123,11 @@ def write_outputs(args: argparse.Namespace, rows: list[harness.Row]) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
+    if args.plot and rows:
+        from benchmark import report
+
+        for path in report.plot_all(rows, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
 
 
 def _spawned_main(args: argparse.Namespace):

@@ -4,7 +4,9 @@ For each op, shape and backend, on every rank:
 
 1. check: run the backend once on fresh random inputs (the same seed the
    baseline got) and compare with the baseline's result; a backend that fails on
-   any rank is marked FAIL on all and not timed;
+   any rank is marked FAIL on all and not timed (an op's ``reference_free``
+   backends, which compute only part of the op, are run but not compared: their
+   column says "not checked");
 2. host cost: the wall time of a burst of calls queued behind a GPU sleep, i.e.
    what eager dispatch costs per call (Helion's wrapper included);
 3. time: warm up, then a fixed number of iterations (identical on every rank,
@@ -20,7 +22,7 @@ For each op, shape and backend, on every rank:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 import statistics
 import sys
 import time
@@ -60,6 +62,8 @@ class Row:
     gbps: float | None = None
     floor_us: float | None = None
     mode: str = "eager"
+    checked: bool = True  # False for the op's reference_free backends (timed, not compared)
+    meta: dict = field(default_factory=dict)  # where it was measured (benchmark.provenance.FIELDS)
 
 
 # ---------------------------------------------------------------------------
@@ -126,13 +130,17 @@ def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float)
 
 
 def check_backend(op: Op, name: str, shape: Shape, dtype: torch.dtype, seed: int, ref: torch.Tensor) -> str:
-    """'ok' or why not, agreed across ranks."""
+    """'ok' or why not, agreed across ranks. A reference_free backend only has to run and be finite."""
     try:
         out = op.backends[name](op.make_inputs(shape, dtype, seed))
         torch.cuda.synchronize()
-        err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-        local = 0.0 if err <= op.rtol[dtype] else (err if err == err else float("inf"))
-        message = f"FAIL (rel err {err:.1e})"
+        if name in op.reference_free:
+            finite = bool(torch.isfinite(out).all())
+            local, message = (0.0 if finite else float("inf")), "FAIL (not finite)"
+        else:
+            err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+            local = 0.0 if err <= op.rtol[dtype] else (err if err == err else float("inf"))
+            message = f"FAIL (rel err {err:.1e})"
     except (ValueError, TypeError, NotImplementedError) as exc:  # raised the same way on every rank
         local, message = -1.0, f"error ({exc})"
     worst = _slowest(local)
@@ -141,7 +149,8 @@ def check_backend(op: Op, name: str, shape: Shape, dtype: torch.dtype, seed: int
     return message if local != 0.0 else "FAIL (on another rank)"
 
 
-def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype, settings: Settings) -> list[Row]:
+def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype, settings: Settings,
+           meta: dict | None = None) -> list[Row]:
     world_size = dist.get_world_size()
     rows = []
     for shape in shapes:
@@ -153,7 +162,8 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
             print_rank0(f"  [{op.name} {shape_text}] {name} ...", file=sys.stderr)
             heartbeat(f"{op.name} {shape_text} {name}")
             row = Row(op.name, shape_text, str(dtype).removeprefix("torch."), world_size, name, "ok",
-                      floor_us=floor, mode="cuda-graph" if settings.cuda_graph else "eager")
+                      floor_us=floor, mode="cuda-graph" if settings.cuda_graph else "eager",
+                      checked=name not in op.reference_free, meta=dict(meta or {}))
             row.status = check_backend(op, name, shape, dtype, settings.seed, ref)
             if row.status == "ok":
                 inputs = op.make_inputs(shape, dtype, settings.seed + 1)
@@ -195,7 +205,7 @@ def table_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str],
     pairs = [p for p in op.pairs if p.triton in backends and p.helion in backends]
     baseline = op.baseline if op.baseline in backends else None
     others = [b for b in backends if b != baseline]
-    header = ["shape"] + [f"{b} us" for b in backends]
+    header = ["shape"] + [f"{b} us" + (" (not checked)" if b in op.reference_free else "") for b in backends]
     if baseline:
         header += [f"{b} vs {baseline}" for b in others]
     header += [f"{p.helion}/{p.triton}" for p in pairs]
@@ -232,4 +242,10 @@ def failures(rows: list[Row]) -> list[str]:
 
 
 def records(rows: list[Row]) -> list[dict]:
-    return [asdict(r) for r in rows]
+    """Flat dicts for JSON/CSV: the row's fields, then where it was measured."""
+    out = []
+    for r in rows:
+        record = asdict(r)
+        meta = record.pop("meta")
+        out.append({**record, **meta})
+    return out

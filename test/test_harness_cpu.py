@@ -46,6 +46,29 @@ def test_table_columns_and_values():
     assert harness.failures(rows) == ["8192 helion_1shot: FAIL (rel err 1.0e+00)"]
 
 
+def test_reference_free_backend_is_marked_in_the_header():
+    op = registry.Op("demo", "demo", None, {"nccl": None, "matmul": None, "triton": None}, [(1,)], "NUMEL",
+                     lambda *a: 1.0, lambda *a: 1.0, reference_free=frozenset({"matmul"}))
+    rows = rows_for("1", {"nccl": 20.0, "matmul": 5.0, "triton": 10.0})
+    header, body = harness.table_rows(op, rows, ["nccl", "matmul", "triton"])
+    assert header[:4] == ["shape", "nccl us", "matmul us (not checked)", "triton us"]
+    assert body[0][:6] == ["1", "20.0", "5.0", "10.0", "4.00x", "2.00x"]
+    assert registry.get("all_reduce").reference_free == frozenset()
+
+
+def test_reference_free_backend_is_run_not_compared(monkeypatch):
+    monkeypatch.setattr(harness, "_slowest", lambda value: value)  # one rank, no process group
+    ref = torch.ones(4)
+    backends = {"nccl": lambda i: ref, "matmul": lambda i: torch.full((2,), 7.0),
+                "bad": lambda i: torch.full((2,), float("nan")), "wrong": lambda i: 2 * ref}
+    op = registry.Op("demo", "demo", lambda *a: {}, backends, [(1,)], "NUMEL", lambda *a: 1.0, lambda *a: 1.0,
+                     reference_free=frozenset({"matmul", "bad"}))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert harness.check_backend(op, "matmul", (1,), torch.float32, 0, ref) == "ok"
+    assert harness.check_backend(op, "bad", (1,), torch.float32, 0, ref) == "FAIL (not finite)"
+    assert harness.check_backend(op, "wrong", (1,), torch.float32, 0, ref).startswith("FAIL (rel err")
+
+
 def test_host_table_takes_the_median():
     rows = rows_for("1", {"nccl": 1.0}) + rows_for("2", {"nccl": 1.0}) + rows_for("3", {"nccl": 1.0})
     for row, cost in zip(rows, (5.0, 50.0, 7.0)):
