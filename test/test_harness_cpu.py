@@ -148,3 +148,16 @@ def test_inspector_compiles_a_given_shape(capsys):
     with pytest.raises(SystemExit):
         inspector.main(["gemm_all_reduce", "--shape", "64x4096"])
     assert "expected MxNxK" in capsys.readouterr().err
+
+
+def test_only_helions_autotuner_cap_warning_is_silenced():
+    """Importing the twins silences Helion's autotuner-cap warning (printed on every twin compile) and
+    nothing else. In a fresh process: pytest resets warning filters around each test."""
+    code = (
+        "import warnings, helion_ports\n"
+        "warnings.warn('max_num_sm_multipler is reduced from 64 to 8 due to the restriction of "
+        "_SymmetricMemory.signal_pad_size=9216.', UserWarning)\n"
+        "warnings.warn('something else', UserWarning)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "something else" in result.stderr and "max_num_sm_multipler" not in result.stderr
