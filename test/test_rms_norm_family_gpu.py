@@ -15,7 +15,8 @@ each assert on their own section of the collected report. Checks:
 * broadcast: a 3-D ``x`` (leading dims flattened), per-column bias and weight;
 * 200 back-to-back launches per fused backend, then CUDA-graph capture and 20
   replays against eager, bitwise;
-* bad input (a bias on the CPU) raises on every rank and the group still works.
+* bad input (a bias on the CPU; one rank alone with a short bias, a wrong dtype or eps) raises on every
+  rank and the group still works.
 """
 
 from __future__ import annotations
@@ -277,6 +278,20 @@ def bad_input(report: Report) -> None:
                     call(module_path, norm, x, bias.cpu(), weight)
                 with pytest.raises(ValueError, match=r"bias must have shape \(1000,\)"):
                     call(module_path, norm, x, bias[:999], weight)
+                # One rank alone wrong, on a call signature no rank has used yet: every rank raises, naming it.
+                x7 = rank_values((7, 1000), torch.bfloat16, 31, dist.get_rank())
+                bias7, weight7 = parameters(1000, torch.bfloat16, 31)
+                bad = dist.get_rank() == 1
+                with pytest.raises(ValueError, match=r"bad input on rank 1: bias must have shape \(1000,\)"):
+                    call(module_path, norm, x7, bias7[:999] if bad else bias7, weight7)
+                with pytest.raises(ValueError, match="bad input on rank 1: bias has dtype float16"):
+                    call(module_path, norm, x7, bias7.half() if bad else bias7, weight7)
+                if norm:
+                    with pytest.raises(ValueError, match="bad input on rank 1: eps must be a finite number"):
+                        call(module_path, norm, x7, bias7, weight7, -1.0 if bad else EPS)
+                out7 = call(module_path, norm, x7, bias7, weight7)
+                torch.cuda.synchronize()
+                assert_close(out7, reference(norm, (7, 1000), torch.bfloat16, 31), f"{what} after one rank's errors")
                 out = call(module_path, norm, x, bias, weight)  # the group still works
                 torch.cuda.synchronize()
                 assert_close(out, reference(norm, (4, 1000), torch.bfloat16, 30), f"{what} after errors")

@@ -110,3 +110,83 @@ def test_workspace_sizes_are_agreed_before_growing(monkeypatch):
     with pytest.raises(ValueError, match="ranks disagree"):
         host.symm_workspace(1 << 20, torch.float32, device, None, "op")
     assert calls[-1] == ("agree", ("workspace elements", 1 << 20, "torch.float32"))  # and no "grow" after it
+
+
+class _FakeWorld:
+    """Two ranks, this process rank 0: ``all_gather_object`` returns ours and ``other``'s (signature, verdict)."""
+
+    group_name = "fake"
+
+    def __init__(self, monkeypatch, other=None):
+        self.exchanges = 0
+        self.other = other
+        monkeypatch.setattr(host, "resolve_group", lambda group, op: self)
+        monkeypatch.setattr(host, "_agreed", set())
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def all_gather_object(self, seen, mine, group=None):
+        self.exchanges += 1
+        seen[0] = mine
+        seen[1] = mine if self.other is None else self.other(mine)
+
+
+def _fail(exc):
+    raise exc
+
+
+def test_agreed_raises_on_every_rank_when_one_rank_is_wrong(monkeypatch):
+    bias = torch.zeros(5120)
+    # Rank 1 alone has a bad bias (same shapes as ours: its check failed on something else).
+    world = _FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "bias has dtype float16 but x has float32")))
+    with pytest.raises(ValueError, match=r"^op: bad input on rank 1: bias has dtype float16 but x has float32$"):
+        with host.agreed("op", None, bias=bias, eps=1e-6):
+            pass  # our own checks pass
+    assert world.exchanges == 1
+    # The failed agreement is not remembered: the same call exchanges again (and the peer is fixed now).
+    world.other = None
+    with host.agreed("op", None, bias=bias, eps=1e-6):
+        pass
+    with host.agreed("op", None, bias=bias, eps=1e-6):
+        pass
+    assert world.exchanges == 2  # one more exchange, then a set lookup
+
+
+def test_agreed_names_every_failing_rank_and_keeps_the_error_type(monkeypatch):
+    _FakeWorld(monkeypatch, other=lambda mine: mine)  # the peer fails the same way
+    with pytest.raises(TypeError, match=r"^op: bad input on ranks 0, 1: x must be a torch.Tensor$"):
+        with host.agreed("op", None, x=[1.0]):
+            _fail(TypeError("op: x must be a torch.Tensor"))
+    _FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "eps must be >= 0")))
+    with pytest.raises(ValueError, match=r"rank 0: x is wrong; rank 1: eps must be >= 0"):
+        with host.agreed("op", None, x=torch.zeros(2)):
+            _fail(TypeError("op: x is wrong"))
+
+
+def test_agreed_names_what_differs_between_ranks(monkeypatch):
+    other = lambda mine: ((("x", ("tensor", (4, 5121), "bfloat16", "cuda", True)), mine[0][1]), None)  # noqa: E731
+    _FakeWorld(monkeypatch, other=other)
+    x = torch.zeros(4, 5120, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"ranks disagree on the input's shape/dtype \(x: rank 0 \('tensor', \(4, 5120\)"):
+        with host.agreed("op", None, x=x, eps=1e-6):
+            pass
+
+
+def test_agreed_after_success_raises_locally_without_a_collective(monkeypatch):
+    world = _FakeWorld(monkeypatch)
+    with host.agreed("op", None, n=3):
+        pass
+    with pytest.raises(ValueError, match="only here"):
+        with host.agreed("op", None, n=3):
+            _fail(ValueError("only here"))
+    assert world.exchanges == 1
+
+
+def test_signature_of_describes_arguments():
+    t = torch.zeros(3, 4, dtype=torch.float16)
+    assert host.signature_of(t) == ("tensor", (3, 4), "float16", "cpu", True)
+    assert host.signature_of(t.t())[-1] is False
+    assert host.signature_of({"b": 1, "a": torch.bfloat16}) == (("a", "torch.bfloat16"), ("b", 1))
+    assert host.signature_of([1, None, "x"]) == (1, None, "x") and host.signature_of(object()) == "object"

@@ -102,11 +102,12 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
 
 
 def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
-    host.check_tensor(tensor, "tensor", op)
-    ctx = host.symm_context(tensor, group, op)
-    launch_cfg = plan(tensor.numel(), ctx.world_size, config)
-    host.check_barrier_blocks(launch_cfg["num_blocks"], ctx.world_size, op)
-    return ctx, launch_cfg
+    with host.agreed(op, group, tensor=tensor, config=config):  # every rank raises if any rank's input is bad
+        host.check_tensor(tensor, "tensor", op)
+        world_size = host.world_size_of(group, op)
+        launch_cfg = plan(tensor.numel(), world_size, config)
+        host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
+    return host.symm_context(tensor, group, op), launch_cfg
 
 
 def two_shot_all_reduce(

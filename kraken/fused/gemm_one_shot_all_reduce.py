@@ -374,17 +374,17 @@ def prepare(
     """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
     ``host.BlockWorkspace`` viewed as [2, chunks, tiles per chunk, slots, BLOCK_M, BLOCK_N] of
     ``out_dtype`` (``chunk_tile``)."""
-    check_inputs(a, b, out_dtype, op)
-    (m, k), n = a.shape, b.shape[1]
-    # The first call of each shape checks that every rank passes the same one.
-    host.agree_once((op, "a @ b", m, k, n, str(a.dtype), str(out_dtype)), group, op)
-    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    world_size = dist.get_world_size(host.resolve_group(group, op))
-    cfg = plan(m, n, k, world_size, config, num_sms)
+    # The first call of each signature checks that every rank passes the same shapes and valid ones.
+    with host.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
+        check_inputs(a, b, out_dtype, op)
+        (m, k), n = a.shape, b.shape[1]
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        world_size = host.world_size_of(group, op)
+        cfg = plan(m, n, k, world_size, config, num_sms)
+        host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
     tile = chunk_tile(cfg, world_size)
     chunk_bytes = rounds_of(m, n, cfg) * math.prod(tile) * out_dtype.itemsize
     workspace = host.block_workspace(chunk_bytes, a.device, group, op)
-    host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
     ctx = workspace.context(out_dtype, tile)
     split_args = {
         "parity": workspace.parity,

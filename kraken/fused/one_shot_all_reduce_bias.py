@@ -138,14 +138,14 @@ def prepare_staged(
     staged input). Returns ``x`` as a 2-D view, the workspace's symmetric
     context and the launch configuration.
     """
-    hidden = check_inputs(op, x, vectors, eps)
-    x2d = x.view(-1, hidden)
+    with host.agreed(op, group, x=x, eps=eps, config=config, **vectors):  # every rank raises if any rank's input is bad
+        hidden = check_inputs(op, x, vectors, eps)
+        world_size = host.world_size_of(group, op)
+        launch_cfg = plan(x.numel() // hidden, hidden, world_size, config)
+        host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
     workspace = host.symm_workspace(max(copies * x.numel(), 1), x.dtype, x.device, group, op)
     _check_not_aliased(x, workspace, op)
-    ctx = host.symm_context(workspace, group, op, name="workspace")
-    launch_cfg = plan(x2d.shape[0], hidden, ctx.world_size, config)
-    host.check_barrier_blocks(launch_cfg["num_blocks"], ctx.world_size, op)
-    return x2d, ctx, launch_cfg
+    return x.view(-1, hidden), host.symm_context(workspace, group, op, name="workspace"), launch_cfg
 
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
