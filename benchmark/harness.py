@@ -17,7 +17,10 @@ For each op, shape and backend, on every rank:
    the median burst / ``burst`` per rank, then the slowest rank's median. Events
    around every single call would add their own ~2.5 us to each call (measured
    on H200: a 1-us ``add_`` reads 5.0 us that way, 2.4 us in bursts), for every
-   backend alike, NCCL included.
+   backend alike, NCCL included;
+4. eager loop (eager mode only): ``loop_calls`` back-to-back calls with no sleep
+   in front, what a user's Python loop sees: where the host's launch path is
+   slower than the GPU work, this is slower than step 3.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Settings:
     l2_flush: bool = False
     seed: int = 0
     host_calls: int = 20
+    loop_calls: int = 20  # back-to-back calls of the eager-loop measurement (what a Python loop sees)
 
 
 @dataclass
@@ -59,6 +63,7 @@ class Row:
     status: str  # "ok", "FAIL (...)", "error (...)"
     us: float | None = None
     host_us: float | None = None
+    loop_us: float | None = None  # eager only: per call in a loop of back-to-back calls with no sleep in front
     gbps: float | None = None
     floor_us: float | None = None
     mode: str = "eager"
@@ -93,6 +98,20 @@ def host_cost_us(fn: Callable[[], object], calls: int) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+def eager_loop_us(fn: Callable[[], object], calls: int) -> float:
+    """What a user's eager Python loop sees per call: ``calls`` back-to-back calls with CUDA events around
+    them and nothing queued in front, so the host's launch path shows wherever it is slower than the GPU."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
 
 
 def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float) -> float:
@@ -172,6 +191,8 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
                     fn(inputs)
                 row.host_us = _slowest(host_cost_us(lambda: fn(inputs), settings.host_calls))
                 row.us = _slowest(device_time_us(lambda: fn(inputs), settings, row.host_us))
+                if not settings.cuda_graph:
+                    row.loop_us = _slowest(eager_loop_us(lambda: fn(inputs), settings.loop_calls))
                 row.gbps = nbytes / (row.us * 1e3)
             rows.append(row)
     return rows
@@ -235,6 +256,17 @@ def host_table(rows: list[Row], backends: list[str]) -> tuple[list[str], list[li
         costs = [r.host_us for r in rows if r.backend == b and r.host_us is not None]
         body.append([b, _fmt(statistics.median(costs) if costs else None)])
     return ["backend", "host us/call"], body
+
+
+def loop_table(rows: list[Row], backends: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Eager rows only: microseconds per call in a loop of back-to-back calls (no sleep), per shape and backend."""
+    if not any(r.loop_us is not None for r in rows):
+        return [], []
+    body = []
+    for shape in dict.fromkeys(r.shape for r in rows):
+        loop = {r.backend: r.loop_us for r in rows if r.shape == shape}
+        body.append([shape] + [_fmt(loop.get(b)) for b in backends])
+    return ["shape"] + [f"{b} loop us" for b in backends], body
 
 
 def failures(rows: list[Row]) -> list[str]:

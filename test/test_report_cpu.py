@@ -79,3 +79,12 @@ def test_committed_results_page_is_what_the_committed_json_gives():
     assert report.render(report.read_rows([RESULTS]), "results/") == committed, (
         "docs/results.md is stale: run `python -m benchmark.report results/ > docs/results.md`"
     )
+
+
+def test_loop_table_shows_what_an_eager_loop_sees():
+    rows = report.read_rows([FIXTURE])
+    header, body = harness.loop_table(rows, ["nccl", "triton_1shot"])
+    assert header == ["shape", "nccl loop us", "triton_1shot loop us"]
+    assert body[0] == ["4096", "52.2", "52.2"] and body[2] == ["2097152", "-", "-"]
+    assert harness.loop_table([harness.Row(**{**r.__dict__, "loop_us": None}) for r in rows], ["nccl"]) == ([], [])
+    assert "Eager loop (back-to-back calls" in report.render(rows)
