@@ -22,14 +22,22 @@ wait for it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 from dataclasses import dataclass, field, replace
 import math
+import os
+import sys
+import threading
+import time
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
+
+from kraken._ptx_utils import timeout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_WORLD_SIZE = 2
@@ -214,6 +222,9 @@ def signature_of(value: object) -> object:
     return type(value).__name__
 
 
+last_op = "none yet"  # the op whose arguments were last checked on this rank: named by a barrier timeout
+
+
 @contextlib.contextmanager
 def agreed(op: str, group: dist.ProcessGroup | str | None, **arguments) -> Iterator[None]:
     """Validate locally, agree globally: run the local checks in the ``with`` body (no collectives
@@ -230,6 +241,9 @@ def agreed(op: str, group: dist.ProcessGroup | str | None, **arguments) -> Itera
         yield  # no group to agree in: the checks' own error, if any, then the missing group's
         resolve_group(group, op)
         return
+    global last_op
+    last_op = op
+    arm_barrier_timeout()
     pg = resolve_group(group, op)  # a bad group raises here, alike on every rank: nothing to agree over
     signature = tuple((name, signature_of(value)) for name, value in arguments.items())
     key = (op, signature, pg.group_name)
@@ -262,6 +276,7 @@ def symm_context(
     tensor: torch.Tensor, group: dist.ProcessGroup | str | None, op: str, name: str = "tensor"
 ) -> SymmContext:
     """Validate the group and rendezvous ``tensor`` (a view into a symmetric allocation)."""
+    arm_barrier_timeout()
     pg = resolve_group(group, op)
     world_size = dist.get_world_size(pg)
     check_world_size(world_size, op)
@@ -443,3 +458,72 @@ def local_scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
         buf = torch.empty(numel, dtype=dtype, device=device)
         _scratch[(device, dtype)] = buf
     return buf[:numel].view(shape)
+
+
+# ---------------------------------------------------------------------------
+# Opt-in barrier timeout (KRAKEN_BARRIER_TIMEOUT_S): the host half of kraken._ptx_utils.timeout
+# ---------------------------------------------------------------------------
+
+TIMEOUT_EXIT_CODE = 75
+_armed = False
+
+
+def _map_report_page() -> None:
+    """Host memory at ``timeout.REPORT_ADDRESS`` that the GPU writes to at the same address."""
+    from cuda.bindings import runtime as cudart  # torch's own dependency
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    prot, flags = 0x1 | 0x2, 0x02 | 0x20 | 0x100000  # read|write; private|anonymous|fixed, no replace
+    address = libc.mmap(timeout.REPORT_ADDRESS, timeout.REPORT_BYTES, prot, flags, -1, 0)
+    if address != timeout.REPORT_ADDRESS:
+        raise RuntimeError(f"{timeout.ENV}: could not map the report page at {timeout.REPORT_ADDRESS:#x} "
+                           f"(got {address}, errno {ctypes.get_errno()})")
+    ctypes.memset(address, 0, timeout.REPORT_BYTES)
+    (err,) = cudart.cudaHostRegister(address, timeout.REPORT_BYTES, cudart.cudaHostRegisterMapped)
+    err2, device_address = cudart.cudaHostGetDevicePointer(address, 0)
+    if err != cudart.cudaError_t.cudaSuccess or err2 != cudart.cudaError_t.cudaSuccess or device_address != address:
+        raise RuntimeError(f"{timeout.ENV}: the GPU cannot write the report page at its host address "
+                           f"({err}, {err2}, device address {device_address})")
+
+
+def barrier_timeout_report(words: list[int]) -> str | None:
+    """The message for a report page's first five words, or None if no barrier gave up."""
+    magic, barrier, block, rank, peer = words[:5]
+    if magic != timeout.REPORT_MAGIC:
+        return None
+    who = "" if rank == timeout.NONE else f" on rank {rank}, waiting for rank {peer}"
+    return (f"kraken: a barrier gave up after {timeout.TIMEOUT_S:g} s ({timeout.ENV}) in block {block}{who}: "
+            f"{timeout.BARRIERS.get(barrier, f'barrier {barrier}')}. The last op checked on this rank was "
+            f"{last_op!r}; a peer that never made the matching call (or crashed) is the usual cause. The kernel "
+            "trapped, so this process's CUDA context is unusable: exiting.")
+
+
+_reported = threading.Lock()
+
+
+def _report_once() -> bool:
+    """Print the report page's message, if a barrier gave up, once per process; True if there is one."""
+    message = barrier_timeout_report(list((ctypes.c_uint32 * 5).from_address(timeout.REPORT_ADDRESS)))
+    if message and _reported.acquire(blocking=False):
+        print(message, file=sys.stderr, flush=True)
+    return message is not None
+
+
+def _watch_report_page() -> None:
+    while not _report_once():
+        time.sleep(0.05)
+    os._exit(TIMEOUT_EXIT_CODE)
+
+
+def arm_barrier_timeout() -> None:
+    """With the timeout on, map the report page and start the watchdog thread that prints a barrier's report
+    and exits the process (once per process, before the first launch). Without it, nothing."""
+    global _armed
+    if _armed or not timeout.TIMEOUT_S or not torch.cuda.is_available():
+        return
+    _map_report_page()
+    threading.Thread(target=_watch_report_page, name="kraken-barrier-timeout", daemon=True).start()
+    atexit.register(_report_once)  # the main thread may die of the trap's CUDA error before the watchdog looks
+    _armed = True

@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import timeout
+
 # $0: dummy output, $1: flag address, $2: value.
 GMEM_ARRIVE_PTX = """{
     .reg .u32 %r_tid;
@@ -31,19 +33,18 @@ GMEM_ARRIVE_PTX = """{
     ARRIVE_DONE:
     mov.u32 $0, 0;
     }"""
-GMEM_WAIT_PTX = """{
+GMEM_WAIT_PTX = f"""{{
     .reg .u32 %r_tid, %r_seen;
-    .reg .pred %p_idle, %p_spin;
+    .reg .pred %p_idle, %p_spin;{timeout.REGISTERS}
     mov.u32 %r_tid, %tid.x;
     setp.ne.u32 %p_idle, %r_tid, 0;
-    @%p_idle bra WAIT_DONE;
+    @%p_idle bra WAIT_DONE;{timeout.start_clock()}
     WAIT_FLAG:
     ld.global.acquire.sys.u32 %r_seen, [$1];
-    setp.ne.u32 %p_spin, %r_seen, $2;
-    @%p_spin bra WAIT_FLAG;
+    setp.ne.u32 %p_spin, %r_seen, $2;{timeout.give_up("WAIT_FLAG", 4)}
     WAIT_DONE:
     mov.u32 $0, 0;
-    }"""
+    }}"""
 GMEM_CONSTRAINTS = "=r,l,r"
 
 _ARRIVE = tl.constexpr(GMEM_ARRIVE_PTX)
@@ -65,3 +66,25 @@ def wait(flag_ptr, value):
     v = (tl.zeros([], tl.int32) + value).to(tl.int32)
     tl.inline_asm_elementwise(_WAIT, _CONSTRAINTS, [flag_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
+
+
+# After an acquire, a block that reads the flagged data through TMA (the async proxy) needs a proxy fence:
+# the acquire orders the generic proxy only, and the data may have been written by the copy engine or by
+# other SMs' generic stores. Every thread runs it (the thread that issues a TMA load is Triton's choice).
+FENCE_PROXY_ASYNC_PTX = """{
+    fence.proxy.async.global;
+    mov.u32 $0, 0;
+    }"""
+FENCE_CONSTRAINTS = "=r"
+_FENCE_PROXY_ASYNC = tl.constexpr(FENCE_PROXY_ASYNC_PTX)
+_FENCE_CONSTRAINTS = tl.constexpr(FENCE_CONSTRAINTS)
+
+
+@triton.jit
+def wait_async(flag_ptr, value):
+    """``wait``, then ``fence.proxy.async.global`` in every thread: for blocks that read what the flag
+    guards through TMA descriptors (data landed by the copy engine or by another SM's stores)."""
+    v = (tl.zeros([], tl.int32) + value).to(tl.int32)
+    tl.inline_asm_elementwise(_WAIT, _CONSTRAINTS, [flag_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+    tl.inline_asm_elementwise(_FENCE_PROXY_ASYNC, _FENCE_CONSTRAINTS, [], dtype=tl.int32, is_pure=False, pack=1)

@@ -23,7 +23,8 @@ both are relaxed, which is cheaper.
 The PTX below is the only copy of these barriers in the project: the
 ``@triton.jit`` helpers here wrap it, and ``inline_source.py`` embeds the very
 same strings in the inline-Triton snippets that Helion ports paste in with
-``hl.inline_triton``.
+``hl.inline_triton``. With ``KRAKEN_BARRIER_TIMEOUT_S`` set, every spin loop
+here gives up after that long, reports and traps (``timeout.py``).
 """
 
 from __future__ import annotations
@@ -31,34 +32,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import timeout
+
 # ---------------------------------------------------------------------------
 # PTX text. Register names are local to the ``{ }`` scope of each asm block, so
 # the blocks can be inlined any number of times in one kernel.
 # ---------------------------------------------------------------------------
 
 
-def _cas_spin(label: str, addr: str, sem: str, expected: int, desired: int) -> str:
-    """Spin on ``CAS(addr, expected -> desired)`` at system scope until it succeeds."""
-    return f"""
+def _cas_spin(label: str, addr: str, sem: str, expected: int, desired: int, barrier: int, who: tuple[str, str]) -> str:
+    """Spin on ``CAS(addr, expected -> desired)`` at system scope until it succeeds (or, with the opt-in
+    timeout, until ``timeout.TIMEOUT_S`` has passed: then report ``barrier`` and ``who`` (rank, peer) and trap)."""
+    return f"""{timeout.start_clock()}
     {label}:
     atom.global.{sem}.sys.cas.b32 %r_old, [{addr}], {expected}, {desired};
-    setp.ne.u32 %p_spin, %r_old, {expected};
-    @%p_spin bra {label};"""
+    setp.ne.u32 %p_spin, %r_old, {expected};{timeout.give_up(label, barrier, *who)}"""
 
 
-def _send(addr: str, sem: str) -> str:
-    return _cas_spin("SEND_SIGNAL", addr, sem, 0, 1)
+_NOBODY = (str(timeout.NONE), str(timeout.NONE))  # a lone signal knows no rank or peer
+_SYNC_WHO = ("$3", "%r_tid")  # in a sync, thread t signals and waits for peer t
 
 
-def _wait(addr: str, sem: str) -> str:
-    return _cas_spin("WAIT_SIGNAL", addr, sem, 1, 0)
+def _send(addr: str, sem: str, who: tuple[str, str] = _NOBODY) -> str:
+    return _cas_spin("SEND_SIGNAL", addr, sem, 0, 1, 1, who)
+
+
+def _wait(addr: str, sem: str, who: tuple[str, str] = _NOBODY) -> str:
+    return _cas_spin("WAIT_SIGNAL", addr, sem, 1, 0, 2, who)
 
 
 def _signal_ptx(spin: str) -> str:
     # $0: dummy output, $1: address of the slot.
     return f"""{{
     .reg .u32 %r_old;
-    .reg .pred %p_spin;{spin}
+    .reg .pred %p_spin;{timeout.REGISTERS}{spin}
     mov.u32 $0, 0;
     }}"""
 
@@ -70,7 +77,7 @@ def _sync_ptx(send: str, wait: str) -> str:
     return f"""{{
     .reg .u32 %r_tid, %r_slot, %r_old;
     .reg .u64 %rd_pad, %rd_off;
-    .reg .pred %p_idle, %p_spin;
+    .reg .pred %p_idle, %p_spin;{timeout.REGISTERS}
     mov.u32 %r_tid, %tid.x;
     setp.ge.u32 %p_idle, %r_tid, $4;
     @%p_idle bra SYNC_DONE;
@@ -97,12 +104,11 @@ def _sync_ptx(send: str, wait: str) -> str:
 # barrier needs a signal pad no other kind of barrier uses (torch's kernels expect 0/1 slots there).
 _EPOCH_SEND = """
     st.global.release.sys.u32 [%rd_pad], $5;"""
-_EPOCH_WAIT = """
+_EPOCH_WAIT = f"""{timeout.start_clock()}
     EPOCH_WAIT:
     ld.global.acquire.sys.u32 %r_old, [%rd_pad];
     sub.s32 %r_old, %r_old, $5;
-    setp.lt.s32 %p_spin, %r_old, 0;
-    @%p_spin bra EPOCH_WAIT;"""
+    setp.lt.s32 %p_spin, %r_old, 0;{timeout.give_up("EPOCH_WAIT", 3, *_SYNC_WHO)}"""
 EPOCH_SYNC_PTX = _sync_ptx(_EPOCH_SEND, _EPOCH_WAIT)
 EPOCH_CONSTRAINTS = "=r,l,r,r,r,r"
 
@@ -110,7 +116,8 @@ SEND_SIGNAL_PTX = {sem: _signal_ptx(_send("$1", sem)) for sem in ("relaxed", "re
 WAIT_SIGNAL_PTX = {sem: _signal_ptx(_wait("$1", sem)) for sem in ("relaxed", "acquire")}
 # Keyed by (hasPreviousMemAccess, hasSubsequentMemAccess).
 SYMM_MEM_SYNC_PTX = {
-    (prev, subs): _sync_ptx(_send("%rd_pad", "release" if prev else "relaxed"), _wait("%rd_pad", "acquire" if subs else "relaxed"))
+    (prev, subs): _sync_ptx(_send("%rd_pad", "release" if prev else "relaxed", _SYNC_WHO),
+                            _wait("%rd_pad", "acquire" if subs else "relaxed", _SYNC_WHO))
     for prev in (False, True)
     for subs in (False, True)
 }
