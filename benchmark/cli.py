@@ -34,9 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=(
             "Check every backend against the NCCL baseline on fresh random data, then time it with a fixed\n"
             "number of iterations on every rank (CUDA events around bursts of calls, slowest rank's median)\n"
-            "and print one table per op:\n"
-            "microseconds per backend, speedup over NCCL, helion/triton ratio, achieved NVLink bandwidth\n"
-            "(the op's minimum bytes per rank / time) and the floor (those bytes at 361 GB/s + barrier latency).\n"
+            "and print per op, under a line saying where it was measured (GPUs, driver, NVLinks, versions, commit):\n"
+            "the GPU time per call of each backend, speedup over NCCL, helion/triton ratio, achieved NVLink\n"
+            "bandwidth (the op's minimum bytes per rank / time) and the floor (those bytes at 361 GB/s + barrier\n"
+            "latency; for GEMMs the matmul at 790 TFLOP/s); then the time per call in an eager loop of back-to-back\n"
+            "calls (what a Python loop sees: the host launch path included) and the host cost per call.\n"
             "Standalone it spawns one process per visible GPU (at least 2); under torchrun it uses that world."
         ),
         epilog="registered ops:\n" + listing,
