@@ -8,6 +8,7 @@ A field that cannot be read says ``unknown`` rather than guessing.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -28,11 +29,12 @@ def _command(args: list[str]) -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
-def _version(module: str) -> str:
+def _version(package: str) -> str:
+    """The installed distribution's version (helion 1.5.0 has no ``__version__``)."""
     try:
-        return __import__(module).__version__
-    except Exception:  # not installed, or a broken install: the row says so instead of failing the run
-        return UNKNOWN
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(__import__(package), "__version__", UNKNOWN)
 
 
 def commit() -> str:

@@ -88,3 +88,11 @@ def test_loop_table_shows_what_an_eager_loop_sees():
     assert body[0] == ["4096", "52.2", "52.2"] and body[2] == ["2097152", "-", "-"]
     assert harness.loop_table([harness.Row(**{**r.__dict__, "loop_us": None}) for r in rows], ["nccl"]) == ([], [])
     assert "Eager loop (back-to-back calls" in report.render(rows)
+
+
+def test_collect_names_every_field_and_the_library_versions(monkeypatch):
+    monkeypatch.setenv("KRAKEN_COMMIT", "abc123")
+    meta = provenance.collect(iters=7, warmup=1, burst=10)
+    assert set(meta) == set(provenance.FIELDS)
+    assert meta["commit"] == "abc123" and meta["iters"] == 7
+    assert all(meta[key] not in (None, "", provenance.UNKNOWN) for key in ("torch", "triton", "helion"))
