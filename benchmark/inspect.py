@@ -14,8 +14,7 @@ import importlib
 
 from tabulate import tabulate
 
-from benchmark import registry
-from kraken import sm90
+from benchmark import registry, sm90
 
 FIELDS = ["kernel", "source_chars", "params", "registers", "spill_bytes", "shared_bytes", "ptx_instructions",
           "barrier_atomics"]

@@ -29,7 +29,7 @@ class Pair:
 
     ``example(module, world_size, shape=...)`` calls ``module.launch(...)`` with CPU
     stand-in tensors (of a small odd default shape, or the op's ``shape``); run under
-    ``kraken.sm90.capture_launches()`` it yields the kernels to compile for sm_90 without
+    ``benchmark.sm90.capture_launches()`` it yields the kernels to compile for sm_90 without
     a GPU (CPU tests, ``python -m benchmark.inspect``).
     """
 

@@ -184,15 +184,18 @@ def _agree(signature: tuple, group: dist.ProcessGroup, op: str, verdict: tuple[s
     seen = [None] * dist.get_world_size(group)
     dist.all_gather_object(seen, (signature, verdict), group=group)
     failed = {r: v for r, (_, v) in enumerate(seen) if v is not None}
+    disagree = "" if all(s == signature for s, _ in seen) else (
+        f"ranks disagree on the input's shape/dtype ({_differences([s for s, _ in seen])})")
     if failed:
         types = {kind for kind, _ in failed.values()}
         by_message: dict[str, list[int]] = {}
         for r, (_, message) in failed.items():
             by_message.setdefault(message, []).append(r)
         text = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items())
-        raise (TypeError if types == {"TypeError"} else ValueError)(f"{op}: bad input on {text}")
-    if any(s != signature for s, _ in seen):
-        raise ValueError(f"{op}: ranks disagree on the input's shape/dtype ({_differences([s for s, _ in seen])})")
+        error = TypeError if types == {"TypeError"} and not disagree else ValueError
+        raise error(f"{op}: bad input on {text}" + (f"; and {disagree}" if disagree else ""))
+    if disagree:
+        raise ValueError(f"{op}: {disagree}")
 
 
 def _differences(signatures: list) -> str:

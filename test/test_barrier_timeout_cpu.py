@@ -36,7 +36,7 @@ def test_on_every_spin_loop_gives_up_and_compiles_for_sm90():
         "import importlib, re\n"
         "from benchmark import registry\n"
         "from benchmark.ops import all_reduce\n"
-        "from kraken import sm90\n"
+        "from benchmark import sm90\n"
         "from kraken._ptx_utils import symm_mem_barrier as s, gmem_barrier as g, inline_source as i\n"
         "loops = [*s.SYMM_MEM_SYNC_PTX.values(), s.EPOCH_SYNC_PTX, *s.SEND_SIGNAL_PTX.values(), "
         "*s.WAIT_SIGNAL_PTX.values(), g.GMEM_WAIT_PTX]\n"

@@ -10,8 +10,7 @@ import re
 import pytest
 import torch
 
-from benchmark import registry
-from kraken import sm90
+from benchmark import registry, sm90
 
 PAIRS = [(op.name, pair) for op in registry.load_all().values() for pair in op.pairs]
 WORLD_SIZES = (2, 3, 8)
@@ -112,14 +111,20 @@ def first_load_batch(sass: list[str]) -> int:
 
 # Shapes where one block's reduce step reads one vector per peer (latency-bound: the batch is the cost).
 SCHEDULE_SHAPES = {"all_reduce": (8192,), "all_reduce_bias": (4, 5120), "all_reduce_bias_rms_norm": (4, 5120),
-                   "gemm_all_reduce": (64, 4096, 4096)}
+                   "gemm_all_reduce": (64, 4096, 4096), "reduce_scatter": (8192,)}
 # (recipe, world size) where the twin's schedule still trails: ptxas holds back a load there, for
 # reasons not found yet (the generated code has the same loads; see the README's Helion notes).
 SCHEDULE_GAPS = {("kraken.fused.two_shot_all_reduce_bias", 4), ("kraken.fused.two_shot_all_reduce_bias", 8),
                  ("kraken.fused.two_shot_all_reduce_bias_rms_norm", 4), ("kraken.fused.gemm_one_shot_all_reduce", 8)}
 # Pairs that load their peers' buffers after a barrier, at the world sizes below: not the local RMSNorm. (The
 # GEMM pushes its partials at 2 ranks and reduces from local memory; from 3 ranks on it pulls.)
-PEER_READING_PAIRS = [(o, p) for o, p in PAIRS if p.triton_module != "kraken.fused.rms_norm"]
+# all_gather copies (no adds to wait behind): test_gather_scatter_cpu checks its loads come before its stores.
+# gemm_reduce_scatter pushes its partials into the owners' workspaces and reads only local memory after its barrier.
+PEER_READING_PAIRS = [(o, p) for o, p in PAIRS
+                      if p.triton_module not in ("kraken.fused.rms_norm", "kraken.comm.all_gather",
+                                                 "kraken.fused.gemm_reduce_scatter",
+                                                 # its peers' rows arrive by the copy engine; the GEMM reads local memory
+                                                 "kraken.fused.all_gather_matmul")]
 
 
 @pytest.mark.parametrize(
@@ -143,3 +148,20 @@ def test_twin_batches_peer_loads_like_its_recipe(op_name, pair, world_size):
         batches.append(first_load_batch(sm90.sass_instructions(launches[0])))
     recipe, twin = batches
     assert twin >= recipe >= 3, f"{op_name}: the twin issues {twin} loads before its first add, the recipe {recipe}"
+
+
+def test_the_cookbook_imports_nothing_from_the_benchmark():
+    """``kraken/`` and ``helion_ports/`` hold only what a user copies into a model: no module there imports
+    ``benchmark`` (the sm_90 compile helpers live in ``benchmark.sm90``)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    offenders = []
+    for package in ("kraken", "helion_ports"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "benchmark"]
+    assert not offenders, offenders

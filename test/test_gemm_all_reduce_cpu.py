@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
+from benchmark import sm90
 from benchmark.ops import gemm_all_reduce
-from kraken import host, sm90
+from kraken import host
 
 RECIPE = "kraken.fused.gemm_one_shot_all_reduce"
 TWIN = "helion_ports.fused.gemm_one_shot_all_reduce"
@@ -71,7 +72,7 @@ def test_helion_prints_its_generated_triton():
     code = (
         "import importlib\n"
         "from benchmark.ops import gemm_all_reduce\n"
-        "from kraken import sm90\n"
+        "from benchmark import sm90\n"
         f"module = importlib.import_module({TWIN!r})\n"
         "with sm90.capture_launches():\n"
         "    gemm_all_reduce.example(module, 2)\n"

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kraken import sm90
+from benchmark import sm90
 from kraken._ptx_utils import arrive, epoch_sync, get_flat_bid, get_flat_tid, inline_source, send_signal, symm_mem_sync
 from kraken._ptx_utils import wait, wait_signal
 from kraken._ptx_utils.gmem_barrier import GMEM_ARRIVE_PTX, GMEM_WAIT_PTX

@@ -1,6 +1,6 @@
 """The all-reduce + bias + RMSNorm family without a GPU.
 
-* every kernel and every Helion twin compiles for sm_90 (kraken.sm90) at world
+* every kernel and every Helion twin compiles for sm_90 (benchmark.sm90) at world
   sizes 2 and 8, hidden 5120 and 1000, and each twin carries exactly the
   cross-GPU barrier atomics of its Triton sibling;
 * bad arguments raise ValueError/TypeError naming the problem before anything
@@ -23,9 +23,9 @@ import textwrap
 import pytest
 import torch
 
-from benchmark import registry
+from benchmark import registry, sm90
 from benchmark.ops.all_reduce_bias import example_launch
-from kraken import host, sm90
+from kraken import host
 
 FAMILY = [
     "one_shot_all_reduce_bias",

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fake_world import FakeWorld
 from kraken import host
 
 ENTRY_POINTS = [
@@ -112,27 +113,6 @@ def test_workspace_sizes_are_agreed_before_growing(monkeypatch):
     assert calls[-1] == ("agree", ("workspace elements", 1 << 20, "torch.float32"))  # and no "grow" after it
 
 
-class _FakeWorld:
-    """Two ranks, this process rank 0: ``all_gather_object`` returns ours and ``other``'s (signature, verdict)."""
-
-    group_name = "fake"
-
-    def __init__(self, monkeypatch, other=None):
-        self.exchanges = 0
-        self.other = other
-        monkeypatch.setattr(host, "resolve_group", lambda group, op: self)
-        monkeypatch.setattr(host, "_agreed", set())
-        monkeypatch.setattr(dist, "is_initialized", lambda: True)
-        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-        monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-
-    def all_gather_object(self, seen, mine, group=None):
-        self.exchanges += 1
-        seen[0] = mine
-        seen[1] = mine if self.other is None else self.other(mine)
-
-
 def _fail(exc):
     raise exc
 
@@ -140,7 +120,7 @@ def _fail(exc):
 def test_agreed_raises_on_every_rank_when_one_rank_is_wrong(monkeypatch):
     bias = torch.zeros(5120)
     # Rank 1 alone has a bad bias (same shapes as ours: its check failed on something else).
-    world = _FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "bias has dtype float16 but x has float32")))
+    world = FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "bias has dtype float16 but x has float32")))
     with pytest.raises(ValueError, match=r"^op: bad input on rank 1: bias has dtype float16 but x has float32$"):
         with host.agreed("op", None, bias=bias, eps=1e-6):
             pass  # our own checks pass
@@ -155,11 +135,11 @@ def test_agreed_raises_on_every_rank_when_one_rank_is_wrong(monkeypatch):
 
 
 def test_agreed_names_every_failing_rank_and_keeps_the_error_type(monkeypatch):
-    _FakeWorld(monkeypatch, other=lambda mine: mine)  # the peer fails the same way
+    FakeWorld(monkeypatch, other=lambda mine: mine)  # the peer fails the same way
     with pytest.raises(TypeError, match=r"^op: bad input on ranks 0, 1: x must be a torch.Tensor$"):
         with host.agreed("op", None, x=[1.0]):
             _fail(TypeError("op: x must be a torch.Tensor"))
-    _FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "eps must be >= 0")))
+    FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "eps must be >= 0")))
     with pytest.raises(ValueError, match=r"rank 0: x is wrong; rank 1: eps must be >= 0"):
         with host.agreed("op", None, x=torch.zeros(2)):
             _fail(TypeError("op: x is wrong"))
@@ -167,7 +147,7 @@ def test_agreed_names_every_failing_rank_and_keeps_the_error_type(monkeypatch):
 
 def test_agreed_names_what_differs_between_ranks(monkeypatch):
     other = lambda mine: ((("x", ("tensor", (4, 5121), "bfloat16", "cuda", True)), mine[0][1]), None)  # noqa: E731
-    _FakeWorld(monkeypatch, other=other)
+    FakeWorld(monkeypatch, other=other)
     x = torch.zeros(4, 5120, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"ranks disagree on the input's shape/dtype \(x: rank 0 \('tensor', \(4, 5120\)"):
         with host.agreed("op", None, x=x, eps=1e-6):
@@ -175,7 +155,7 @@ def test_agreed_names_what_differs_between_ranks(monkeypatch):
 
 
 def test_agreed_after_success_raises_locally_without_a_collective(monkeypatch):
-    world = _FakeWorld(monkeypatch)
+    world = FakeWorld(monkeypatch)
     with host.agreed("op", None, n=3):
         pass
     with pytest.raises(ValueError, match="only here"):
@@ -190,3 +170,13 @@ def test_signature_of_describes_arguments():
     assert host.signature_of(t.t())[-1] is False
     assert host.signature_of({"b": 1, "a": torch.bfloat16}) == (("a", "torch.bfloat16"), ("b", 1))
     assert host.signature_of([1, None, "x"]) == (1, None, "x") and host.signature_of(object()) == "object"
+
+
+def test_agreed_reports_bad_input_and_disagreement_together(monkeypatch):
+    """Rank 1 passes another shape *and* fails its own check: both are named, in one ValueError."""
+    other = lambda mine: ((("m", 9),), ("ValueError", "M = 9 rows do not split evenly over 2 ranks"))  # noqa: E731
+    FakeWorld(monkeypatch, other=other)
+    with pytest.raises(ValueError, match=r"bad input on rank 1: M = 9 rows do not split evenly over 2 ranks; "
+                                         r"and ranks disagree on the input's shape/dtype \(m: rank 0 8, rank 1 9\)"):
+        with host.agreed("op", None, m=8):
+            pass

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
 from kraken import host
-from kraken.sm90 import FAKE_SIGNAL_PADS
+from benchmark.sm90 import FAKE_SIGNAL_PADS
 
 ONE_SHOT = "comm.one_shot_all_reduce"
 TWO_SHOT = "comm.two_shot_all_reduce"

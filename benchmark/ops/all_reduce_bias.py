@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
 from kraken import host
-from kraken.sm90 import FAKE_SIGNAL_PADS
+from benchmark.sm90 import FAKE_SIGNAL_PADS
 from kraken.comm.one_shot_all_reduce import one_shot_all_reduce
 from kraken.fused.rms_norm import rms_norm
 
@@ -108,7 +108,7 @@ def backends(norm: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# CPU compile examples (kraken.sm90)
+# CPU compile examples (benchmark.sm90)
 # ---------------------------------------------------------------------------
 
 

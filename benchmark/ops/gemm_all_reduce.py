@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, gemm_us, nvlink_us, register
 from kraken import host
-from kraken.sm90 import FAKE_SIGNAL_PADS, H200_NUM_SMS
+from benchmark.sm90 import FAKE_SIGNAL_PADS, H200_NUM_SMS
 
 RECIPE = "fused.gemm_one_shot_all_reduce"
 OUT_DTYPE = torch.bfloat16
@@ -82,7 +82,7 @@ def fused(package: str):
 
 
 # ---------------------------------------------------------------------------
-# CPU compile example (kraken.sm90)
+# CPU compile example (benchmark.sm90)
 # ---------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """Every PTX barrier of the project, defined once (see each module's docstring)."""
 
 from . import inline_source
-from .gmem_barrier import arrive, wait
+from .gmem_barrier import arrive, wait, wait_async
 from .symm_mem_barrier import epoch_sync, get_flat_bid, get_flat_tid, send_signal, symm_mem_sync, wait_signal
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "send_signal",
     "symm_mem_sync",
     "wait",
+    "wait_async",
     "wait_signal",
 ]

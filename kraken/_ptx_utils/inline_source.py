@@ -18,7 +18,7 @@ Use::
 
 from __future__ import annotations
 
-from .gmem_barrier import GMEM_ARRIVE_PTX, GMEM_CONSTRAINTS, GMEM_WAIT_PTX
+from .gmem_barrier import FENCE_CONSTRAINTS, FENCE_PROXY_ASYNC_PTX, GMEM_ARRIVE_PTX, GMEM_CONSTRAINTS, GMEM_WAIT_PTX
 from .symm_mem_barrier import EPOCH_CONSTRAINTS, EPOCH_SYNC_PTX, SYMM_MEM_SYNC_PTX, SYNC_CONSTRAINTS
 
 
@@ -68,3 +68,8 @@ GMEM_ARRIVE = "tl.debug_barrier()\n" + _asm(GMEM_ARRIVE_PTX, GMEM_CONSTRAINTS, _
 GMEM_WAIT = _asm(GMEM_WAIT_PTX, GMEM_CONSTRAINTS, _FLAG_OPERANDS) + "\ntl.debug_barrier()"
 # A plain thread barrier (bar.sync), for ports that need one between phases.
 THREAD_BARRIER = "tl.debug_barrier()"
+# GMEM_WAIT, then every thread's async-proxy fence (``gmem_barrier.wait_async``: TMA reads what the flag guards).
+GMEM_WAIT_ASYNC = GMEM_WAIT + "\n" + (
+    f"tl.inline_asm_elementwise({_literal(FENCE_PROXY_ASYNC_PTX)}, {FENCE_CONSTRAINTS!r}, [], "
+    "dtype=tl.int32, is_pure=False, pack=1)"
+)

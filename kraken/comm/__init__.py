@@ -1,6 +1,9 @@
 """Pure collectives over symmetric memory."""
 
+from .all_gather import all_gather
+from .all_gather_with_progress import all_gather_with_progress
 from .one_shot_all_reduce import one_shot_all_reduce
+from .reduce_scatter import reduce_scatter
 from .two_shot_all_reduce import two_shot_all_reduce
 
-__all__ = ["one_shot_all_reduce", "two_shot_all_reduce"]
+__all__ = ["all_gather", "all_gather_with_progress", "one_shot_all_reduce", "reduce_scatter", "two_shot_all_reduce"]

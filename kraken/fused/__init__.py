@@ -1,6 +1,8 @@
 """Fused communication + compute recipes."""
 
+from .all_gather_matmul import all_gather_matmul
 from .gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
+from .gemm_reduce_scatter import gemm_reduce_scatter
 from .one_shot_all_reduce_bias import one_shot_all_reduce_bias
 from .one_shot_all_reduce_bias_rms_norm import one_shot_all_reduce_bias_rms_norm
 from .rms_norm import rms_norm
@@ -8,7 +10,9 @@ from .two_shot_all_reduce_bias import two_shot_all_reduce_bias
 from .two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
 
 __all__ = [
+    "all_gather_matmul",
     "gemm_one_shot_all_reduce",
+    "gemm_reduce_scatter",
     "one_shot_all_reduce_bias",
     "one_shot_all_reduce_bias_rms_norm",
     "rms_norm",

@@ -1,0 +1,182 @@
+"""Helion twin of ``kraken.fused.all_gather_matmul``: same function, same arguments.
+
+The gather is the recipe's (``kraken.comm.all_gather_with_progress``: copy-engine copies,
+stream memory operations and two one-block barrier kernels, all host code), and so are
+``plan``, ``prepare``, ``tma_inputs`` and the host side of ``launch``. The GEMM mirrors the recipe's kernel
+one to one:
+
+* ``hl.grid(num_blocks)`` is the persistent grid; block ``b`` takes tiles ``b, b +
+  num_blocks, ...`` (``hl.grid(rounds)``; a round past the last tile does nothing), chunk
+  by chunk of the gather buffer: this rank's rows first, then rank + 1's, rank + 2's, ...;
+* a block waits for the rows' flag at its first tile of each chunk (and at every own tile
+  while the copy engine stages them piece by piece), with the recipe's PTX
+  (``GMEM_WAIT_ASYNC``: acquire spin by one thread, thread barrier, every thread's
+  async-proxy fence) pasted in with ``hl.inline_triton``;
+* within a chunk, ``group_m``-row bands of tiles, as the recipe;
+* each tile is a 2-D ``hl.tile`` over one whole tile with an ``hl.tile`` over k and
+  ``hl.dot`` into fp32; ``gathered`` and ``b`` load through host-built tensor descriptors
+  (TMA, ``host_tensor_descriptors``); the store to ``out`` is masked to the chunk's rows.
+  A transposed ``b`` arrives as its [N, K] transpose and each tile is transposed in
+  registers (``b_trans``), as the recipe.
+
+The config is explicit: ``block_sizes`` follow the loops (the tile's m and n, its k step), from
+the recipe's ``plan``. Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from helion_ports import flat_kernel
+from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
+from kraken.comm.all_gather_with_progress import start as start_gather
+from kraken.fused.all_gather_matmul import OP, STAGE_PIECES, plan, prepare, tma_inputs  # noqa: F401 (shared with the recipe)
+
+# The flag (a pointer expression in the snippet): progress + index.
+WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
+# Per load/store, in program order: the gathered rows and b through TMA, the store to out through pointers.
+INDEXING = ("tensor_descriptor", "tensor_descriptor", "pointer")
+
+
+def all_gather_matmul_body(
+    gathered: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    num_blocks: int,
+    piece_rows: int,
+    piecewise: int,
+    rank: int,
+    world_size: hl.constexpr,
+    b_trans: hl.constexpr,
+    block_m: hl.constexpr,
+    block_n: hl.constexpr,
+    group_m: hl.constexpr,
+) -> torch.Tensor:
+    k = gathered.size(1)
+    m = out.size(0) // world_size
+    n = out.size(1)
+    tiles_m = (m + block_m - 1) // block_m
+    tiles_n = (n + block_n - 1) // block_n
+    chunk_tiles = tiles_m * tiles_n
+    band_tiles = group_m * tiles_n
+    num_tiles = world_size * chunk_tiles
+    rounds = (num_tiles + num_blocks - 1) // num_blocks
+    for block in hl.grid(num_blocks):
+        for rnd in hl.grid(rounds):
+            tile = block + rnd * num_blocks
+            if tile < num_tiles:
+                step = tile // chunk_tiles  # 0: my rows, then rank + 1's, rank + 2's, ...
+                # The step of this block's previous tile (negative before its first), as the recipe.
+                prev_step = (tile + num_tiles - num_blocks) // chunk_tiles - world_size
+                src = (rank + step) % world_size
+                within = tile % chunk_tiles
+                band = within // band_tiles
+                band_rows = min(tiles_m - band * group_m, group_m)
+                m0 = (band * group_m + within % band_tiles % band_rows) * block_m
+                n0 = within % band_tiles // band_rows * block_n
+                # The copy engine has landed these rows (acquire), and TMA will see them (async-proxy fence): at a
+                # block's first tile of each chunk, and at every own tile while my rows land piece by piece.
+                own = 1 - min(step, 1)  # (Helion 1.5 has no dynamic conditional expression)
+                if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
+                    flag = src + own * (world_size + m0 // piece_rows - src)
+                    hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": flag, "value": 1}, output_like=None)
+                row0 = src * m + m0
+                for tile_g, tile_n in hl.tile([row0, n0], [row0 + block_m, n0 + block_n]):
+                    acc = hl.zeros([tile_g, tile_n], dtype=torch.float32)
+                    for tile_k in hl.tile(0, k):
+                        if b_trans:
+                            acc = hl.dot(gathered[tile_g, tile_k], b[tile_n, tile_k].T, acc=acc)
+                        else:
+                            acc = hl.dot(gathered[tile_g, tile_k], b[tile_k, tile_n], acc=acc)
+                    # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
+                    inside = (tile_g.index < src * m + m)[:, None] & (tile_n.index < n)[None, :]
+                    hl.store(out, [tile_g, tile_n], acc.to(out.dtype), extra_mask=inside)
+    return out
+
+
+@functools.cache
+def compiled(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> helion.Kernel:
+    """One Helion kernel per tile config, each with an explicit config (``block_sizes``: the tile's m, n and
+    k step; TMA for the gathered rows and b through descriptors built on the host, as the recipe's;
+    ``pid_type="flat"``: the recipe's grid, see ``helion_ports``)."""
+    return flat_kernel(all_gather_matmul_body, (block_m, block_n, block_k), num_warps, num_stages, indexing=INDEXING,
+                       host_tensor_descriptors=True)
+
+
+def launch_matmul(
+    gathered: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    rank: int,
+    world_size: int,
+    b_trans: bool,
+    piece_rows: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    num_blocks: int,
+) -> torch.Tensor:
+    """The GEMM alone, on TMA-ready operands; mirrors the recipe's ``launch_matmul``."""
+    compiled(block_m, block_n, block_k, num_warps, num_stages)(
+        gathered, b, out, progress, num_blocks, piece_rows, int(piece_rows < out.shape[0] // world_size), rank,
+        world_size, b_trans, block_m, block_n, group_m,
+    )
+    return out
+
+
+def launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    gathered: torch.Tensor,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    a_out: torch.Tensor | None,
+    b_layout: str,
+    stage: str,
+    piece_rows: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    num_blocks: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul.launch`` (the
+    same gather on the copy engine, then this GEMM)."""
+    a, b, b_trans = tma_inputs(a, b, b_layout)
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, stage_piece_rows=piece_rows,
+                           stage_with_sms=stage == "sm", snapshot=a_out)
+    launch_matmul(gathered, b, out, progress, rank, len(peers), b_trans, piece_rows, block_m, block_n, block_k,
+                  group_m, num_warps, num_stages, num_blocks)
+    started.wait()
+    return out
+
+
+def all_gather_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    return_a: bool = False,
+    **config,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather(a) @ b`` (and the gathered ``a`` first when ``return_a``); see the kraken recipe."""
+    ctx, cfg = prepare(a, b, group, f"helion {OP}", config, return_a)
+    out = launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, group_name=ctx.group_name)
+    if not return_a:
+        return out
+    return cfg["a_out"][:, :a.shape[1]], out

@@ -1,0 +1,206 @@
+"""All-gather on the copy engine, with a progress flag per rank's chunk.
+
+For a consumer kernel that starts on the chunks that have landed while the rest
+are still in flight (``kraken.fused.all_gather_matmul``). Every rank holds a
+symmetric ``shard`` [M, ...]; ``out`` [world_size * M, ...] gets rank r's shard
+at rows ``r * M ...``, and ``progress[r]`` turns from 0 to 1 once they are there.
+
+No SM moves data: on a side stream, ``tensor.copy_`` of each peer's shard (a
+``cudaMemcpyAsync`` from its NVLink-mapped buffer, run by the copy engine), one
+chunk at a time starting with rank + 1 (so no two ranks read the same peer at
+once), each followed by a stream memory operation that writes the chunk's flag
+(``cuStreamWriteValue32``, with a system-scope fence before the write; a memory-
+operation node of the graph under CUDA-graph capture). A
+consumer on the current stream that spins on a flag therefore cannot starve the
+producer, whatever SMs it holds.
+
+The protocol (CUDA-graph safe, no host round trip):
+
+* flags: ``progress`` is zeroed on the current stream *before* the side stream
+  forks from it, and only ever goes 0 -> 1 within a call. A consumer launched on
+  the current stream after this call sees 0 until the chunk has landed; it waits
+  with an acquire load (``kraken._ptx_utils.wait`` / ``wait_async`` for TMA
+  readers) and reads the chunk after. In a CUDA graph the zeroing, the copies and
+  the writes are nodes of the graph, so every replay repeats the whole protocol;
+* peers' shards are complete before I copy them: a one-block barrier kernel
+  (``symm_mem_sync``, release + acquire, block id ``BARRIER_BLOCK`` of the shard's
+  signal pad) on the side stream, which follows every write to ``shard`` that the
+  current stream ordered before this call (and the staging copy, when there is one);
+* I must not overwrite my shard while a peer still copies it: a second barrier
+  after the last copy ("done reading"). A peer's side stream reaches it only after
+  its copies of my shard; the caller's next write to the shard comes after
+  ``GatherInProgress.wait()``, which joins the side stream behind that barrier.
+  (The GEMM consumer is far longer than the copies, so the join costs nothing.)
+* my own rows: copied locally to ``out`` after the peers' chunks (those are what a
+  consumer waits for; it can read its own rows from ``shard`` without waiting) and
+  flagged like the others.
+
+The barrier kernels are single one-warp blocks with no shared memory: a persistent
+consumer must leave them room on some SM (``all_gather_matmul`` leaves one SM free).
+Both use the shard's signal pad at block id ``BARRIER_BLOCK``: no other kernel may use
+that block's slots of that pad at the same time. Flags are int32 tensors; torch's
+stream operations see the same bytes as uint32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _SymmetricMemory
+import triton
+import triton.language as tl
+
+from kraken import host
+from kraken._ptx_utils import symm_mem_sync
+
+OP = "all_gather_with_progress"
+BARRIER_BLOCK = 0
+BARRIER_WARPS = 1
+LANDED = 1  # the value of a chunk's flag once its rows are in ``out``
+
+
+@triton.jit
+def shard_barrier_kernel(signal_pad_ptrs, rank, world_size: tl.constexpr, BLOCK_ID: tl.constexpr):
+    # Every write before this (the copies of this side stream, and the current stream's before the fork)
+    # is visible to the peers, and theirs to everything after it on this stream.
+    symm_mem_sync(signal_pad_ptrs, BLOCK_ID, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+
+
+def barrier(signal_pad_ptrs: int, rank: int, world_size: int) -> None:
+    """One cross-rank barrier on the current stream (one block, one warp)."""
+    shard_barrier_kernel[(1,)](signal_pad_ptrs, rank, world_size, BLOCK_ID=BARRIER_BLOCK, num_warps=BARRIER_WARPS)
+
+
+def set_flag(progress: torch.Tensor, index: int, value: int = LANDED) -> None:
+    """``progress[index] = value`` on the current stream without a kernel: a stream memory operation
+    (``cuStreamWriteValue32``, which fences the stream's earlier writes system-wide first). It is captured
+    into CUDA graphs as a memory-operation node (checked on the 2x H200 host with torch 2.11: replays
+    write the values; torch's own async-TP code uses a memset there instead). torch's op takes the flags
+    as uint32; the kernels read the same bytes as int32."""
+    _SymmetricMemory.stream_write_value32(progress.view(torch.uint32), index, value)
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream the copies run on (one per device, high priority, as torch's async-TP backend stream)."""
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device=device, priority=-1)
+    return _copy_streams[device]
+
+
+@dataclass
+class GatherInProgress:
+    """What ``all_gather_with_progress`` started: the output, its flags, and the join."""
+
+    out: torch.Tensor  # [world_size * M, ...]: rank r's rows are final once progress[r] == LANDED
+    progress: torch.Tensor  # int32[world_size] (then one per staged piece, for all_gather_matmul)
+    stream: torch.cuda.Stream  # the side stream the copies run on
+    order: tuple[int, ...]  # the ranks in the order their chunks are copied (own first)
+
+    def wait(self) -> torch.Tensor:
+        """Make the current stream wait for every copy and the closing barrier; returns ``out``.
+
+        Call it after launching the consumer and before anything else uses ``out`` or writes the shard
+        (and before a CUDA-graph capture ends: the side stream must rejoin)."""
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return self.out
+
+
+def check_progress(progress: torch.Tensor, world_size: int, device: torch.device, op: str) -> None:
+    host.check_tensor(progress, "progress", op, (torch.int32,), ndim=1)
+    if progress.numel() != world_size or progress.device != device:
+        raise ValueError(f"{op}: progress must be int32[{world_size}] on {device}, got {progress.numel()} on {progress.device}")
+
+
+def all_gather_with_progress(
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    progress: torch.Tensor | None = None,
+) -> GatherInProgress:
+    """Start gathering every rank's ``shard`` into ``out`` on the copy engine; see the module docstring.
+
+    ``shard``: this rank's rows, a contiguous tensor in symmetric memory (``kraken.symm_empty``), the same
+    shape on every rank. ``out``: [world_size * shard.shape[0], *shard.shape[1:]] (allocated if None).
+    ``progress``: int32[world_size] (allocated if None), zeroed here on the current stream. Launch the
+    consumer on the current stream, then call ``.wait()`` on the result.
+    """
+    host.check_tensor(shard, "shard", OP, host.SUPPORTED_DTYPES + (torch.int32, torch.uint8))
+    if shard.dim() < 1 or shard.shape[0] == 0:
+        raise ValueError(f"{OP}: shard must have at least one row, got shape {tuple(shard.shape)}")
+    ctx = host.symm_context(shard, group, OP, name="shard")
+    world_size, rank, rows = ctx.world_size, ctx.rank, shard.shape[0]
+    shape = (world_size * rows, *shard.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+    else:
+        host.check_tensor(out, "out", OP, (shard.dtype,))
+        if tuple(out.shape) != shape or out.device != shard.device:
+            raise ValueError(f"{OP}: out must be {shape} on {shard.device}, got {tuple(out.shape)} on {out.device}")
+    if progress is None:
+        progress = torch.empty(world_size, dtype=torch.int32, device=shard.device)
+    else:
+        check_progress(progress, world_size, shard.device, OP)
+    return start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress)
+
+
+def start(
+    peers: tuple[torch.Tensor, ...],
+    signal_pad_ptrs: int,
+    rank: int,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    stage_from: torch.Tensor | None = None,
+    stage_piece_rows: int | None = None,
+    stage_with_sms: bool = False,
+    snapshot: torch.Tensor | None = None,
+) -> GatherInProgress:
+    """``all_gather_with_progress`` on checked arguments: ``peers`` (every rank's shard, ``peers[rank]``
+    mine) and ``signal_pad_ptrs`` as ``host.symm_context`` gives them.
+
+    For consumers that gather in place (``all_gather_matmul``): ``stage_from``, an ordinary tensor, is
+    first copied into my shard, in pieces of ``stage_piece_rows`` rows, piece p flagged at
+    ``progress[world_size + p]``: on the side stream by the copy engine (the current stream goes straight
+    on to the consumer), or with ``stage_with_sms`` on the current stream by an elementwise kernel on
+    every SM, before the fork (the consumer starts a little later, on rows that are all there). When my
+    shard is my own chunk of ``out`` (each rank's shard a chunk of its symmetric ``out``), the own rows
+    need no second copy. ``snapshot``: a copy of the whole ``out`` made on the side stream after the last
+    chunk (overlapping the consumer), for callers that return it.
+    """
+    world_size, shard = len(peers), peers[rank]
+    rows = shard.shape[0]
+    current = torch.cuda.current_stream(shard.device)
+    side = copy_stream(shard.device)
+    progress.zero_()  # before the fork: no flag of the previous call survives into this one
+    pieces = []
+    if stage_from is not None:
+        piece_rows = stage_piece_rows or rows
+        pieces = [(world_size + p, begin, begin + piece_rows) for p, begin in enumerate(range(0, rows, piece_rows))]
+        if stage_with_sms:
+            torch.mul(stage_from, 1, out=shard)  # exact for every value; runs on all SMs, unlike the copy engine
+            progress[world_size:world_size + len(pieces)].fill_(LANDED)
+            pieces = []
+    side.wait_stream(current)
+    order = tuple((rank + step) % world_size for step in range(world_size))
+    own = out[rank * rows:(rank + 1) * rows]
+    with torch.cuda.stream(side):
+        for flag, begin, end in pieces:
+            shard[begin:end].copy_(stage_from[begin:end])
+            set_flag(progress, flag)
+        barrier(signal_pad_ptrs, rank, world_size)  # every rank's shard is complete
+        for peer in order[1:]:
+            out[peer * rows:(peer + 1) * rows].copy_(peers[peer])
+            set_flag(progress, peer)
+        # My own rows last: the consumer can read them from the shard, the peers' are the ones it waits for.
+        if own.data_ptr() != shard.data_ptr():
+            own.copy_(shard)
+        set_flag(progress, rank)
+        if snapshot is not None:
+            snapshot.copy_(out)
+        barrier(signal_pad_ptrs, rank, world_size)  # done reading: peers may write their shards again
+    return GatherInProgress(out, progress, side, order)

@@ -1,0 +1,336 @@
+"""All-gather + matmul: ``all_gather(a) @ b`` with the gather hidden under the GEMM.
+
+The column-parallel linear layer of sequence/tensor parallelism: every rank holds
+``a`` [M, K], its M rows of the activations, and the same ``b`` [K, N]; every rank
+needs the product of all ``world_size * M`` rows. The gather moves (ws-1)/ws of
+``a``; the GEMM is far longer, so the craft is starting the GEMM at once and never
+making it wait for rows that are not there yet.
+
+* The gather runs on the copy engine (``kraken.comm.all_gather_with_progress``) into a
+  symmetric gather buffer [world_size * M, K]. First ``a`` is staged into this rank's
+  chunk of it: by default (``stage="sm"``) one elementwise copy on the current stream
+  before the GEMM, on every SM; or (``stage="copy_engine"``) on the side stream in up
+  to ``STAGE_PIECES`` pieces, each flagged as it lands. Then, on the side stream, the
+  ranks meet at one barrier (a one-block kernel), each peer's chunk is copied from the
+  peer's buffer (rank + 1 first) and flagged, and a last barrier says "done reading".
+  The flags are set by stream memory operations: no SM is involved, so GEMM blocks
+  spinning on a flag cannot starve the copies.
+* The GEMM is persistent (one block per SM but ``RESERVED_SMS``, left to the barrier
+  kernel) and walks its tiles chunk by chunk: first this rank's rows, then rank + 1's,
+  rank + 2's, ... At its first tile of each chunk (and, staging by the copy engine, at
+  every own tile) a block waits for the rows' flag: one thread spins on an acquire
+  load, then every thread fences the async proxy (``wait_async``): the rows are read
+  through TMA. Within a chunk, tiles go in ``GROUP_M``-row bands (a band's rows and a
+  column of ``b`` tiles stay in L2).
+* The gathered rows and ``b`` load through host-built TMA descriptors (zero-padded in k
+  and n where a base or a row is not 16-byte aligned, ``tma_operands``); a ``b`` stored
+  transposed (``w.t()`` of an [N, K] weight: strides (1, K)) is read as is, its tiles
+  transposed in registers (``b_layout``); any other layout is copied contiguous.
+  ``tl.dot`` accumulates in fp32; the output, in ``a``'s dtype, is stored through
+  pointers, masked to the chunk's rows (a tile at a chunk's end also reads some of the
+  next chunk's rows, and discards them).
+
+The flags are zeroed on the current stream before the side stream forks, and the side
+stream rejoins after the GEMM: every call (and every CUDA-graph replay) runs the whole
+protocol, with no host round trip. Rank r's rows of the output are ``r * M ...``, where
+``all_gather(a) @ b`` has them. With ``return_a=True`` the gathered ``a`` is returned too
+(a fresh copy, made on the side stream while the GEMM runs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kraken import host
+from kraken._ptx_utils import wait_async
+from kraken.comm.all_gather_with_progress import start as start_gather
+from kraken.fused.gemm_one_shot_all_reduce import TILE_CONFIGS, tma_operands
+
+OP = "all_gather_matmul"
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
+# Tiles: the largest of the GEMM recipes' ``TILE_CONFIGS`` that still gives ``MIN_TILES_PER_SM`` of the SMs
+# a tile (a small M leaves the 128x256 tiles too few to fill them), ``GROUP_M`` row tiles per band.
+MIN_TILES_PER_SM = 0.9
+GROUP_M = 8
+# The GEMM leaves this many SMs free. Its blocks spin on flags that follow the gather's one-block barrier
+# kernel, which must find an SM while every GEMM block is resident (the twin's 8-warp block can take all of
+# an SM's registers). At the default shapes the last round of tiles is partial anyway: no round is added.
+RESERVED_SMS = 1
+# With stage="copy_engine", this rank's rows are staged into its chunk of the symmetric gather buffer in up to
+# this many pieces, each flagged: the GEMM starts on the first piece while the rest is copied.
+STAGE_PIECES = 4
+# ``b_layout``: "auto" reads b as it is stored (row-major, or transposed: strides (1, K)); "kn" / "nk" force
+# a row-major / transposed copy when b is stored otherwise.
+B_LAYOUTS = ("auto", "kn", "nk")
+# ``stage``: how this rank's rows get into its chunk of the gather buffer. "sm": one elementwise copy on the
+# current stream before the GEMM (all SMs, a few microseconds); "copy_engine": on the side stream, in up to
+# ``STAGE_PIECES`` flagged pieces that the GEMM starts on as they land.
+STAGES = ("sm", "copy_engine")
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_layout": "auto", "stage": "sm"}
+
+
+@triton.jit
+def all_gather_matmul_kernel(
+    gathered_desc,  # the gathered a [world_size * M, K], BLOCK_M x BLOCK_K boxes: rank r's rows at r * M
+    b_desc,  # b [K, N] in BLOCK_K x BLOCK_N boxes, or (B_TRANS) its transpose [N, K] in BLOCK_N x BLOCK_K
+    out_ptr,  # [world_size * M, N]
+    progress_ptr,  # int32 flags, 0 -> 1: [r] rank r's rows, [world_size + p] piece p of my own (staged) rows
+    M,
+    N,
+    K,
+    piece_rows,  # rows per staged piece of my own rows (a multiple of BLOCK_M)
+    piecewise,  # 1 if my own rows land in several pieces, else 0
+    rank,
+    world_size: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    B_TRANS: tl.constexpr,
+):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    chunk_tiles = tiles_m * tiles_n
+    band_tiles = GROUP_M * tiles_n
+    num_tiles = world_size * chunk_tiles
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        step = tile // chunk_tiles  # 0: my rows, then rank + 1's, rank + 2's, ...
+        # The step of this block's previous tile (negative before its first: operands stay >= 0 for //).
+        prev_step = (tile + num_tiles - tl.num_programs(0)) // chunk_tiles - world_size
+        src = (rank + step) % world_size
+        within = tile % chunk_tiles
+        band = within // band_tiles
+        band_rows = tl.minimum(tiles_m - band * GROUP_M, GROUP_M)
+        m0 = (band * GROUP_M + within % band_tiles % band_rows) * BLOCK_M
+        n0 = within % band_tiles // band_rows * BLOCK_N
+        # These rows have landed (acquire), and TMA will see them (async-proxy fence). A block waits at its
+        # first tile of each chunk, and at every own tile while my rows land piece by piece ("copy_engine").
+        own = 1 - tl.minimum(step, 1)
+        if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
+            wait_async(progress_ptr + src + own * (world_size + m0 // piece_rows - src), 1)
+        row0 = src * M + m0
+        # TMA fills rows and columns past the tensors' ends with zeros: no masks in the k loop.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            if B_TRANS:
+                acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([n0, k0]).T, acc)
+            else:
+                acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([k0, n0]), acc)
+        # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        offsets = (src * M + rows)[:, None] * N + cols[None, :]
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
+    """``b`` as the kernel reads it: (tensor, transposed). Row-major ``b`` as is; a transposed one (strides
+    (1, K), e.g. ``w.t()``) as ``b.t()`` [N, K]; anything else, or a layout the config forces, copied."""
+    row_major = b.stride(1) == 1 and b.stride(0) >= max(b.shape[1], 1)
+    transposed = b.stride(0) == 1 and b.stride(1) >= max(b.shape[0], 1)
+    if layout == "nk" or (layout == "auto" and transposed and not row_major):
+        bt = b.t()
+        return (bt if bt.is_contiguous() else bt.contiguous()), True
+    return (b if b.is_contiguous() else b.contiguous()), False
+
+
+def tma_inputs(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(a, b, b transposed) as TMA loads them: ``b`` in its layout (``b_operand``), and both zero-padded in
+    k and n where a base or a row is not 16-byte aligned (``tma_operands``, by way of b's row-major view)."""
+    b, trans = b_operand(b, b_layout)
+    a, b_kn = tma_operands(a, b.t() if trans else b)
+    if trans:
+        return a, (b if b_kn.data_ptr() == b.data_ptr() else b_kn.t().contiguous()), True
+    return a, b_kn, False
+
+
+def launch_matmul(
+    gathered: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    rank: int,
+    world_size: int,
+    b_trans: bool,
+    piece_rows: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    num_blocks: int,
+) -> torch.Tensor:
+    """The GEMM alone, on TMA-ready operands (``tma_inputs``): the consumer of the flags in ``progress``."""
+    k = gathered.shape[1]
+    m, n = out.shape[0] // world_size, out.shape[1]
+    b_box = [block_n, block_k] if b_trans else [block_k, block_n]
+    all_gather_matmul_kernel[(num_blocks,)](
+        TensorDescriptor.from_tensor(gathered, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box), out,
+        progress, m, n, k, piece_rows, int(piece_rows < m), rank, world_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    gathered: torch.Tensor,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    a_out: torch.Tensor | None,
+    b_layout: str,
+    stage: str,
+    piece_rows: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    num_blocks: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+
+    ``gathered`` [world_size * M, K'] (K' = K padded for TMA) is this rank's symmetric gather buffer,
+    ``peers[r]`` rank r's chunk of rank r's (where r's own rows go); ``out`` [world_size * M, N];
+    ``a_out``: where to copy the gathered ``a`` (``return_a``), or None; ``group_name`` is unused here.
+    """
+    a, b, b_trans = tma_inputs(a, b, b_layout)
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, stage_piece_rows=piece_rows,
+                           stage_with_sms=stage == "sm", snapshot=a_out)
+    launch_matmul(gathered, b, out, progress, rank, len(peers), b_trans, piece_rows, block_m, block_n, block_k,
+                  group_m, num_warps, num_stages, num_blocks)
+    started.wait()
+    return out
+
+
+def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
+    """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows.
+
+    The grid is persistent: at most one block per SM but ``RESERVED_SMS`` (the GEMM waits on flags in local
+    memory and uses no signal pad), never more blocks than tiles. ``piece_rows``: the rows of each flagged
+    piece of this rank's staged rows (all of them with ``stage="sm"``).
+    """
+    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+
+    def fills(cfg: dict) -> bool:
+        return world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
+
+    tiles = next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1])
+    cfg = {**DEFAULT_CONFIG, **tiles, **config}
+    for key in ("block_m", "block_n", "block_k", "group_m"):
+        value = cfg[key]
+        if value < (1 if key == "group_m" else 16) or value & (value - 1):
+            raise ValueError(f"{OP}: {key} must be a power of two{' >= 16' if key != 'group_m' else ''}, got {value}")
+    if cfg["b_layout"] not in B_LAYOUTS:
+        raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
+    if cfg["stage"] not in STAGES:
+        raise ValueError(f"{OP}: stage must be one of {STAGES}, got {cfg['stage']!r}")
+    num_tiles = world_size * host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
+    sms = max(1, num_sms - RESERVED_SMS)
+    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
+    keys = ("b_layout", "stage", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+    pieces = STAGE_PIECES if cfg["stage"] == "copy_engine" else 1
+    piece_rows = host.round_up(host.cdiv(max(m, 1), pieces), cfg["block_m"])
+    return {**{key: cfg[key] for key in keys}, "piece_rows": piece_rows, "num_blocks": min(num_tiles, max_blocks)}
+
+
+def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    """Argument checks that need neither a GPU nor torch.distributed (any layout of ``b``)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype:
+            raise ValueError(f"{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+        if a.dim() == 2 and b.dim() == 2 and a.shape[1] != b.shape[0]:
+            raise ValueError(
+                f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (need a [M, K], b [K, N])"
+            )
+        if a.dim() == 2 and b.dim() == 2 and (a.numel() == 0 or b.numel() == 0):
+            raise ValueError(f"{op}: empty operand (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
+    if not isinstance(b, torch.Tensor):
+        raise TypeError(f"{op}: b must be a torch.Tensor, got {type(b).__name__}")
+    host.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
+    if b.dtype not in INPUT_DTYPES or b.dim() != 2:
+        raise ValueError(f"{op}: b must be a 2-D bfloat16 or float16 tensor, got {b.dtype} of shape {tuple(b.shape)}")
+    if a.device.type != "cuda" or b.device != a.device:
+        raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
+
+
+def prepare(a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool) -> tuple[host.SymmContext, dict]:
+    """Validate, plan, and find the buffers: the context of the symmetric gather buffer [world_size * M, K']
+    (K' = K padded for TMA; a slice of ``host.symm_workspace``), and the launch arguments (every rank's own
+    chunk of it as ``peers``, ``gathered``, ``out``, ``progress``, ``a_out`` and the config)."""
+    # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
+    with host.agreed(op, group, a=a, b=b, return_a=return_a, config=config):
+        check_inputs(a, b, op)
+        (m, k), n = a.shape, b.shape[1]
+        world_size = host.world_size_of(group, op)
+        if max(world_size * m * max(k, n), k * n) > MAX_INDEX:
+            raise ValueError(f"{op}: the gathered a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        cfg = plan(m, n, k, world_size, config, num_sms)
+    pg = host.resolve_group(group, op)
+    k_tma = host.round_up(k, 16 // a.element_size())
+    gathered = host.symm_workspace(world_size * m * k_tma, a.dtype, a.device, pg, op).view(world_size * m, k_tma)
+    ctx = host.symm_context(gathered, pg, op, name="gather buffer")
+    chunks = chunk_views(ctx, m)
+    a_out = torch.empty(world_size * m, k_tma, dtype=a.dtype, device=a.device) if return_a else None
+    out = torch.empty(world_size * m, n, dtype=a.dtype, device=a.device)
+    progress = progress_flags(world_size, a.device)
+    return ctx, {"peers": chunks, "gathered": gathered, "out": out, "progress": progress, "a_out": a_out, **cfg}
+
+
+_chunks: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def chunk_views(ctx: host.SymmContext, m: int) -> tuple[torch.Tensor, ...]:
+    """Rank r's own chunk (rows r * m ...) of rank r's gather buffer, for every r (cached)."""
+    key = tuple(p.data_ptr() for p in ctx.peers) + (m, ctx.peers[0].shape[1])
+    if key not in _chunks:
+        _chunks[key] = tuple(p[r * m:(r + 1) * m] for r, p in enumerate(ctx.peers))
+    return _chunks[key]
+
+
+_flags: dict[tuple, torch.Tensor] = {}
+
+
+def progress_flags(world_size: int, device: torch.device) -> torch.Tensor:
+    """The flags of one launch: a peer's chunk each, then a piece of the own rows each (cached; zeroed by
+    every launch before its gather starts)."""
+    key = (device, world_size)
+    if key not in _flags:
+        _flags[key] = torch.zeros(world_size + STAGE_PIECES, dtype=torch.int32, device=device)
+    return _flags[key]
+
+
+def all_gather_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    return_a: bool = False,
+    **config,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather(a) @ b`` as a new [world_size * M, N] tensor in ``a``'s dtype (and the gathered
+    [world_size * M, K] ``a`` first when ``return_a``).
+
+    ``a`` [M, K]: this rank's rows, an ordinary contiguous CUDA tensor, bf16 or fp16, the same shape on
+    every rank; ``b`` [K, N] in any layout. ``config`` overrides the tiles (``block_m``, ``block_n``,
+    ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks``, ``b_layout`` and ``stage``
+    (see ``plan`` and ``STAGES``).
+    """
+    ctx, cfg = prepare(a, b, group, OP, config, return_a)
+    out = launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, group_name=ctx.group_name)
+    if not return_a:
+        return out
+    return cfg["a_out"][:, :a.shape[1]], out

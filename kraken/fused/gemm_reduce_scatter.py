@@ -1,0 +1,266 @@
+"""GEMM + reduce-scatter: this rank's rows of ``sum over ranks of a @ b`` in one kernel.
+
+The row-parallel linear layer of sequence parallelism: every rank holds a slice of
+the reduction dimension (``a`` [M, K], ``b`` [K, N]) and keeps only its band of the
+summed product, rows ``[rank * M / ws, (rank + 1) * M / ws)``. Each band is cut into
+``BLOCK_M x BLOCK_N`` tiles with band-local indices ``j`` (grouped by ``GROUP_M`` tile
+rows, so the blocks running at once share ``a`` rows and ``b`` columns in L2). The
+grid is persistent: block ``b`` takes tiles ``j = b, b + blocks, ...`` of *every* band,
+the same ``j`` on every rank, so block ``b`` of a rank exchanges only with block ``b``
+of the others (``host.BlockWorkspace``: block ``b`` writes only chunk ``b``).
+
+1. Peers' bands, owners ``rank + 1, rank + 2, ...`` (so the ranks do not all push to
+   one peer at once): GEMM each tile (TMA loads, ``tl.dot`` into fp32) and push the
+   partial, in ``out_dtype``, into this rank's slot of chunk ``b`` of the owner's
+   workspace: posted NVLink stores that drain while the next tiles compute.
+2. Own band: GEMM each tile; after the first one, one epoch barrier with block ``b``
+   of every peer ("my pushes are visible to you, yours to me"; ``epoch_sync``, the
+   workspace's own pad, no compare-and-swap round trip), placed after a GEMM so that
+   the last pushes drain under it. Then add the peers'
+   partials of the tile from local memory (slot ``q`` holds sender ``rank + 1 + q``:
+   a fixed order, so results are deterministic), in fp32, to the tile still in
+   registers and store the rows that lie in the band and in N.
+
+Rows past a band's end (``M / ws`` not a multiple of ``BLOCK_M``) are the next band's
+rows, or TMA's zeros past M: computed and pushed, never stored to ``out``.
+No barrier at the end: the workspace is double-buffered per block (``BlockWorkspace``),
+its parity and epoch count advance on the device, and CUDA graphs replay it as is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kraken import host
+from kraken._ptx_utils import epoch_sync
+from kraken.fused.gemm_one_shot_all_reduce import SKINNY_M as all_reduce_skinny_m
+from kraken.fused.gemm_one_shot_all_reduce import check_inputs, tma_operands
+from kraken.fused.gemm_one_shot_all_reduce import default_config as all_reduce_tiles
+
+OP = "gemm_reduce_scatter"
+GROUP_M = 8  # tile rows per group of the tile order (L2 reuse across the blocks running at once)
+DEFAULT_CONFIG = {"block_m": None, "block_n": None, "block_k": None, "group_m": GROUP_M, "num_warps": None,
+                  "num_stages": None, "max_blocks": None}
+TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+# Above 256 rows per band the tensor cores bind, and each phase ends in a partial wave of tiles. 128x128 tiles
+# (8 warps, 4 stages) replace the all-reduce recipe's 128x256 where they fill the waves ``WAVE_GAIN`` better:
+# on 2x H200, 2048x14336x4096 (448 tiles of 128x256 in 4 waves of 132, 85% full; 896 of 128x128, 97%) took
+# 390-392 us against 411-418; 1024x6656x2560 (79% either way) 83 us against 78, and 8192x14336x4096 (97%
+# either way) 1643 (1603 on 4 warps) against 1523-1556.
+MID_TILE = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}
+WAVE_GAIN = 0.05
+
+
+@triton.jit
+def tile_coords(j, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Band-local tile ``j`` -> (tile row, tile column), ``GROUP_M`` tile rows at a time, column-major
+    within a group: consecutive ``j`` (the blocks running at once) share rows of ``a`` and columns of ``b``."""
+    width = GROUP_M * tiles_n
+    first_m = j // width * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (j % width) % rows, (j % width) // rows
+
+
+@triton.jit
+def gemm_reduce_scatter_kernel(
+    a_desc,  # TMA descriptor of a [M, K], BLOCK_M x BLOCK_K boxes
+    b_desc,  # TMA descriptor of b [K, N], BLOCK_K x BLOCK_N boxes
+    workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N], out_dtype
+    peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
+    parity_ptr,  # int32[chunks]: the half of the workspace block b writes in this launch
+    epochs_ptr,  # int32[chunks]: the barrier rounds block b has completed
+    out_ptr,  # [M / world_size, N]: this rank's band
+    signal_pad_ptrs,  # the workspace's own pads (epoch_sync)
+    band_m,  # M / world_size
+    N,
+    K,
+    half_stride,  # workspace strides, in elements
+    chunk_stride,
+    num_blocks,
+    rank,
+    world_size: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    TILE: tl.constexpr = BLOCK_M * BLOCK_N
+    SLOTS: tl.constexpr = world_size - 1  # a slot per sending peer in each round of a chunk
+    block = tl.program_id(0)
+    parity = tl.load(parity_ptr + block)
+    epoch = tl.load(epochs_ptr + block)
+    chunk = parity.to(tl.int64) * half_stride + block * chunk_stride
+    tiles_m = tl.cdiv(band_m, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    rounds = tl.cdiv(tiles_m * tiles_n - block, num_blocks)  # this block's tiles per band, >= 1
+    in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+    # 1. Every peer's band, starting with the next rank's: GEMM, push to the owner.
+    for i in tl.range(0, (world_size - 1) * rounds):
+        owner = (rank + 1 + i // rounds) % world_size
+        rnd = i % rounds
+        tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
+        m0 = owner * band_m + tile_m * BLOCK_M
+        n0 = tile_n * BLOCK_N
+        # TMA fills rows and columns past M, N and K with zeros: no masks in the GEMM.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+        destination = peers[0]
+        for r in tl.static_range(1, world_size):
+            destination = tl.where(owner == r, peers[r], destination)
+        slot = (rank - owner - 1 + world_size) % world_size  # the owner's slot q holds sender owner + 1 + q
+        tl.store(destination + chunk + (rnd * SLOTS + slot) * TILE + in_tile, acc.to(workspace_ptr.dtype.element_ty))
+
+    # 2. My band: GEMM, meet the peers once (after the first tile), add their partials, store.
+    for rnd in tl.range(0, rounds):
+        tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([rank * band_m + tile_m * BLOCK_M, k0]), b_desc.load([k0, tile_n * BLOCK_N]), acc)
+        if rnd == 0:
+            # My pushes are visible to block b of every peer, theirs (to my band) to me.
+            epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
+        # One slot at a time (a loop, not unrolled): a whole tile per slot in flight spills at 8 ranks.
+        for q in tl.range(0, SLOTS, num_stages=1):
+            acc += tl.load(workspace_ptr + chunk + (rnd * SLOTS + q) * TILE + in_tile).to(tl.float32)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + (rows[:, None] * N + cols[None, :]), acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < band_m) & (cols[None, :] < N))
+    # The next launch writes the other half: no "done reading" barrier (host.BlockWorkspace).
+    tl.store(parity_ptr + block, 1 - parity)
+    tl.store(epochs_ptr + block, epoch + 1)
+
+
+def launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    parity: torch.Tensor,
+    epochs: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    num_blocks: int,
+    group_name: str = "",
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+
+    ``peers`` are every rank's workspace as ``prepare`` views it, ``peers[rank]`` this rank's; ``out``
+    is this rank's band [M / world_size, N]; ``group_name`` is unused here (Helion's ``hl.ProcessGroupName``).
+    """
+    band_m, n = out.shape
+    a, b = tma_operands(a, b)
+    workspace = peers[rank]
+    gemm_reduce_scatter_kernel[(num_blocks,)](
+        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
+        workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
+        workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dict:
+    """The tiles for one band (``M / world_size`` rows): those of ``gemm_one_shot_all_reduce.default_config``
+    (up to 256 rows one warpgroup on narrow tiles that fit one wave, bound by streaming ``b``; above, the
+    largest tile that gives more than half the SMs a tile), or ``MID_TILE`` where that fills the waves of
+    ``num_sms`` blocks by ``WAVE_GAIN`` better."""
+    band_m = max(m // world_size, 1)
+    cfg = {key: value for key, value in all_reduce_tiles(band_m, n, k, num_sms, world_size).items() if key in TILE_KEYS}
+
+    def fill(tile: dict) -> float:  # the share of the rounds' block slots (rounds x blocks) that get a tile
+        tiles = host.cdiv(band_m, tile["block_m"]) * host.cdiv(n, tile["block_n"])
+        return tiles / (host.cdiv(tiles, num_sms) * num_sms)
+
+    if band_m > all_reduce_skinny_m and fill(MID_TILE) > fill(cfg) + WAVE_GAIN:
+        return dict(MID_TILE)
+    return cfg
+
+
+def _power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
+    """Resolve the launch configuration (shared with the Helion port): tiles, and a persistent grid of at
+    most one block per band tile, per SM and per the signal pad's budget."""
+    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    chosen = {key: value for key, value in config.items() if value is not None}
+    cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms, world_size), **chosen}
+    for key in ("block_m", "block_n", "block_k"):
+        if cfg[key] < 16 or not _power_of_two(cfg[key]):
+            raise ValueError(f"{OP}: {key} must be a power of two >= 16, got {cfg[key]}")
+    if cfg["group_m"] < 1:
+        raise ValueError(f"{OP}: group_m must be >= 1, got {cfg['group_m']}")
+    band_tiles = host.cdiv(max(m // world_size, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
+    max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
+    keys = (*TILE_KEYS[:3], "group_m", *TILE_KEYS[3:])
+    return {**{key: cfg[key] for key in keys}, "num_blocks": host.persistent_grid(band_tiles, max_blocks, world_size)}
+
+
+def rounds_of(m: int, n: int, world_size: int, cfg: dict) -> int:
+    """Tiles per band of block 0, the busiest (``plan``'s ``cfg``): the rounds a chunk holds."""
+    band_tiles = host.cdiv(max(m // world_size, 1), cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+    return host.cdiv(band_tiles, cfg["num_blocks"])
+
+
+def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
+    """What block ``b``'s chunk of the workspace holds per round: a slot per sending peer, [world_size - 1,
+    BLOCK_M, BLOCK_N]."""
+    return (world_size - 1, cfg["block_m"], cfg["block_n"])
+
+
+def prepare(
+    a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
+) -> tuple[host.SymmContext, dict]:
+    """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
+    ``host.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N] of ``out_dtype``."""
+    # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
+    with host.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
+        check_inputs(a, b, out_dtype, op)
+        (m, k), n = a.shape, b.shape[1]
+        world_size = host.world_size_of(group, op)
+        if m % world_size:
+            raise ValueError(f"{op}: M = {m} rows do not split evenly over {world_size} ranks (a is {tuple(a.shape)})")
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        cfg = plan(m, n, k, world_size, config, num_sms)
+        host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
+    tile = chunk_tile(cfg, world_size)
+    chunk_bytes = rounds_of(m, n, world_size, cfg) * math.prod(tile) * out_dtype.itemsize
+    workspace = host.block_workspace(chunk_bytes, a.device, group, op)
+    ctx = workspace.context(out_dtype, tile)
+    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg}
+
+
+def gemm_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    **config,
+) -> torch.Tensor:
+    """This rank's rows ``[rank * M / ws, (rank + 1) * M / ws)`` of ``sum over ranks of a @ b``, a new
+    [M / ws, N] tensor of ``out_dtype`` (bf16 or fp32).
+
+    ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or fp16, the same shapes on
+    every rank, M divisible by the world size. ``config`` overrides the tiles of ``default_config``,
+    ``group_m`` and ``max_blocks`` (see ``plan``).
+    """
+    ctx, launch_cfg = prepare(a, b, group, out_dtype, OP, config)
+    out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
+    return launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)

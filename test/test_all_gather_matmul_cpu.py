@@ -1,0 +1,205 @@
+"""All-gather + matmul without a GPU: both GEMMs compile for sm_90 at 2, 4 and 8 ranks and match (wgmma, TMA,
+no spills, the same flag wait), the plan fits shared memory and leaves room for the gather's barrier kernel,
+and bad input is refused on the host before anything needs CUDA or torch.distributed."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import pytest
+import torch
+
+from benchmark import sm90
+from benchmark.ops import all_gather_matmul as op
+from kraken import host
+from kraken._ptx_utils import inline_source
+from kraken._ptx_utils.gmem_barrier import FENCE_PROXY_ASYNC_PTX, GMEM_WAIT_PTX
+
+RECIPE = "kraken.fused.all_gather_matmul"
+TWIN = "helion_ports.fused.all_gather_matmul"
+recipe = importlib.import_module(RECIPE)
+twin = importlib.import_module(TWIN)
+gather = importlib.import_module("kraken.comm.all_gather_with_progress")
+
+H200_SHARED_BYTES = 232448  # 227 KiB per block
+# (rows per rank, N, K): the 128x256 tiles (default shapes from M = 1024 on), the 128x128 tiles (256 and 512
+# rows in all), and the registry's odd example.
+SHAPES = {"large": (1024, 14336, 8192), "small": (128, 8192, 8192), "odd": op.EXAMPLE_SHAPE}
+
+
+def compile_stats(module, world_size: int, shape, **config) -> dict:
+    with sm90.capture_launches() as launches:
+        op.example(module, world_size, shape=shape, **config)
+    (launch,) = launches
+    return sm90.kernel_stats(launch)
+
+
+def barrier_kernel_stats(world_size: int) -> dict:
+    with sm90.capture_launches() as launches:
+        gather.barrier(sm90.FAKE_SIGNAL_PADS, 1, world_size)
+    (launch,) = launches
+    return sm90.kernel_stats(launch)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("shape_class", list(SHAPES))
+def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size):
+    shape = SHAPES[shape_class]
+    cfg = recipe.plan(*shape, world_size, {}, sm90.H200_NUM_SMS)
+    t = compile_stats(recipe, world_size, shape)
+    h = compile_stats(twin, world_size, shape)
+    for stats in (t, h):
+        assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
+        assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
+        assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
+        # One flag wait per tile: an acquire load at system scope, then the async-proxy fence before TMA.
+        assert dict(sm90.barrier_opcodes(stats["ptx"])) == {"ld.global.acquire.sys.u32": 1}
+        assert "fence.proxy.async.global" in stats["ptx"]
+        assert stats["shared_bytes"] <= H200_SHARED_BYTES
+    # The gather's barrier kernel (one warp, no shared memory) runs on the SM the GEMM leaves free
+    # (``RESERVED_SMS``): the twin's block takes up to 255 registers a thread, all of an SM's with 8 warps.
+    barrier = barrier_kernel_stats(world_size)
+    assert barrier["shared_bytes"] == 0 and sm90.signal_rounds(barrier["ptx"]) == 1
+    assert cfg["num_blocks"] <= sm90.H200_NUM_SMS - recipe.RESERVED_SMS
+    assert h["shared_bytes"] == t["shared_bytes"]
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor"):
+        assert h["ptx"].count(instruction) == t["ptx"].count(instruction) > 0, instruction
+
+
+@pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
+def test_transposed_b_is_read_in_place(module):
+    """A b stored as ``w.t()`` loads through a descriptor over w itself ([N, K], BLOCK_N x BLOCK_K boxes)."""
+    shape = SHAPES["small"]
+    stats = compile_stats(module, 2, shape, b_layout="nk")
+    assert stats["spill_bytes"] == 0 and "wgmma.mma_async" in stats["ptx"]
+    assert stats["ptx"].count("cp.async.bulk.tensor") == compile_stats(module, 2, shape)["ptx"].count("cp.async.bulk.tensor")
+
+
+def test_b_layouts_need_no_copy_when_tma_can_read_them():
+    a = torch.randn(16, 64, dtype=torch.bfloat16)
+    b = torch.randn(64, 32, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    _, b_kn, trans = recipe.tma_inputs(a, b, "auto")
+    assert not trans and b_kn.data_ptr() == b.data_ptr()
+    _, b_nk, trans = recipe.tma_inputs(a, w.t(), "auto")
+    assert trans and b_nk.data_ptr() == w.data_ptr() and b_nk.shape == (32, 64)
+    _, b_nk, trans = recipe.tma_inputs(a, b, "nk")  # forced: a transposed copy
+    assert trans and torch.equal(b_nk, b.t())
+    strided = torch.randn(64, 64, dtype=torch.bfloat16)[:, ::2]
+    _, b_copy, trans = recipe.tma_inputs(a, strided, "auto")
+    assert not trans and b_copy.is_contiguous() and torch.equal(b_copy, strided)
+    # K = 60 is not 16-byte aligned in bf16: a and b are zero-padded in k (and b stays transposed).
+    a60, w60 = torch.randn(16, 60, dtype=torch.bfloat16), torch.randn(32, 60, dtype=torch.bfloat16)
+    a_pad, b_pad, trans = recipe.tma_inputs(a60, w60.t(), "auto")
+    assert trans and a_pad.shape == (16, 64) and b_pad.shape == (32, 64)
+    assert torch.equal(a_pad[:, :60], a60) and torch.equal(b_pad[:, :60], w60) and not b_pad[:, 60:].any()
+
+
+def test_twin_shares_plan_and_signatures():
+    assert twin.plan is recipe.plan and twin.prepare is recipe.prepare and twin.tma_inputs is recipe.tma_inputs
+    for name in ("launch", "launch_matmul", "all_gather_matmul"):
+        assert inspect.signature(getattr(twin, name)) == inspect.signature(getattr(recipe, name)), name
+
+
+def test_wait_async_is_the_gmem_wait_plus_the_proxy_fence():
+    """The twin's wait snippet is built from the same PTX strings as ``gmem_barrier.wait_async``."""
+    snippet = twin.WAIT_FLAG.format(progress="p", index="i", value=1)
+    assert repr(GMEM_WAIT_PTX) in snippet and repr(FENCE_PROXY_ASYNC_PTX) in snippet
+    assert snippet.index("debug_barrier") < snippet.index("fence.proxy.async")
+    assert inline_source.GMEM_WAIT_ASYNC.startswith(inline_source.GMEM_WAIT)
+
+
+# ---------------------------------------------------------------------------
+# Plans
+# ---------------------------------------------------------------------------
+
+
+def test_default_tiles_per_shape():
+    """128x256 tiles while they give 90% of the SMs a tile, else 128x128; staged pieces of whole tiles."""
+    picks = {}
+    for total, n, k in [(1024, 6656, 5120), (2048, 14336, 8192), (8192, 14336, 8192), (256, 8192, 8192), (512, 8192, 8192)]:
+        cfg = recipe.plan(total // 2, n, k, 2, {}, sm90.H200_NUM_SMS)
+        picks[(total, n, k)] = (cfg["block_m"], cfg["block_n"], cfg["num_warps"], cfg["num_stages"])
+        assert cfg["piece_rows"] % cfg["block_m"] == 0
+        assert host.cdiv(total // 2, cfg["piece_rows"]) <= recipe.STAGE_PIECES
+        assert cfg["num_blocks"] <= sm90.H200_NUM_SMS - recipe.RESERVED_SMS
+    assert picks == {(1024, 6656, 5120): (128, 256, 8, 3), (2048, 14336, 8192): (128, 256, 8, 3),
+                     (8192, 14336, 8192): (128, 256, 8, 3), (256, 8192, 8192): (128, 128, 8, 4),
+                     (512, 8192, 8192): (128, 256, 8, 3)}
+
+
+@pytest.mark.parametrize("world_size", range(2, 9))
+def test_plan_is_well_formed(world_size):
+    for m, n, k in [(1, 8, 16), (37, 100, 72), (4096, 14336, 8192), (100, 200, 72)]:
+        for config in ({}, {"max_blocks": 7}, {"block_m": 64, "block_n": 64, "group_m": 1}):
+            cfg = recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
+            tiles = world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+            assert 1 <= cfg["num_blocks"] <= min(tiles, config.get("max_blocks", 132))
+            assert cfg["piece_rows"] % cfg["block_m"] == 0 and host.cdiv(m, cfg["piece_rows"]) <= recipe.STAGE_PIECES
+
+
+def test_staging_pieces():
+    """Staged by SMs before the GEMM, my rows are one piece; by the copy engine, up to STAGE_PIECES of whole
+    row tiles, the GEMM waiting on each."""
+    cfg = recipe.plan(4096, 14336, 8192, 2, {}, 132)
+    assert cfg["stage"] == "sm" and cfg["piece_rows"] == 4096
+    cfg = recipe.plan(4096, 14336, 8192, 2, {"stage": "copy_engine"}, 132)
+    assert cfg["piece_rows"] == 1024
+    assert recipe.plan(300, 1000, 520, 2, {"stage": "copy_engine"}, 132)["piece_rows"] == 128  # 3 pieces
+    assert recipe.plan(37, 100, 72, 2, {"stage": "copy_engine"}, 132)["piece_rows"] == 128  # 1 piece
+
+
+def test_plan_refuses_bad_config():
+    with pytest.raises(TypeError, match="unknown config keys"):
+        recipe.plan(64, 64, 64, 2, {"blockm": 64}, 132)
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
+        recipe.plan(64, 64, 64, 2, {"block_k": 48}, 132)
+    with pytest.raises(ValueError, match="group_m must be a power of two"):
+        recipe.plan(64, 64, 64, 2, {"group_m": 3}, 132)
+    with pytest.raises(ValueError, match="b_layout must be one of"):
+        recipe.plan(64, 64, 64, 2, {"b_layout": "kk"}, 132)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        recipe.plan(64, 64, 64, 2, {"stage": "dma"}, 132)
+
+
+# ---------------------------------------------------------------------------
+# Input validation: CPU tensors, no process group; every error is raised before either is needed
+# ---------------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
+def test_bad_input_is_refused_on_the_host(module):
+    fn = module.all_gather_matmul
+    a, b = torch.zeros(8, 16, dtype=BF16), torch.zeros(16, 32, dtype=BF16)
+    with pytest.raises(ValueError, match=r"inner dimensions differ: a is \(8, 16\), b is \(32, 8\)"):
+        fn(a, torch.zeros(32, 8, dtype=BF16))
+    with pytest.raises(ValueError, match="a has dtype float32; supported: bfloat16, float16"):
+        fn(a.float(), b.float())
+    with pytest.raises(ValueError, match="a and b must have the same dtype"):
+        fn(a, b.half())
+    with pytest.raises(ValueError, match="a must be contiguous"):
+        fn(torch.zeros(16, 8, dtype=BF16).t(), b)
+    with pytest.raises(ValueError, match="a must be 2-D"):
+        fn(torch.zeros(16, dtype=BF16), b)
+    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
+        fn([[1.0]], b)
+    with pytest.raises(TypeError, match="b must be a torch.Tensor"):
+        fn(a, [[1.0]])
+    with pytest.raises(ValueError, match="empty operand"):
+        fn(torch.zeros(0, 16, dtype=BF16), b)
+    # b in any layout passes the checks (a transposed view here); the first thing that needs more is the device.
+    with pytest.raises(ValueError, match="a must be on a CUDA device"):
+        fn(a, torch.zeros(32, 16, dtype=BF16).t())
+
+
+def test_gather_refuses_bad_input_on_the_host():
+    with pytest.raises(TypeError, match="shard must be a torch.Tensor"):
+        gather.all_gather_with_progress([1, 2])
+    with pytest.raises(ValueError, match="shard must be contiguous"):
+        gather.all_gather_with_progress(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="shard must be on a CUDA device"):
+        gather.all_gather_with_progress(torch.zeros(4, 4))

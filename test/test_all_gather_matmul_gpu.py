@@ -1,0 +1,200 @@
+"""GPU tests of all-gather + matmul, its Helion twin, and the copy-engine all-gather under them.
+
+One spawn per backend runs every check: float64 reference on odd and default-class shapes (M the
+rows per rank here), bf16 and fp16, b row-major, transposed and strided, into NaN-poisoned outputs;
+the returned gathered ``a`` equal to every rank's rows exactly; 200 back-to-back launches alternating
+shapes; CUDA-graph replays equal to eager; bad input raising on every rank. A third spawn checks
+``all_gather_with_progress`` alone: every row exact and every flag set once it has returned.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmark.ops.all_gather_matmul import rank_operands
+from gpu_utils import POISON, TOLERANCE, heartbeat, needs_gpus, rel_err, run_on_gpus
+
+pytestmark = needs_gpus
+
+MODULES = {
+    "triton": "kraken.fused.all_gather_matmul",
+    "helion": "helion_ports.fused.all_gather_matmul",
+}
+BF16, FP16 = torch.bfloat16, torch.float16
+# (rows per rank, N, K). Odd: one row per rank; tails everywhere, N or K not multiples of 8 (the padded
+# operands); more rows than a stage piece; a chunk end inside a tile. Classes: the 128x128 and 128x256 tiles.
+ODD_SHAPES = ((1, 8, 16), (37, 100, 72), (129, 257, 130), (300, 1000, 520))
+CLASS_SHAPES = ((128, 4096, 1024), (1024, 4096, 1024))
+STRESS_SHAPES = ((64, 1024, 512), (300, 2048, 256))
+COPY_ENGINE = {"stage": "copy_engine"}
+
+
+def reference(shape, dtype, seed: int, world_size: int, b: torch.Tensor | None = None) -> torch.Tensor:
+    """all_gather(a) @ b in float64, every rank's rows rebuilt from their seeds."""
+    rows = torch.cat([rank_operands(shape, dtype, seed, r, 1)[0] for r in range(world_size)])
+    b = rank_operands(shape, dtype, seed, 0, 1)[1] if b is None else b
+    return rows.double() @ b.double()
+
+
+def operands(shape, dtype, seed: int):
+    """This rank's [M, K] rows and the shared b (``rank_operands`` takes total rows: M x world size)."""
+    m, n, k = shape
+    a, _ = rank_operands(shape, dtype, seed, dist.get_rank(), 1)
+    return a, rank_operands(shape, dtype, seed, 0, 1)[1]
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (an element was never written?)"
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[out.dtype], f"{what}: relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e}"
+
+
+def launch_into(module, a, b, out: torch.Tensor, **config) -> torch.Tensor:
+    """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
+    ctx, cfg = module.prepare(a, b, None, "test", config, False)
+    cfg["out"] = out
+    return module.launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, group_name=ctx.group_name)
+
+
+def layouts(b: torch.Tensor, which: str) -> torch.Tensor:
+    """The same values of b stored row-major, transposed (``w.t()``) or strided (every other column of a wider one)."""
+    if which == "transposed":
+        return b.t().contiguous().t()
+    if which == "strided":
+        wide = torch.full((b.shape[0], 2 * b.shape[1]), POISON, dtype=b.dtype, device=b.device)
+        wide[:, ::2] = b
+        return wide[:, ::2]
+    return b
+
+
+def correctness(backend: str, module, fn) -> None:
+    world_size, seed = dist.get_world_size(), 0
+    cases = [(s, d, "row-major", {}) for s in ODD_SHAPES for d in (BF16, FP16)]
+    cases += [(s, BF16, "row-major", {}) for s in CLASS_SHAPES]
+    cases += [(ODD_SHAPES[2], BF16, "transposed", {}), (CLASS_SHAPES[0], BF16, "transposed", {}),
+              (ODD_SHAPES[1], FP16, "strided", {})]
+    # My rows staged by the copy engine in flagged pieces (the GEMM waits on each), one piece and several.
+    cases += [(ODD_SHAPES[3], BF16, "row-major", COPY_ENGINE), (CLASS_SHAPES[1], FP16, "row-major", COPY_ENGINE)]
+    for shape, dtype, layout, config in cases:
+        seed += 1
+        what = f"{backend} {'x'.join(map(str, shape))} {dtype} b {layout} {config}"
+        heartbeat(what)
+        a, b = operands(shape, dtype, seed)
+        b = layouts(b, layout)
+        out = torch.full((world_size * shape[0], shape[1]), POISON, dtype=dtype, device="cuda")
+        launch_into(module, a, b, out, **config)
+        gathered, public = fn(a, b, return_a=True, **config)
+        torch.cuda.synchronize()
+        ref = reference(shape, dtype, seed, world_size)
+        check(out, ref, what)
+        assert torch.equal(public, out), f"{what}: the public call and launch() disagree"
+        rows = [torch.empty_like(a) for _ in range(world_size)]
+        dist.all_gather(rows, a)
+        assert torch.equal(gathered, torch.cat(rows)), f"{what}: the returned gathered a is not every rank's rows"
+
+
+def stress_and_cuda_graph(backend: str, module, fn) -> None:
+    """200 back-to-back launches on rotating inputs, alternating shapes and staging modes (a shard overwritten
+    while a peer still copies it, or a flag left over from the previous launch, shows up here), then CUDA-graph
+    capture and 20 replays against eager, bitwise (with the staging pieces' flags set inside the graph too)."""
+    world_size = dist.get_world_size()
+    shapes = [STRESS_SHAPES[s % 2] for s in range(6)]
+    inputs = [operands(shape, BF16, 100 + s) for s, shape in enumerate(shapes)]
+    refs = [reference(shape, BF16, 100 + s, world_size) for s, shape in enumerate(shapes)]
+    outs = [torch.full((world_size * shape[0], shape[1]), POISON, dtype=BF16, device="cuda") for shape in shapes]
+    for i in range(200):
+        a, b = inputs[i % 6]
+        launch_into(module, a, b, outs[i % 6], **(COPY_ENGINE if i % 6 == 3 else {}))
+        if i % 50 == 49:
+            heartbeat(f"{backend} launch {i + 1}")
+            torch.cuda.synchronize()
+            for k in range(6):
+                check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k}, {shapes[k]})")
+                outs[k].fill_(POISON)
+
+    slots = range(0, 6, 2)  # the graph replays one shape
+    eager = {k: fn(*inputs[k]) for k in slots}
+    static_a, static_b = (t.clone() for t in inputs[0])
+    fn(static_a, static_b)  # warm-up before capture
+    fn(static_a, static_b, **COPY_ENGINE)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn(static_a, static_b)
+        static_out_ce = fn(static_a, static_b, **COPY_ENGINE)
+    for i in range(20):
+        k = slots[i % len(slots)]
+        static_a.copy_(inputs[k][0])
+        static_b.copy_(inputs[k][1])
+        static_out.fill_(POISON)
+        static_out_ce.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager[k]), f"{backend} graph replay {i} differs from eager"
+        assert torch.equal(static_out_ce, eager[k]), f"{backend} graph replay {i} (copy-engine staging) differs from eager"
+    heartbeat(f"{backend} graph replays done")
+
+
+def bad_input(backend: str, module, fn) -> None:
+    rank = dist.get_rank()
+    # Ranks disagreeing on M (fresh shapes, so this is the first use): every rank raises, nothing hangs.
+    a, b = operands((40 + rank, 48, 32), BF16, 7)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        fn(a, b)
+    a, b = operands((44, 48, 32), BF16, 7)
+    with pytest.raises(TypeError, match="unknown config"):
+        fn(a, b, bogus=1)
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        fn(a, b.t().contiguous())
+    # One rank alone passes a bad dtype: both raise (the first call of this signature is agreed).
+    with pytest.raises((ValueError, TypeError)):
+        fn(a if rank else a.float(), b if rank else b.float())
+    # The group still works after all that.
+    out = fn(a, b)
+    torch.cuda.synchronize()
+    check(out, reference((44, 48, 32), BF16, 7, dist.get_world_size()), f"{backend} after bad input")
+    heartbeat(f"{backend} bad input done")
+
+
+def worker(backend: str) -> None:
+    module = importlib.import_module(MODULES[backend])
+    fn = module.all_gather_matmul
+    correctness(backend, module, fn)
+    stress_and_cuda_graph(backend, module, fn)
+    bad_input(backend, module, fn)
+
+
+@pytest.mark.parametrize("backend", list(MODULES))
+def test_all_gather_matmul(backend):
+    run_on_gpus(worker, backend, name=f"all_gather_matmul {backend}")
+
+
+def gather_worker() -> None:
+    import kraken
+    from kraken.comm import all_gather_with_progress
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for rows, cols, dtype in ((1, 8, BF16), (333, 1000, FP16), (4096, 1024, BF16)):
+        heartbeat(f"gather {rows}x{cols}")
+        shard = kraken.symm_empty((rows, cols), dtype)
+        for launch in range(3):
+            shard.copy_(torch.randn(rows, cols, device="cuda").to(dtype) + 100 * rank + launch)
+            out = torch.full((world_size * rows, cols), POISON, dtype=dtype, device="cuda")
+            started = all_gather_with_progress(shard, out=out)
+            started.wait()
+            torch.cuda.synchronize()
+            expected = [torch.empty_like(shard) for _ in range(world_size)]
+            dist.all_gather(expected, shard)
+            assert torch.equal(out, torch.cat(expected)), f"gather {rows}x{cols} launch {launch}: rows differ"
+            assert started.progress.tolist() == [1] * world_size, f"flags after the gather: {started.progress.tolist()}"
+            assert started.order[0] == rank and sorted(started.order) == list(range(world_size))
+    heartbeat("gather done")
+
+
+def test_all_gather_with_progress():
+    run_on_gpus(gather_worker, name="all_gather_with_progress")
