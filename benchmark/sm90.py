@@ -34,11 +34,6 @@ H200_NUM_SMS = 132
 FAKE_SIGNAL_PADS = 0x7F0000001000  # a device-address stand-in for the signal pads in CPU compile examples
 
 
-def epoch_counts() -> torch.Tensor:
-    """A CPU stand-in for ``host.BlockWorkspace.epochs`` (one int32 count per SM), for compile examples."""
-    return torch.zeros(H200_NUM_SMS, dtype=torch.int32)
-
-
 @dataclass
 class Launch:
     kernel: JITFunction

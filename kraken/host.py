@@ -431,28 +431,6 @@ def block_workspace(
     return ws
 
 
-_epoch_contexts: dict[tuple, SymmContext] = {}
-
-
-def with_epoch_barrier(
-    ctx: SymmContext, num_blocks: int, device: torch.device, group: dist.ProcessGroup | str | None, op: str
-) -> tuple[SymmContext, torch.Tensor]:
-    """For a kernel that reads peers' buffers it does not own (a user's symmetric tensor) and meets them
-    with ``epoch_sync``: ``ctx`` with the signal pad of this device's ``BlockWorkspace`` (a pad only epoch
-    barriers use; the tensor's own pad keeps its 0/1 compare-and-swap protocol) and the workspace's
-    per-block epoch counts, which the kernel advances by its rounds. A posted store instead of a
-    compare-and-swap round trip per barrier (0.8 us measured on the GEMM + all-reduce's barrier).
-    Collective the first time (the workspace); cached after."""
-    workspace = block_workspace(1, device, group, op)
-    if num_blocks > workspace.num_chunks:
-        raise ValueError(f"{op}: {num_blocks} blocks, but the epoch barrier keeps counts for {workspace.num_chunks} "
-                         "(one per SM); lower max_blocks")
-    key = (id(ctx), workspace.flat.signal_pad_ptrs)
-    if key not in _epoch_contexts:
-        _epoch_contexts[key] = replace(ctx, signal_pad_ptrs=workspace.flat.signal_pad_ptrs)
-    return _epoch_contexts[key], workspace.epochs
-
-
 _local_pads: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 

@@ -180,17 +180,3 @@ def test_agreed_reports_bad_input_and_disagreement_together(monkeypatch):
                                          r"and ranks disagree on the input's shape/dtype \(m: rank 0 8, rank 1 9\)"):
         with host.agreed("op", None, m=8):
             pass
-
-
-def test_with_epoch_barrier_swaps_in_the_workspace_pad(monkeypatch):
-    """The reduce-scatter and all-gather meet on the BlockWorkspace's pad (epoch barriers only), never on
-    the user tensor's own pad (compare-and-swap barriers), and keep their block ids within its counts."""
-    flat = host.SymmContext(0, 2, "fake", (), signal_pad_ptrs=0xE90C)
-    workspace = host.BlockWorkspace(flat, torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 4, 1 << 16)
-    monkeypatch.setattr(host, "block_workspace", lambda chunk_bytes, device, group, op: workspace)
-    ctx = host.SymmContext(1, 2, "fake", (torch.zeros(3), torch.zeros(3)), signal_pad_ptrs=0x5A5A)
-    swapped, epochs = host.with_epoch_barrier(ctx, 4, torch.device("cpu"), None, "op")
-    assert swapped.signal_pad_ptrs == 0xE90C and swapped.peers is ctx.peers and epochs is workspace.epochs
-    assert host.with_epoch_barrier(ctx, 4, torch.device("cpu"), None, "op")[0] is swapped  # cached
-    with pytest.raises(ValueError, match="5 blocks, but the epoch barrier keeps counts for 4"):
-        host.with_epoch_barrier(ctx, 5, torch.device("cpu"), None, "op")

@@ -19,9 +19,12 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel
-from kraken._ptx_utils.inline_source import EPOCH_SYNC
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather import plan, prepare  # shared with the Triton recipe
 
+# The barriers: "peers' shards are ready" (acquire) and "done reading peers" (release).
+SYNC_START = SYMM_MEM_SYNC[(False, True)]
+SYNC_END = SYMM_MEM_SYNC[(True, False)]
 
 
 def all_gather_body(
@@ -29,7 +32,6 @@ def all_gather_body(
     local: torch.Tensor,
     sources: tuple[torch.Tensor, ...],
     signal_pad_ptrs: int,
-    epochs: torch.Tensor,
     num_blocks: int,
     chunk: int,
     rank: int,
@@ -40,19 +42,14 @@ def all_gather_body(
     # does not re-specialise on the sizes of tensors that sit only inside a tuple (README, Helion notes).
     shard = local.size(0)
     for block in hl.grid(num_blocks):
-        epoch = epochs[block]
-        # Epoch barriers, as in the recipe: round 1, "peers' inputs are ready"; round 2, "done reading".
-        # (The args must be a dict literal: Helion 1.5.0 does not see through ``{**barrier, ...}``.)
-        hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank,
-                                           "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        hl.inline_triton(SYNC_START, args=barrier, output_like=None)
         start = block * chunk
         for tile in hl.tile(start, min(start + chunk, shard)):
             values = [hl.load(sources[i], [tile]) for i in hl.static_range(world_size)]
             for i in hl.static_range(world_size):
                 hl.store(out, [tile.index + ((rank + 1 + i) % world_size) * shard], values[i])
-        hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank,
-                                           "world_size": world_size, "epoch": epoch + 2}, output_like=None)
-        epochs[block] = epoch + 2
+        hl.inline_triton(SYNC_END, args=barrier, output_like=None)
     return out
 
 
@@ -71,14 +68,13 @@ def launch(
     num_warps: int,
     num_blocks: int,
     chunk: int,
-    epochs: torch.Tensor,
     group_name: str = "",
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.all_gather.launch``."""
     flat = tuple(p.view(-1) for p in peers)
     sources = flat[rank + 1:] + flat[:rank + 1]
     compiled(block_size, num_warps)(
-        out.view(-1), flat[rank], sources, signal_pad_ptrs, epochs, num_blocks, chunk, rank, len(peers), group_name
+        out.view(-1), flat[rank], sources, signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name
     )
     return out
 

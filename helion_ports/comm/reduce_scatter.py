@@ -18,16 +18,18 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel
-from kraken._ptx_utils.inline_source import EPOCH_SYNC
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.reduce_scatter import plan, prepare  # shared with the Triton recipe
 
+# The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
+SYNC_START = SYMM_MEM_SYNC[(False, True)]
+SYNC_END = SYMM_MEM_SYNC[(True, False)]
 
 
 def reduce_scatter_body(
     out: torch.Tensor,
     peers: tuple[torch.Tensor, ...],
     signal_pad_ptrs: int,
-    epochs: torch.Tensor,
     num_blocks: int,
     chunk: int,
     rank: int,
@@ -40,11 +42,8 @@ def reduce_scatter_body(
     # every load and the store.
     shard = out.size(0)
     for block in hl.grid(num_blocks):
-        epoch = epochs[block]
-        # Epoch barriers, as in the recipe: round 1, "peers' inputs are ready"; round 2, "done reading".
-        # (The args must be a dict literal: Helion 1.5.0 does not see through ``{**barrier, ...}``.)
-        hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank,
-                                           "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        hl.inline_triton(SYNC_START, args=barrier, output_like=None)
         start = block * chunk
         # The range is clipped, as in the recipe: one bound serves the loop and the mask (see the
         # one-shot all-reduce twin for what a separate mask cost).
@@ -53,9 +52,7 @@ def reduce_scatter_body(
             for r in hl.static_range(1, world_size):  # rank order, from rank 0's value, as in the recipe
                 acc = acc + hl.load(peers[r], [tile]).to(torch.float32)
             hl.store(out, [tile], acc.to(out.dtype))
-        hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank,
-                                           "world_size": world_size, "epoch": epoch + 2}, output_like=None)
-        epochs[block] = epoch + 2
+        hl.inline_triton(SYNC_END, args=barrier, output_like=None)
     return out
 
 
@@ -74,13 +71,12 @@ def launch(
     num_warps: int,
     num_blocks: int,
     chunk: int,
-    epochs: torch.Tensor,
     group_name: str = "",
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.reduce_scatter.launch``."""
     compiled(block_size, num_warps)(
-        out.view(-1), shard_views(peers, rank, out.numel()), signal_pad_ptrs, epochs, num_blocks, chunk, rank,
-        len(peers), group_name,
+        out.view(-1), shard_views(peers, rank, out.numel()), signal_pad_ptrs, num_blocks, chunk, rank, len(peers),
+        group_name,
     )
     return out
 

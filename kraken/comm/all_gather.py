@@ -19,8 +19,6 @@ uses barrier slot ``b``:
    quickest, is issued after the remote ones;
 3. barrier (release): "I am done reading your shard", so when the kernel
    returns every rank may overwrite its input.
-
-Both barriers are epoch barriers on a pad of their own, as in the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kraken import host
-from kraken._ptx_utils import epoch_sync
+from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.reduce_scatter import MAX_NUMEL, shard_plan
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): the best at 4M and 32M
@@ -45,8 +43,7 @@ DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 132}
 def all_gather_kernel(
     sources,  # tuple of world_size pointers: ranks rank+1, rank+2, ..., rank (own shard last)
     out_ptr,  # world_size * shard elements
-    signal_pad_ptrs,  # the epoch barrier's pad (host.with_epoch_barrier)
-    epochs_ptr,  # int32 per block: the barrier rounds it has completed
+    signal_pad_ptrs,
     shard,  # elements per rank
     chunk,  # elements per block, a multiple of CHUNK_ALIGN
     rank,
@@ -54,9 +51,7 @@ def all_gather_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     block_id = tl.program_id(0)
-    epoch = tl.load(epochs_ptr + block_id)
-    # Round 1: block b of every peer has started, so its input (written before this launch) is complete.
-    epoch_sync(signal_pad_ptrs, block_id, rank, world_size, epoch + 1)
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=False, hasSubsequentMemAccess=True)
     start = block_id * chunk
     end = tl.minimum(start + chunk, shard)
     for offset in tl.range(start, end, BLOCK_SIZE):
@@ -68,9 +63,7 @@ def all_gather_kernel(
         for i in tl.static_range(world_size):
             source_rank = (rank + 1 + i) % world_size
             tl.store(out_ptr + source_rank * shard + offsets, values[i], mask=mask)
-    # Round 2: every peer is done reading my buffer, so the caller may overwrite it once this returns.
-    epoch_sync(signal_pad_ptrs, block_id, rank, world_size, epoch + 2)
-    tl.store(epochs_ptr + block_id, epoch + 2)
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
 
 
 def launch(
@@ -82,7 +75,6 @@ def launch(
     num_warps: int,
     num_blocks: int,
     chunk: int,
-    epochs: torch.Tensor,
     group_name: str = "",
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
@@ -92,7 +84,7 @@ def launch(
     """
     sources = peers[rank + 1:] + peers[:rank + 1]
     all_gather_kernel[(num_blocks,)](
-        sources, out, signal_pad_ptrs, epochs, peers[rank].numel(), chunk, rank, len(peers),
+        sources, out, signal_pad_ptrs, peers[rank].numel(), chunk, rank, len(peers),
         BLOCK_SIZE=block_size, num_warps=num_warps,
     )
     return out
@@ -124,10 +116,7 @@ def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.Sy
         check_shape(tuple(tensor.shape), world_size, op)
         launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    # The barriers are epoch barriers on the BlockWorkspace's pad: ``ctx.signal_pad_ptrs`` is that pad.
-    ctx, epochs = host.with_epoch_barrier(host.symm_context(tensor, group, op), launch_cfg["num_blocks"],
-                                          tensor.device, group, op)
-    return ctx, {**launch_cfg, "epochs": epochs}
+    return host.symm_context(tensor, group, op), launch_cfg
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:

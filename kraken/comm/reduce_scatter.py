@@ -17,12 +17,6 @@ chunks. Block ``b`` of every rank handles chunk ``b`` and uses barrier slot ``b`
    every peer before its first add (one NVLink round trip per step);
 3. barrier (release): "I am done reading your buffer", so when the kernel
    returns every rank may overwrite its input.
-
-Both barriers are epoch barriers (``epoch_sync``): a posted release store of the
-round number into each peer's slot and an acquire spin on our own, no
-compare-and-swap round trip. They run on the signal pad of ``host.BlockWorkspace``,
-which only epoch barriers use (``host.with_epoch_barrier``), and block ``b``
-advances its count there by 2 per launch, on the device: CUDA graphs replay as is.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kraken import host
-from kraken._ptx_utils import epoch_sync
+from kraken._ptx_utils import symm_mem_sync
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): within 0.3% of the best
 # at 4M and 32M bf16 elements (19.4 and 109.1 us).
@@ -50,8 +44,7 @@ MAX_NUMEL = 2**31 - 1  # element offsets are 32-bit
 def reduce_scatter_kernel(
     peers,  # tuple of world_size pointers, peers[r] = rank r's whole input
     out_ptr,  # this rank's shard of the sum, shard elements
-    signal_pad_ptrs,  # the epoch barrier's pad (host.with_epoch_barrier)
-    epochs_ptr,  # int32 per block: the barrier rounds it has completed
+    signal_pad_ptrs,
     shard,  # elements per rank
     chunk,  # elements per block, a multiple of CHUNK_ALIGN
     rank,
@@ -59,9 +52,7 @@ def reduce_scatter_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     block_id = tl.program_id(0)
-    epoch = tl.load(epochs_ptr + block_id)
-    # Round 1: block b of every peer has started, so its input (written before this launch) is complete.
-    epoch_sync(signal_pad_ptrs, block_id, rank, world_size, epoch + 1)
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=False, hasSubsequentMemAccess=True)
     shard_start = rank * shard
     start = block_id * chunk
     end = tl.minimum(start + chunk, shard)
@@ -74,9 +65,7 @@ def reduce_scatter_kernel(
         for r in tl.static_range(1, world_size):
             acc += tl.load(peers[r] + shard_start + offsets, mask=mask).to(tl.float32)
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    # Round 2: every peer is done reading my buffer, so the caller may overwrite it once this returns.
-    epoch_sync(signal_pad_ptrs, block_id, rank, world_size, epoch + 2)
-    tl.store(epochs_ptr + block_id, epoch + 2)
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
 
 
 def launch(
@@ -88,7 +77,6 @@ def launch(
     num_warps: int,
     num_blocks: int,
     chunk: int,
-    epochs: torch.Tensor,
     group_name: str = "",
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
@@ -97,8 +85,7 @@ def launch(
     is unused here; Helion takes it as its ``hl.ProcessGroupName``.
     """
     reduce_scatter_kernel[(num_blocks,)](
-        peers, out, signal_pad_ptrs, epochs, out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size,
-        num_warps=num_warps,
+        peers, out, signal_pad_ptrs, out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, num_warps=num_warps
     )
     return out
 
@@ -144,10 +131,7 @@ def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.Sy
         check_shape(tuple(tensor.shape), world_size, op)
         launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    # The barriers are epoch barriers on the BlockWorkspace's pad: ``ctx.signal_pad_ptrs`` is that pad.
-    ctx, epochs = host.with_epoch_barrier(host.symm_context(tensor, group, op), launch_cfg["num_blocks"],
-                                          tensor.device, group, op)
-    return ctx, {**launch_cfg, "epochs": epochs}
+    return host.symm_context(tensor, group, op), launch_cfg
 
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
