@@ -17,6 +17,12 @@ chunks. Block ``b`` of every rank handles chunk ``b`` and uses barrier slot ``b`
    every peer before its first add (one NVLink round trip per step);
 3. barrier (release): "I am done reading your buffer", so when the kernel
    returns every rank may overwrite its input.
+
+Tried and measured on 2x H200 (eager, bf16, commit 778521e): both barriers as
+epoch barriers (a posted store, no compare-and-swap round trip) on a pad of their
+own. No gain where the barriers dominate (4K elements: 7.1 against 7.3 us, NCCL
+6.4) and slower from 128K (8.3 against 7.8 us; 1M: 10.9 against 9.9); the same
+for the all-gather. So both keep the compare-and-swap barrier.
 """
 
 from __future__ import annotations
