@@ -181,9 +181,15 @@ def test_plan_refuses_bad_config():
 BF16 = torch.bfloat16
 
 
-@pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
-def test_bad_input_is_refused_on_the_host(module):
-    fn = module.gemm_one_shot_all_reduce
+GEMM_ENTRY_POINTS = [(RECIPE, "gemm_one_shot_all_reduce"), (TWIN, "gemm_one_shot_all_reduce"),
+                     ("kraken.fused.gemm_reduce_scatter", "gemm_reduce_scatter"),
+                     ("helion_ports.fused.gemm_reduce_scatter", "gemm_reduce_scatter")]
+
+
+@pytest.mark.parametrize("path,name", GEMM_ENTRY_POINTS, ids=[p for p, _ in GEMM_ENTRY_POINTS])
+def test_bad_input_is_refused_on_the_host(path, name):
+    """Both fused GEMM recipes and their twins share ``check_inputs``: every error on the host."""
+    fn = getattr(importlib.import_module(path), name)
     a, b = torch.zeros(8, 16, dtype=BF16), torch.zeros(16, 32, dtype=BF16)
     with pytest.raises(ValueError, match=r"inner dimensions differ: a is \(8, 16\), b is \(32, 8\)"):
         fn(a, torch.zeros(32, 8, dtype=BF16))
