@@ -82,8 +82,8 @@ def load_all() -> dict[str, Op]:
     """Import every module in ``benchmark.ops`` (each registers its ops)."""
     from benchmark import ops
 
-    for info in pkgutil.iter_modules(ops.__path__):
-        importlib.import_module(f"benchmark.ops.{info.name}")
+    for name in sorted(info.name for info in pkgutil.iter_modules(ops.__path__)):
+        importlib.import_module(f"benchmark.ops.{name}")
     return REGISTRY
 
 

@@ -47,15 +47,15 @@ def group_key(row: harness.Row) -> tuple:
 
 
 def groups(rows: list[harness.Row]) -> dict[tuple, list[harness.Row]]:
-    """Rows by (op, world size, mode, dtype, where measured), ops in registry order, then world size, mode."""
-    order = list(registry.load_all())
+    """Rows by (op, world size, mode, dtype, where measured): ops by name, then world size, eager first
+    (a stable order whatever imported the registry's modules first)."""
     out: dict[tuple, list[harness.Row]] = {}
     for row in rows:
         out.setdefault(group_key(row), []).append(row)
 
     def rank(key: tuple) -> tuple:
         op, world_size, mode, dtype, where = key
-        return (order.index(op) if op in order else len(order), op, world_size, mode != "eager", dtype, where)
+        return (op, world_size, mode != "eager", dtype, where)
 
     return {key: out[key] for key in sorted(out, key=rank)}
 

@@ -96,3 +96,10 @@ def test_collect_names_every_field_and_the_library_versions(monkeypatch):
     assert set(meta) == set(provenance.FIELDS)
     assert meta["commit"] == "abc123" and meta["iters"] == 7
     assert all(meta[key] not in (None, "", provenance.UNKNOWN) for key in ("torch", "triton", "helion"))
+
+
+def test_sections_come_in_op_name_order_whatever_was_imported_first():
+    rows = report.read_rows([FIXTURE])
+    other = [harness.Row(**{**r.__dict__, "op": "all_gather"}) for r in rows]
+    keys = list(report.groups(rows + other))
+    assert [k[0] for k in keys] == ["all_gather", "all_reduce"]
