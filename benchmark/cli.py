@@ -16,8 +16,6 @@ import torch
 from benchmark import harness, provenance, registry
 from benchmark.launch import in_torchrun, init_from_env, print_rank0, require_gpus, spawn
 
-GPU_TIME_LABEL = ("GPU time per call (calls queued behind a GPU sleep, so the launch path is hidden; slowest "
-                  "rank's median):")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
 
@@ -105,14 +103,8 @@ def run(args: argparse.Namespace) -> list[harness.Row]:
         print_rank0(f"\n## {op.name}: {op.description} ({args.dtype}, world size {world_size}, {mode}, "
                     f"{args.iters} iters in bursts of {1 if args.l2_flush else args.burst}, {torch.cuda.get_device_name()})\n")
         print_rank0(f"Measured on {provenance.describe(meta)}.\n")
-        print_rank0(GPU_TIME_LABEL + "\n")
         rows = harness.run_op(op, shapes, backends, dtype, settings, meta)
-        header, body = harness.table_rows(op, rows, backends)
-        print_rank0(tabulate(body, headers=header, tablefmt="github", disable_numparse=True))
-        loop_header, loop_body = harness.loop_table(rows, backends)
-        if loop_body:
-            print_rank0("\nEager loop (back-to-back calls, no sleep in front: what a Python loop sees), us per call:\n")
-            print_rank0(tabulate(loop_body, headers=loop_header, tablefmt="github", disable_numparse=True))
+        print_rank0(harness.tables_markdown(op, rows, backends))
         host_header, host_body = harness.host_table(rows, backends)
         print_rank0("\nEager host launch cost (median over shapes):\n")
         print_rank0(tabulate(host_body, headers=host_header, tablefmt="github", disable_numparse=True))

@@ -269,6 +269,24 @@ def loop_table(rows: list[Row], backends: list[str]) -> tuple[list[str], list[li
     return ["shape"] + [f"{b} loop us" for b in backends], body
 
 
+GPU_TIME_LABEL = ("GPU time per call (calls queued behind a GPU sleep, so the launch path is hidden; slowest "
+                  "rank's median):")
+LOOP_LABEL = "Eager loop (back-to-back calls, no sleep in front: what a Python loop sees), us per call:"
+
+
+def tables_markdown(op: Op, rows: list[Row], backends: list[str]) -> str:
+    """The GPU-time table and, for eager rows, the eager-loop table, each under its label (printed by the
+    benchmark and written into docs/results.md alike)."""
+    from tabulate import tabulate
+
+    header, body = table_rows(op, rows, backends)
+    lines = [GPU_TIME_LABEL, "", tabulate(body, headers=header, tablefmt="github", disable_numparse=True)]
+    loop_header, loop_body = loop_table(rows, backends)
+    if loop_body:
+        lines += ["", LOOP_LABEL, "", tabulate(loop_body, headers=loop_header, tablefmt="github", disable_numparse=True)]
+    return "\n".join(lines)
+
+
 def failures(rows: list[Row]) -> list[str]:
     return [f"{r.shape} {r.backend}: {r.status}" for r in rows if r.status != "ok"]
 

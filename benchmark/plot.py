@@ -29,7 +29,7 @@ def plot_op(op: registry.Op, rows: list[harness.Row], backends: list[str], path:
         points = [(i, us[(backend, s)]) for i, s in enumerate(shapes) if (backend, s) in us]
         if points:
             left.plot(*zip(*points), marker="o", label=backend)
-        base = [(i, us[(op.baseline, s)] / us[(backend, s)]) for i, s in enumerate(shapes)
+        base = [(i, harness.speedup(us[(op.baseline, s)], us[(backend, s)])) for i, s in enumerate(shapes)
                 if backend != op.baseline and (backend, s) in us and (op.baseline, s) in us]
         if base:
             right.plot(*zip(*base), marker="o", label=backend)
