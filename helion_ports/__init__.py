@@ -14,6 +14,8 @@ import warnings
 import helion
 import torch
 
+from kraken import host
+
 # Helion 1.5.0 warns on every compile of a kernel with a symmetric-memory argument that the signal pad
 # caps its autotuner's ``max_num_sm_multiplier``. The twins never autotune (one explicit config each,
 # ``pid_type="flat"``), so that warning, and only that one, is silenced; every other warning stays.
@@ -51,3 +53,23 @@ def own_storage(local: torch.Tensor) -> torch.Tensor:
     if alias is None:
         alias = local._own_storage = torch.from_dlpack(local)
     return alias
+
+
+def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch):
+    """Call a twin's Helion kernel on ``args``: plainly (``kernel(*args)``) with the default launcher, or, with
+    a prepared call's ``host.Launcher``, through the bound kernel kept in it, launching with it.
+
+    Relies on two things of Helion 1.5.0: ``Kernel.bind(args)`` returns the ``BoundKernel`` for the
+    arguments' specialisation (one per config here), and its ``_run`` is the generated host function, which
+    takes the launcher as its keyword ``_launcher`` (the code ``HELION_PRINT_OUTPUT_CODE=1`` prints). That
+    skips Helion's per-call argument matching and Triton's binding; the first call of a prepared call goes
+    the plain way (it compiles).
+    """
+    if launcher is host.jit_launch:
+        return kernel(*args)
+    bound = launcher.bound.get(kernel)
+    if bound is None:
+        result = kernel(*args)
+        launcher.bound[kernel] = kernel.bind(args)
+        return result
+    return bound._run(*args, _launcher=launcher)

@@ -25,17 +25,19 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 from dataclasses import dataclass, field, replace
 import math
 import os
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
+from triton import knobs
 
 from kraken._ptx_utils import timeout
 
@@ -530,3 +532,114 @@ def arm_barrier_timeout() -> None:
     threading.Thread(target=_watch_report_page, name="kraken-barrier-timeout", daemon=True).start()
     atexit.register(_report_once)  # the main thread may die of the trap's CUDA error before the watchdog looks
     _armed = True
+
+
+# ---------------------------------------------------------------------------
+# The host fast path: a prepared call per signature, launched through the compiled kernel
+# ---------------------------------------------------------------------------
+
+MAX_PREPARED = 256  # prepared calls kept per recipe; past that the cache starts over (a bound, not a tuning)
+
+
+def tensor_key(tensor: object, address: bool = False) -> object:
+    """What a prepared call may depend on of one argument: a tensor's shape, strides, dtype, device and whether
+    its address is 16-byte aligned (Triton specialises kernels on it, TMA needs it), and with ``address`` the
+    address itself (symmetric tensors: their peers are found from it); anything else as it is."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    key = (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16 == 0)
+    return (*key, tensor.data_ptr()) if address else key
+
+
+def symmetric_key(tensor: torch.Tensor, group, op: str, config: dict) -> tuple:
+    """``per_signature``'s key for a ``prepare(tensor, group, op, config)`` of one symmetric tensor."""
+    return (op, group, tensor_key(tensor, address=True), *config.items())
+
+
+def per_signature(key: Callable[..., tuple]) -> Callable:
+    """Decorate a recipe's ``prepare``: its result is kept per ``key(*args)`` and returned by later calls
+    with the same key, with no check, collective or plan (the first call of each key ran them all, and a
+    call that raised is not kept). ``key`` must hold everything ``prepare`` reads (``tensor_key`` of each
+    tensor, the group, the op, the config's items); a key that cannot be hashed (say, a list in the
+    config) just skips the cache. ``prepare.cache`` is the dictionary, ``prepare.uncached`` the original."""
+
+    def decorate(prepare: Callable) -> Callable:
+        cache: dict = {}
+
+        @functools.wraps(prepare)
+        def cached(*args):
+            try:
+                signature = key(*args)
+                prepared = cache.get(signature)
+            except TypeError:  # unhashable: a bad argument (prepare says so) or a list in the config
+                return prepare(*args)
+            if prepared is None:
+                prepared = prepare(*args)
+                if len(cache) >= MAX_PREPARED:
+                    cache.clear()
+                cache[signature] = prepared
+            return prepared
+
+        cached.cache, cached.uncached = cache, prepare
+        _prepared_caches.append(cache)
+        return cached
+
+    return decorate
+
+
+_prepared_caches: list[dict] = []
+
+
+def forget_prepared_calls() -> None:
+    """Empty every recipe's cache of prepared calls (the next call of each signature checks and agrees again);
+    for tests, and for a process that destroys and recreates its process groups."""
+    for cache in _prepared_caches:
+        cache.clear()
+
+
+def jit_launch(kernel, grid: tuple[int, ...], *args, **meta):
+    """``kernel[grid](*args, **meta)``: Triton's own launch path (binds, specialises, finds the compiled kernel).
+    The default ``launcher`` of every recipe's ``launch``; ``Launcher`` is the cached one."""
+    return kernel[grid](*args, **meta)
+
+
+def launch_hooked() -> bool:
+    """Whether a Triton launch enter/exit hook is installed (triton 3.6 keeps them in always-present chains)."""
+    runtime = knobs.runtime
+    return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+class Launcher:
+    """Launches one prepared call's kernels, with the ``launcher(kernel, grid, *args, **meta)`` protocol of
+    ``jit_launch`` and of Helion's generated host code (its ``_launcher`` argument).
+
+    The first launch of each kernel goes through Triton's JIT (compile or cache lookup, argument binding);
+    it returns the ``CompiledKernel``, and later launches call its launcher directly with the arguments laid
+    out as the JIT lays them out (the kernel's parameters in order, constexprs included). That skips about
+    15 us of binding per call. It is exact because every launch of a prepared call has the same
+    specialisation: its ints come from the plan (fixed by the signature), its tensors' dtypes and 16-byte
+    alignment are in the signature's key (``tensor_key``). While a Triton launch hook is set (a profiler such
+    as proton), every launch takes the JIT path, so the hook sees it. Helion kernels keep their bound kernel here too
+    (``helion_ports.run``).
+    """
+
+    def __init__(self, op: str):
+        self.op = op
+        self.compiled: dict = {}  # JIT kernel -> (launch function, CUfunction, packed metadata, constexpr tail)
+        self.bound: dict = {}  # Helion kernel -> its BoundKernel for this call's specialisation
+
+    def __call__(self, kernel, grid: tuple[int, ...], *args, **meta):
+        global last_op
+        last_op = self.op
+        hit = self.compiled.get(kernel)
+        if hit is None or launch_hooked():
+            compiled = kernel[grid](*args, **meta)
+            if compiled is not None and hasattr(compiled, "packed_metadata"):  # None: a CPU capture recorded it
+                names, params = kernel.arg_names, kernel.params
+                tail = tuple(meta.get(name, params[i].default) for i, name in enumerate(names) if i >= len(args))
+                self.compiled[kernel] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+            return compiled
+        run, function, packed_metadata, tail = hit
+        grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # what Triton's driver asks too
+        run(grid[0], grid_y, grid_z, stream, function, packed_metadata, None, None, None, *args, *tail)

@@ -21,6 +21,7 @@ class FakeWorld:
         monkeypatch.setattr(host, "_agreed", set())
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
         monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 

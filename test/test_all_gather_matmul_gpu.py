@@ -57,8 +57,8 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 def launch_into(module, a, b, out: torch.Tensor, **config) -> torch.Tensor:
     """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
     ctx, cfg = module.prepare(a, b, None, "test", config, False)
-    cfg["out"] = out
-    return module.launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, group_name=ctx.group_name)
+    return module.launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, out=out, a_out=None,
+                         group_name=ctx.group_name)
 
 
 def layouts(b: torch.Tensor, which: str) -> torch.Tensor:

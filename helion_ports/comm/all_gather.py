@@ -18,7 +18,8 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, run
+from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather import plan, prepare  # shared with the Triton recipe
 
@@ -69,13 +70,15 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.all_gather.launch``."""
     flat = tuple(p.view(-1) for p in peers)
     sources = flat[rank + 1:] + flat[:rank + 1]
-    compiled(block_size, num_warps)(
-        out.view(-1), flat[rank], sources, signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name
+    args = (
+        out.view(-1), flat[rank], sources, signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name,
     )
+    run(compiled(block_size, num_warps), args, launcher)
     return out
 
 

@@ -21,7 +21,8 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, run
+from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.one_shot_all_reduce import plan, prepare  # shared with the Triton recipe
 
@@ -76,12 +77,12 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.one_shot_all_reduce.launch``."""
     flat_peers = tuple(p.view(-1) for p in peers)
-    compiled(block_size, num_warps)(
-        flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name
-    )
+    args = (flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name)
+    run(compiled(block_size, num_warps), args, launcher)
     return out
 
 

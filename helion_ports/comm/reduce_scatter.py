@@ -17,7 +17,8 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, run
+from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.reduce_scatter import plan, prepare  # shared with the Triton recipe
 
@@ -72,12 +73,14 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.reduce_scatter.launch``."""
-    compiled(block_size, num_warps)(
+    args = (
         out.view(-1), shard_views(peers, rank, out.numel()), signal_pad_ptrs, num_blocks, chunk, rank, len(peers),
         group_name,
     )
+    run(compiled(block_size, num_warps), args, launcher)
     return out
 
 

@@ -32,10 +32,13 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, run
+from kraken import host
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.comm.all_gather_with_progress import start as start_gather
-from kraken.fused.all_gather_matmul import OP, STAGE_PIECES, plan, prepare, tma_inputs  # noqa: F401 (shared with the recipe)
+from kraken.fused.all_gather_matmul import (  # noqa: F401 (shared with the recipe)
+    OP, STAGE_PIECES, outputs, plan, prepare, tma_inputs,
+)
 
 # The flag (a pointer expression in the snippet): progress + index.
 WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
@@ -125,12 +128,14 @@ def launch_matmul(
     num_warps: int,
     num_stages: int,
     num_blocks: int,
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """The GEMM alone, on TMA-ready operands; mirrors the recipe's ``launch_matmul``."""
-    compiled(block_m, block_n, block_k, num_warps, num_stages)(
+    args = (
         gathered, b, out, progress, num_blocks, piece_rows, int(piece_rows < out.shape[0] // world_size), rank,
         world_size, b_trans, block_m, block_n, group_m,
     )
+    run(compiled(block_m, block_n, block_k, num_warps, num_stages), args, launcher)
     return out
 
 
@@ -155,14 +160,15 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul.launch`` (the
     same gather on the copy engine, then this GEMM)."""
     a, b, b_trans = tma_inputs(a, b, b_layout)
     started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, stage_piece_rows=piece_rows,
-                           stage_with_sms=stage == "sm", snapshot=a_out)
+                           stage_with_sms=stage == "sm", snapshot=a_out, launcher=launcher)
     launch_matmul(gathered, b, out, progress, rank, len(peers), b_trans, piece_rows, block_m, block_n, block_k,
-                  group_m, num_warps, num_stages, num_blocks)
+                  group_m, num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 
@@ -176,7 +182,8 @@ def all_gather_matmul(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``all_gather(a) @ b`` (and the gathered ``a`` first when ``return_a``); see the kraken recipe."""
     ctx, cfg = prepare(a, b, group, f"helion {OP}", config, return_a)
-    out = launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, group_name=ctx.group_name)
+    new = outputs(a, b, cfg["gathered"], return_a)
+    out = launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new, group_name=ctx.group_name)
     if not return_a:
         return out
-    return cfg["a_out"][:, :a.shape[1]], out
+    return new["a_out"][:, :a.shape[1]], out

@@ -38,7 +38,8 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage
+from helion_ports import flat_kernel, own_storage, run
+from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SYNC, SYMM_MEM_SYNC
 from kraken.fused.gemm_one_shot_all_reduce import chunk_tile, plan, prepare, rounds_of, tma_operands  # shared with the recipe
 
@@ -172,6 +173,7 @@ def launch(
     num_groups: int,
     k_per_split: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_one_shot_all_reduce.launch``.
 
@@ -188,10 +190,11 @@ def launch(
     staged = out if a.shape[0] > 1 else out.new_empty(2, out.shape[1])
     if a.shape[0] == 1:
         a = torch.cat([a, a.new_zeros(a.shape)])
-    compiled(block_m, block_n, block_k, split_k, reduce_m, push, num_warps, num_stages)(
+    args = (
         a, b, partials, own_storage(peers[rank]), peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
         rank, len(peers), split_k, block_m, block_n, push, group_name,
     )
+    run(compiled(block_m, block_n, block_k, split_k, reduce_m, push, num_warps, num_stages), args, launcher)
     if staged is not out:
         out.copy_(staged[:1])
     return out

@@ -30,7 +30,8 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage
+from helion_ports import flat_kernel, own_storage, run
+from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SYNC
 from kraken.fused.gemm_one_shot_all_reduce import tma_operands
 from kraken.fused.gemm_reduce_scatter import chunk_tile, plan, prepare, rounds_of  # shared with the recipe
@@ -140,6 +141,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_reduce_scatter.launch``.
 
@@ -148,10 +150,11 @@ def launch(
     (``own_storage``: no CTA barrier before its loads), and inside ``peers``.
     """
     a, b = tma_operands(a, b)
-    compiled(block_m, block_n, block_k, num_warps, num_stages, len(peers))(
+    args = (
         a, b, own_storage(peers[rank]), peers, parity, epochs, out, signal_pad_ptrs, num_blocks, rank, len(peers),
         block_m, block_n, group_m, group_name,
     )
+    run(compiled(block_m, block_n, block_k, num_warps, num_stages, len(peers)), args, launcher)
     return out
 
 

@@ -20,7 +20,8 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage
+from helion_ports import flat_kernel, own_storage, run
+from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
 
@@ -83,14 +84,16 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.one_shot_all_reduce_bias.launch``."""
     # `workspace` through its own storage object: see helion_ports.own_storage.
     flat_peers = tuple(p.view(-1) for p in peers)
-    compiled(block_size, num_warps)(
+    args = (
         x.view(-1), bias, own_storage(peers[rank]).view(-1), flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk,
         rank, len(peers), group_name,
     )
+    run(compiled(block_size, num_warps), args, launcher)
     return out
 
 

@@ -19,7 +19,8 @@ import helion
 import helion.language as hl
 import torch
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, run
+from kraken import host
 from kraken.fused.rms_norm import plan, prepare  # shared with the Triton recipe
 
 
@@ -44,10 +45,12 @@ def compiled(num_warps: int) -> helion.Kernel:
     return flat_kernel(rms_norm_body, (), num_warps)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int) -> torch.Tensor:
+def launch(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int, launcher=host.jit_launch
+) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.rms_norm.launch``."""
     if x.shape[0] > 0:
-        compiled(num_warps)(x, weight, out, float(eps))
+        run(compiled(num_warps), (x, weight, out, float(eps)), launcher)
     return out
 
 

@@ -16,7 +16,8 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage
+from helion_ports import flat_kernel, own_storage, run
+from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.two_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
 
@@ -88,15 +89,17 @@ def launch(
     shard: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.two_shot_all_reduce_bias.launch``."""
     regions = (2, x.numel())
     # `workspace` through its own storage object: see helion_ports.own_storage.
     region_peers = tuple(p.view(regions) for p in peers)
-    compiled(block_size, num_warps)(
+    args = (
         x.view(-1), bias, own_storage(peers[rank]).view(regions), region_peers, out.view(-1), signal_pad_ptrs, num_blocks,
         shard, chunk, rank, len(peers), group_name,
     )
+    run(compiled(block_size, num_warps), args, launcher)
     return out
 
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
-from helion_ports import flat_kernel, own_storage
+from helion_ports import flat_kernel, own_storage, run
+from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
 
@@ -100,15 +101,17 @@ def launch(
     shard: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     regions = (2, *x.shape)
     # `workspace` through its own storage object: see helion_ports.own_storage.
     region_peers = tuple(p.view(regions) for p in peers)
-    compiled(num_warps)(
+    args = (
         x, bias, weight, float(eps), own_storage(peers[rank]).view(regions), region_peers, out, signal_pad_ptrs, num_blocks,
         shard, chunk, rank, len(peers), group_name,
     )
+    run(compiled(num_warps), args, launcher)
     return out
 
 

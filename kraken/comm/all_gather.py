@@ -76,6 +76,7 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -83,8 +84,8 @@ def launch(
     here; Helion takes it as its ``hl.ProcessGroupName``.
     """
     sources = peers[rank + 1:] + peers[:rank + 1]
-    all_gather_kernel[(num_blocks,)](
-        sources, out, signal_pad_ptrs, peers[rank].numel(), chunk, rank, len(peers),
+    launcher(
+        all_gather_kernel, (num_blocks,), sources, out, signal_pad_ptrs, peers[rank].numel(), chunk, rank, len(peers),
         BLOCK_SIZE=block_size, num_warps=num_warps,
     )
     return out
@@ -109,6 +110,7 @@ def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
         )
 
 
+@host.per_signature(host.symmetric_key)
 def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
     with host.agreed(op, group, tensor=tensor, config=config):  # every rank raises if any rank's input is bad
         host.check_tensor(tensor, "tensor", op)
@@ -116,7 +118,7 @@ def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.Sy
         check_shape(tuple(tensor.shape), world_size, op)
         launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return host.symm_context(tensor, group, op), launch_cfg
+    return host.symm_context(tensor, group, op), {**launch_cfg, "launcher": host.Launcher(op)}
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:

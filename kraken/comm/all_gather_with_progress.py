@@ -68,9 +68,10 @@ def shard_barrier_kernel(signal_pad_ptrs, rank, world_size: tl.constexpr, BLOCK_
     symm_mem_sync(signal_pad_ptrs, BLOCK_ID, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
 
 
-def barrier(signal_pad_ptrs: int, rank: int, world_size: int) -> None:
+def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=host.jit_launch) -> None:
     """One cross-rank barrier on the current stream (one block, one warp)."""
-    shard_barrier_kernel[(1,)](signal_pad_ptrs, rank, world_size, BLOCK_ID=BARRIER_BLOCK, num_warps=BARRIER_WARPS)
+    launcher(shard_barrier_kernel, (1,), signal_pad_ptrs, rank, world_size, BLOCK_ID=BARRIER_BLOCK,
+             num_warps=BARRIER_WARPS)
 
 
 def set_flag(progress: torch.Tensor, index: int, value: int = LANDED) -> None:
@@ -159,6 +160,7 @@ def start(
     stage_piece_rows: int | None = None,
     stage_with_sms: bool = False,
     snapshot: torch.Tensor | None = None,
+    launcher=host.jit_launch,
 ) -> GatherInProgress:
     """``all_gather_with_progress`` on checked arguments: ``peers`` (every rank's shard, ``peers[rank]``
     mine) and ``signal_pad_ptrs`` as ``host.symm_context`` gives them.
@@ -170,7 +172,7 @@ def start(
     every SM, before the fork (the consumer starts a little later, on rows that are all there). When my
     shard is my own chunk of ``out`` (each rank's shard a chunk of its symmetric ``out``), the own rows
     need no second copy. ``snapshot``: a copy of the whole ``out`` made on the side stream after the last
-    chunk (overlapping the consumer), for callers that return it.
+    chunk (overlapping the consumer), for callers that return it. ``launcher`` launches the barriers.
     """
     world_size, shard = len(peers), peers[rank]
     rows = shard.shape[0]
@@ -192,7 +194,7 @@ def start(
         for flag, begin, end in pieces:
             shard[begin:end].copy_(stage_from[begin:end])
             set_flag(progress, flag)
-        barrier(signal_pad_ptrs, rank, world_size)  # every rank's shard is complete
+        barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's shard is complete
         for peer in order[1:]:
             out[peer * rows:(peer + 1) * rows].copy_(peers[peer])
             set_flag(progress, peer)
@@ -202,5 +204,5 @@ def start(
         set_flag(progress, rank)
         if snapshot is not None:
             snapshot.copy_(out)
-        barrier(signal_pad_ptrs, rank, world_size)  # done reading: peers may write their shards again
+        barrier(signal_pad_ptrs, rank, world_size, launcher)  # done reading: peers may write their shards again
     return GatherInProgress(out, progress, side, order)

@@ -66,13 +66,16 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
-    ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``.
+    ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``. ``launcher``: the
+    prepared call's ``host.Launcher`` (the host fast path), or Triton's own launch.
     """
-    one_shot_all_reduce_kernel[(num_blocks,)](
-        peers, out, signal_pad_ptrs, out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, num_warps=num_warps
+    launcher(
+        one_shot_all_reduce_kernel, (num_blocks,), peers, out, signal_pad_ptrs, out.numel(), chunk, rank, len(peers),
+        BLOCK_SIZE=block_size, num_warps=num_warps,
     )
     return out
 
@@ -86,13 +89,15 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
     return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk}
 
 
+@host.per_signature(host.symmetric_key)
 def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
+    """Validate and agree (first call of a signature), plan, find the peers; kept per signature."""
     with host.agreed(op, group, tensor=tensor, config=config):  # every rank raises if any rank's input is bad
         host.check_tensor(tensor, "tensor", op)
         world_size = host.world_size_of(group, op)
         launch_cfg = plan(tensor.numel(), world_size, config)
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return host.symm_context(tensor, group, op), launch_cfg
+    return host.symm_context(tensor, group, op), {**launch_cfg, "launcher": host.Launcher(op)}
 
 
 def one_shot_all_reduce(

@@ -84,14 +84,16 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
     ``out`` holds this rank's shard (``peers[r].numel() // world_size`` elements). ``group_name``
     is unused here; Helion takes it as its ``hl.ProcessGroupName``.
     """
-    reduce_scatter_kernel[(num_blocks,)](
-        peers, out, signal_pad_ptrs, out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, num_warps=num_warps
+    launcher(
+        reduce_scatter_kernel, (num_blocks,), peers, out, signal_pad_ptrs, out.numel(), chunk, rank, len(peers),
+        BLOCK_SIZE=block_size, num_warps=num_warps,
     )
     return out
 
@@ -130,6 +132,7 @@ def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
         raise ValueError(f"{op}: {numel} elements is more than this kernel's 32-bit offsets address ({MAX_NUMEL})")
 
 
+@host.per_signature(host.symmetric_key)
 def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
     with host.agreed(op, group, tensor=tensor, config=config):  # every rank raises if any rank's input is bad
         host.check_tensor(tensor, "tensor", op)
@@ -137,7 +140,7 @@ def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.Sy
         check_shape(tuple(tensor.shape), world_size, op)
         launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return host.symm_context(tensor, group, op), launch_cfg
+    return host.symm_context(tensor, group, op), {**launch_cfg, "launcher": host.Launcher(op)}
 
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:

@@ -73,13 +73,15 @@ def launch(
     shard: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
     ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``.
     """
     local = peers[rank]
-    two_shot_all_reduce_kernel[(num_blocks,)](
+    launcher(
+        two_shot_all_reduce_kernel, (num_blocks,),
         peers, signal_pad_ptrs, local.numel(), shard, chunk, rank, len(peers),
         BLOCK_SIZE=block_size, num_warps=num_warps,
     )
@@ -101,13 +103,14 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
     }
 
 
+@host.per_signature(host.symmetric_key)
 def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
     with host.agreed(op, group, tensor=tensor, config=config):  # every rank raises if any rank's input is bad
         host.check_tensor(tensor, "tensor", op)
         world_size = host.world_size_of(group, op)
         launch_cfg = plan(tensor.numel(), world_size, config)
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return host.symm_context(tensor, group, op), launch_cfg
+    return host.symm_context(tensor, group, op), {**launch_cfg, "launcher": host.Launcher(op)}
 
 
 def two_shot_all_reduce(

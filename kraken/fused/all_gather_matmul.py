@@ -165,12 +165,14 @@ def launch_matmul(
     num_warps: int,
     num_stages: int,
     num_blocks: int,
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """The GEMM alone, on TMA-ready operands (``tma_inputs``): the consumer of the flags in ``progress``."""
     k = gathered.shape[1]
     m, n = out.shape[0] // world_size, out.shape[1]
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
-    all_gather_matmul_kernel[(num_blocks,)](
+    launcher(
+        all_gather_matmul_kernel, (num_blocks,),
         TensorDescriptor.from_tensor(gathered, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box), out,
         progress, m, n, k, piece_rows, int(piece_rows < m), rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
@@ -200,6 +202,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -209,9 +212,9 @@ def launch(
     """
     a, b, b_trans = tma_inputs(a, b, b_layout)
     started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, stage_piece_rows=piece_rows,
-                           stage_with_sms=stage == "sm", snapshot=a_out)
+                           stage_with_sms=stage == "sm", snapshot=a_out, launcher=launcher)
     launch_matmul(gathered, b, out, progress, rank, len(peers), b_trans, piece_rows, block_m, block_n, block_k,
-                  group_m, num_warps, num_stages, num_blocks)
+                  group_m, num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 
@@ -267,10 +270,14 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
 
 
-def prepare(a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool) -> tuple[host.SymmContext, dict]:
+@host.per_signature(lambda a, b, group, op, config, return_a: (
+    op, group, host.tensor_key(a), host.tensor_key(b), return_a, *config.items()))
+def prepare(
+    a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool
+) -> tuple[host.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer [world_size * M, K']
-    (K' = K padded for TMA; a slice of ``host.symm_workspace``), and the launch arguments (every rank's own
-    chunk of it as ``peers``, ``gathered``, ``out``, ``progress``, ``a_out`` and the config)."""
+    (K' = K padded for TMA; a slice of ``host.symm_workspace``), and the launch arguments but the outputs
+    (every rank's own chunk of it as ``peers``, ``gathered``, ``progress``, the config); kept per signature."""
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
     with host.agreed(op, group, a=a, b=b, return_a=return_a, config=config):
         check_inputs(a, b, op)
@@ -285,10 +292,14 @@ def prepare(a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, retu
     gathered = host.symm_workspace(world_size * m * k_tma, a.dtype, a.device, pg, op).view(world_size * m, k_tma)
     ctx = host.symm_context(gathered, pg, op, name="gather buffer")
     chunks = chunk_views(ctx, m)
-    a_out = torch.empty(world_size * m, k_tma, dtype=a.dtype, device=a.device) if return_a else None
-    out = torch.empty(world_size * m, n, dtype=a.dtype, device=a.device)
     progress = progress_flags(world_size, a.device)
-    return ctx, {"peers": chunks, "gathered": gathered, "out": out, "progress": progress, "a_out": a_out, **cfg}
+    return ctx, {"peers": chunks, "gathered": gathered, "progress": progress, **cfg, "launcher": host.Launcher(op)}
+
+
+def outputs(a: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor, return_a: bool) -> dict:
+    """A call's new tensors: ``out`` [world_size * M, N], and ``a_out`` (the gathered ``a``) when ``return_a``."""
+    a_out = torch.empty(gathered.shape, dtype=a.dtype, device=a.device) if return_a else None
+    return {"out": torch.empty(gathered.shape[0], b.shape[1], dtype=a.dtype, device=a.device), "a_out": a_out}
 
 
 _chunks: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -330,7 +341,8 @@ def all_gather_matmul(
     (see ``plan`` and ``STAGES``).
     """
     ctx, cfg = prepare(a, b, group, OP, config, return_a)
-    out = launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, group_name=ctx.group_name)
+    new = outputs(a, b, cfg["gathered"], return_a)
+    out = launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new, group_name=ctx.group_name)
     if not return_a:
         return out
-    return cfg["a_out"][:, :a.shape[1]], out
+    return new["a_out"][:, :a.shape[1]], out

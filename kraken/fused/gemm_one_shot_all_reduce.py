@@ -223,6 +223,7 @@ def launch(
     num_groups: int,
     k_per_split: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -232,7 +233,8 @@ def launch(
     m, n = out.shape
     a, b = tma_operands(a, b)
     workspace = peers[rank]
-    gemm_one_shot_all_reduce_kernel[(num_blocks,)](
+    launcher(
+        gemm_one_shot_all_reduce_kernel, (num_blocks,),
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
         partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_groups, k_per_split, rank, len(peers),
@@ -368,6 +370,8 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: s
         raise ValueError(f"{op}: a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
 
 
+@host.per_signature(lambda a, b, group, out_dtype, op, config: (
+    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, *config.items()))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
 ) -> tuple[host.SymmContext, dict]:
@@ -393,7 +397,7 @@ def prepare(
                                        torch.float32, a.device),
         "split_pad_ptrs": host.local_barrier_pads(a.device),
     }
-    return ctx, {**split_args, **cfg}
+    return ctx, {**split_args, **cfg, "launcher": host.Launcher(op)}
 
 
 def gemm_one_shot_all_reduce(

@@ -156,6 +156,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -165,7 +166,8 @@ def launch(
     band_m, n = out.shape
     a, b = tma_operands(a, b)
     workspace = peers[rank]
-    gemm_reduce_scatter_kernel[(num_blocks,)](
+    launcher(
+        gemm_reduce_scatter_kernel, (num_blocks,),
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
         workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
@@ -225,6 +227,8 @@ def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
     return (world_size - 1, cfg["block_m"], cfg["block_n"])
 
 
+@host.per_signature(lambda a, b, group, out_dtype, op, config: (
+    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, *config.items()))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
 ) -> tuple[host.SymmContext, dict]:
@@ -244,7 +248,7 @@ def prepare(
     chunk_bytes = rounds_of(m, n, world_size, cfg) * math.prod(tile) * out_dtype.itemsize
     workspace = host.block_workspace(chunk_bytes, a.device, group, op)
     ctx = workspace.context(out_dtype, tile)
-    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg}
+    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg, "launcher": host.Launcher(op)}
 
 
 def gemm_reduce_scatter(

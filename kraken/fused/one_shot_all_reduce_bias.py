@@ -136,16 +136,27 @@ def prepare_staged(
     ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies``
     message-sized regions (two-shot kernels keep their results apart from the
     staged input). Returns ``x`` as a 2-D view, the workspace's symmetric
-    context and the launch configuration.
+    context and the launch configuration. All but the view and the aliasing
+    check (they depend on ``x``'s address) is kept per signature.
     """
+    hidden, ctx, launch_cfg = staged_signature(op, x, vectors, eps, group, config, plan, copies)
+    _check_not_aliased(x, ctx.peers[ctx.rank], op)
+    return x.view(-1, hidden), ctx, launch_cfg
+
+
+@host.per_signature(lambda op, x, vectors, eps, group, config, plan, copies: (
+    op, group, host.tensor_key(x), *(host.tensor_key(v) for v in vectors.values()), eps, plan, copies,
+    *config.items()))
+def staged_signature(op, x, vectors, eps, group, config, plan, copies) -> tuple[int, host.SymmContext, dict]:
+    """``prepare_staged``'s work that depends only on the signature: checks, agreement, plan, workspace."""
     with host.agreed(op, group, x=x, eps=eps, config=config, **vectors):  # every rank raises if any rank's input is bad
         hidden = check_inputs(op, x, vectors, eps)
         world_size = host.world_size_of(group, op)
         launch_cfg = plan(x.numel() // hidden, hidden, world_size, config)
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
     workspace = host.symm_workspace(max(copies * x.numel(), 1), x.dtype, x.device, group, op)
-    _check_not_aliased(x, workspace, op)
-    return x.view(-1, hidden), host.symm_context(workspace, group, op, name="workspace"), launch_cfg
+    ctx = host.symm_context(workspace, group, op, name="workspace")
+    return hidden, ctx, {**launch_cfg, "launcher": host.Launcher(op)}
 
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
@@ -173,6 +184,7 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -180,7 +192,8 @@ def launch(
     (``tokens * hidden`` elements). ``group_name`` is unused here; Helion takes
     it as its ``hl.ProcessGroupName``.
     """
-    one_shot_all_reduce_bias_kernel[(num_blocks,)](
+    launcher(
+        one_shot_all_reduce_bias_kernel, (num_blocks,),
         x, bias, peers[rank], peers, out, signal_pad_ptrs, x.numel(), x.shape[1], chunk, rank, len(peers),
         BLOCK_SIZE=block_size, num_warps=num_warps,
     )

@@ -110,6 +110,7 @@ def launch(
     num_blocks: int,
     rows_per_block: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -117,7 +118,8 @@ def launch(
     (``tokens * hidden`` elements). ``group_name`` is unused here.
     """
     tokens, hidden = x.shape
-    one_shot_all_reduce_bias_rms_norm_kernel[(num_blocks,)](
+    launcher(
+        one_shot_all_reduce_bias_rms_norm_kernel, (num_blocks,),
         x, bias, weight, peers[rank], peers, out, signal_pad_ptrs, tokens, hidden, rows_per_block, float(eps),
         rank, len(peers), BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps,
     )

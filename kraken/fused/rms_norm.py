@@ -130,17 +130,27 @@ def plan(tokens: int, hidden: int, config: dict) -> dict:
 
 
 def prepare(x: torch.Tensor, weight: torch.Tensor, eps: float, op: str, config: dict) -> tuple[torch.Tensor, dict]:
+    """``x`` as [tokens, hidden] and the launch configuration (checked and planned once per signature)."""
+    hidden, launch_cfg = checked_plan(x, weight, eps, op, config)
+    return x.view(-1, hidden), launch_cfg
+
+
+@host.per_signature(lambda x, weight, eps, op, config: (op, host.tensor_key(x), host.tensor_key(weight), eps,
+                                                        *config.items()))
+def checked_plan(x: torch.Tensor, weight: torch.Tensor, eps: float, op: str, config: dict) -> tuple[int, dict]:
     hidden = check_inputs(op, x, {"weight": weight}, eps)
-    x2d = x.view(-1, hidden)
-    return x2d, plan(x2d.shape[0], hidden, config)
+    return hidden, {**plan(x.numel() // hidden, hidden, config), "launcher": host.Launcher(op)}
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int) -> torch.Tensor:
+def launch(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int, launcher=host.jit_launch
+) -> torch.Tensor:
     """Launch on prepared arguments (``x``, ``out``: [tokens, hidden]; no checks); same signature as the port's."""
     tokens, hidden = x.shape
     if tokens > 0:
-        rms_norm_kernel[(tokens,)](
-            x, weight, out, hidden, float(eps), BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps
+        launcher(
+            rms_norm_kernel, (tokens,), x, weight, out, hidden, float(eps), BLOCK_H=triton.next_power_of_2(hidden),
+            num_warps=num_warps,
         )
     return out
 

@@ -123,13 +123,15 @@ def launch(
     shard: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
     ``x``, ``out``: [tokens, hidden]; ``peers``: every rank's workspace
     (``2 * tokens * hidden`` elements). ``group_name`` is unused here.
     """
-    two_shot_all_reduce_bias_kernel[(num_blocks,)](
+    launcher(
+        two_shot_all_reduce_bias_kernel, (num_blocks,),
         x, bias, peers[rank], peers, out, signal_pad_ptrs, x.numel(), x.shape[1], shard, chunk, rank, len(peers),
         BLOCK_SIZE=block_size, num_warps=num_warps,
     )

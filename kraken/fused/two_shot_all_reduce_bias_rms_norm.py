@@ -113,6 +113,7 @@ def launch(
     shard: int,
     chunk: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -120,7 +121,8 @@ def launch(
     (``2 * tokens * hidden`` elements). ``group_name`` is unused here.
     """
     tokens, hidden = x.shape
-    two_shot_all_reduce_bias_rms_norm_kernel[(num_blocks,)](
+    launcher(
+        two_shot_all_reduce_bias_rms_norm_kernel, (num_blocks,),
         x, bias, weight, peers[rank], peers, out, signal_pad_ptrs, tokens, hidden, shard, chunk, float(eps),
         rank, len(peers), BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps,
     )

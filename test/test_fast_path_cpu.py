@@ -1,0 +1,160 @@
+"""The host fast path (``host.per_signature``, ``host.Launcher``, ``helion_ports.run``), on CPU.
+
+After one warm call, the next calls of the same signature make no collective, find no symmetric buffer,
+build no plan, and launch through the compiled kernel with exactly the arguments Triton's JIT bound on
+the first launch. A new signature (here, a bad config) still goes through the checks and raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from triton.runtime.jit import JITFunction
+
+from benchmark import sm90
+from fake_world import FakeWorld
+from kraken import host
+
+WARM_CALLS = 5
+
+
+class FakeCompiled:
+    """What ``kernel[grid](...)`` returns on a GPU: a compiled kernel whose ``run`` launches (recorded here)."""
+
+    function, packed_metadata = "cufunction", "packed metadata"
+
+    def __init__(self, log: list):
+        self.run = lambda *args: log.append(("fast", args))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch, as ("jit", kernel, args, meta, grid) or ("fast", launcher args); no GPU is touched."""
+    log: list = []
+
+    def jit_run(kernel, *args, grid, warmup, **meta):
+        log.append(("jit", kernel, args, meta, grid))
+        return FakeCompiled(log)
+
+    with sm90.capture_launches():  # Helion's compile-time view of an H200; then our fake JIT run on top
+        monkeypatch.setattr(JITFunction, "run", jit_run)
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+        yield log
+
+
+def test_launcher_replays_the_jit_bound_arguments(launches):
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    peers = (torch.zeros(8), torch.zeros(8))
+    out = torch.zeros(8)
+    launcher = host.Launcher("op")
+    for _ in range(3):
+        launcher(kernel, (3,), peers, out, 77, 8, 1024, 1, 2, BLOCK_SIZE=1024, num_warps=4)
+    (_, _, args, meta, grid), *fast = launches
+    assert grid == (3,) and meta == {"BLOCK_SIZE": 1024, "num_warps": 4}
+    assert [kind for kind, _ in fast] == ["fast", "fast"]
+    for _, run_args in fast:
+        # grid x, y, z, the current stream, the function, its metadata, no hooks, then every parameter in
+        # order: the ones passed positionally, then the constexpr passed by keyword.
+        assert run_args[:9] == (3, 1, 1, 1234, "cufunction", "packed metadata", None, None, None)
+        assert run_args[9:] == (*args, 1024)
+        assert run_args[9] is peers and run_args[10] is out
+
+
+def test_launcher_takes_the_jit_path_while_a_launch_hook_is_set(launches, monkeypatch):
+    from triton import knobs
+
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    launcher = host.Launcher("op")
+    args = ((torch.zeros(8), torch.zeros(8)), torch.zeros(8), 77, 8, 1024, 1, 2)
+    launcher(kernel, (1,), *args, BLOCK_SIZE=1024, num_warps=4)
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launcher(kernel, (1,), *args, BLOCK_SIZE=1024, num_warps=4)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    launcher(kernel, (1,), *args, BLOCK_SIZE=1024, num_warps=4)
+    assert [entry[0] for entry in launches] == ["jit", "jit", "fast"]
+
+
+def symmetric_world(monkeypatch, plan_module: str) -> dict:
+    """A fake 2-rank world (this process rank 1's view of its peers) that counts the per-signature work."""
+    counts = {"symm_context": 0, "plan": 0}
+    host.forget_prepared_calls()
+    world = FakeWorld(monkeypatch)
+    counts["world"] = world
+
+    def symm_context(tensor, group, op, name="tensor"):
+        counts["symm_context"] += 1
+        return host.SymmContext(1, 2, "fake", (torch.zeros_like(tensor), tensor), sm90.FAKE_SIGNAL_PADS)
+
+    def symm_workspace(numel, dtype, device, group, op):
+        return torch.zeros(numel, dtype=dtype)
+
+    module = importlib.import_module(plan_module)
+    real_plan = module.plan
+
+    def plan(*args, **kwargs):
+        counts["plan"] += 1
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(host, "symm_context", symm_context)
+    monkeypatch.setattr(host, "symm_workspace", symm_workspace)
+    monkeypatch.setattr(host, "check_tensor", lambda *args, **kwargs: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(module, "plan", plan)
+    return counts
+
+
+CASES = [
+    # (module of the public function, its name, recipe module whose plan/prepare it uses, the call's arguments)
+    ("kraken.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
+     lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
+    ("helion_ports.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
+     lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
+    ("kraken.comm.reduce_scatter", "reduce_scatter", "kraken.comm.reduce_scatter",
+     lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
+    ("kraken.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
+     lambda: (torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16))),
+    ("helion_ports.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias",
+     "kraken.fused.one_shot_all_reduce_bias",
+     lambda: (torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16))),
+]
+
+
+@pytest.mark.parametrize("module,name,plan_module,make_args", CASES, ids=[f"{c[0]}" for c in CASES])
+def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, plan_module, make_args):
+    counts = symmetric_world(monkeypatch, plan_module)
+    fn = getattr(importlib.import_module(module), name)
+    args = make_args()
+    outputs = [fn(*args) for _ in range(WARM_CALLS)]
+    world = counts["world"]
+    assert world.exchanges == 1, "the ranks agreed on the signature more than once"
+    assert counts["plan"] == 1 and counts["symm_context"] == 1, counts
+    kinds = [entry[0] for entry in launches]
+    # A Triton recipe binds once through the JIT; a Helion twin compiles with its plain call, then binds
+    # once more through the prepared call's launcher.
+    jit_calls = 2 if module.startswith("helion_ports") else 1
+    assert kinds == ["jit"] * jit_calls + ["fast"] * (WARM_CALLS - jit_calls), kinds
+    _, _, jit_args, _, _ = launches[jit_calls - 1]
+    for _, run_args in launches[jit_calls:]:
+        assert len(run_args) - 9 >= len(jit_args)
+        assert all(type(a) is type(b) for a, b in zip(run_args[9:], jit_args))
+    assert all(out is not outputs[0] for out in outputs[1:]), "every call returns a new tensor"
+
+    with pytest.raises(TypeError, match="unknown config keys"):
+        fn(*args, not_a_key=1)  # a new signature: checked (and agreed) again, so it raises
+    assert world.exchanges == 2
+
+
+def test_cached_prepare_is_per_signature(monkeypatch, launches):
+    counts = symmetric_world(monkeypatch, "kraken.comm.one_shot_all_reduce")
+    fn = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce
+    small, large = torch.randn(1000, dtype=torch.bfloat16), torch.randn(100_000, dtype=torch.bfloat16)
+    for _ in range(3):
+        fn(small)
+        fn(large)
+        fn(large, max_blocks=8)
+    assert counts["plan"] == 3 and counts["world"].exchanges == 3
