@@ -1,8 +1,10 @@
 """Helion twins of kraken.comm (same module names and signatures)."""
 
 from .all_gather import all_gather
+from .moe_combine import moe_combine
+from .moe_dispatch import moe_dispatch
 from .one_shot_all_reduce import one_shot_all_reduce
 from .reduce_scatter import reduce_scatter
 from .two_shot_all_reduce import two_shot_all_reduce
 
-__all__ = ["all_gather", "one_shot_all_reduce", "reduce_scatter", "two_shot_all_reduce"]
+__all__ = ["all_gather", "moe_combine", "moe_dispatch", "one_shot_all_reduce", "reduce_scatter", "two_shot_all_reduce"]

@@ -2,8 +2,10 @@
 
 from .all_gather import all_gather
 from .all_gather_with_progress import all_gather_with_progress
+from .moe_combine import moe_combine
+from .moe_dispatch import moe_dispatch
 from .one_shot_all_reduce import one_shot_all_reduce
 from .reduce_scatter import reduce_scatter
 from .two_shot_all_reduce import two_shot_all_reduce
 
-__all__ = ["all_gather", "all_gather_with_progress", "one_shot_all_reduce", "reduce_scatter", "two_shot_all_reduce"]
+__all__ = ["all_gather", "all_gather_with_progress", "moe_combine", "moe_dispatch", "one_shot_all_reduce", "reduce_scatter", "two_shot_all_reduce"]

@@ -1,0 +1,236 @@
+"""moe_dispatch and moe_combine: the eager NCCL path vs the kraken recipes and their Helion twins.
+
+The shape is ``TxHxExKxSKEW``: tokens per rank, hidden size, experts (over all ranks, ``E /
+world_size`` per rank), top-k, and the routing: ``SKEW`` 0 draws each token's k distinct experts
+uniformly, 1 with Zipf weights ``1 / (e + 1)`` (expert 0 about ``E / H(E)`` times as busy as the
+mean, the owner of the first experts receives the most; with 64 experts some get no token at small T).
+The routing is drawn on the CPU from a seed per rank, so every rank knows every rank's routing: the
+capacity given to the recipes is the largest number of rows any rank receives (nothing is dropped),
+and each backend's output is compared row for row.
+
+Baseline ``nccl`` (the common eager path, Megatron-LM's all-to-all token dispatcher): dispatch sorts
+the (token, k) pairs by expert (a stable argsort: a permute), exchanges the per-expert counts with
+``all_to_all_single``, copies the splits to the host (a synchronisation), sends the rows with
+``all_to_all_single`` with splits, and regroups the received chunks expert-major (the second permute,
+``sort_chunks_by_idxs``). Combine reverses it with the splits the dispatch found (no synchronisation):
+regroup rank-major, ``all_to_all_single`` back, and ``index_add_`` of the weighted rows (fp32) into the
+tokens' order. Both produce exactly the recipes' layout, so outputs compare directly.
+
+Not here: torch's ``all_to_all_vdev_2d``. It needs the NVSHMEM symmetric-memory backend, chosen once per
+process (``symm_mem.set_backend("NVSHMEM")``) before the first symmetric allocation, for every buffer; the
+recipes' buffers and signal pads (and every other op of this harness) use the CUDA backend in the same
+process. A comparison with it needs a process of its own: not done in this first version.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
+from benchmark.sm90 import FAKE_SIGNAL_PADS
+from kraken import host
+
+DISPATCH, COMBINE = "comm.moe_dispatch", "comm.moe_combine"
+SHAPE_FORMAT = "TxHxExKxSKEW"
+DEFAULT_SHAPES = [(t, h, e, k, skew) for t in (128, 1024, 4096) for h in (4096, 7168) for e in (8, 64)
+                  for k in (2, 8) for skew in (0, 1)]
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, skew: int, seed: int) -> torch.Tensor:
+    """``[T, k]`` int64 distinct expert ids per token, on the CPU (every rank can draw every rank's)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.ones(num_experts) if not skew else 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64)
+    return torch.multinomial(weights.float().expand(num_tokens, num_experts), top_k, replacement=False,
+                             generator=gen)
+
+
+def check_shape(shape, world_size: int) -> None:
+    num_tokens, hidden, num_experts, top_k, skew = shape
+    if num_experts % world_size or top_k > num_experts or skew not in (0, 1):
+        raise ValueError(f"moe: shape {shape}: E must be divisible by the world size {world_size}, K <= E, "
+                         "SKEW 0 or 1")
+
+
+def dispatch_inputs(shape, dtype, seed):
+    """Tokens (random, per rank), this rank's routing, and every rank's, for the capacity and the baseline."""
+    num_tokens, hidden, num_experts, top_k, skew = shape
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    check_shape(shape, world_size)
+    all_ids = [routing(num_tokens, num_experts, top_k, skew, seed * 1000 + r) for r in range(world_size)]
+    per_rank = num_experts // world_size
+    received = [sum(int(((ids >= d * per_rank) & (ids < (d + 1) * per_rank)).sum()) for ids in all_ids)
+                for d in range(world_size)]
+    gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
+    tokens = torch.randn(num_tokens, hidden, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
+    ids = all_ids[rank].cuda()
+    # The eager path's bookkeeping, used by its combine (found by its dispatch in a model).
+    counts = torch.stack([torch.bincount(x.flatten(), minlength=num_experts) for x in all_ids])  # [src, e]
+    send = counts[rank].view(world_size, per_rank)  # to rank d, expert e
+    recv = counts[:, rank * per_rank:(rank + 1) * per_rank]  # from rank s, local expert e
+    return {
+        "tokens": tokens, "expert_ids": ids, "num_experts": num_experts, "capacity": max(1, max(received)),
+        "recv_rows": received[rank], "order": torch.argsort(ids.flatten(), stable=True),
+        "in_splits": send.sum(1).tolist(), "out_splits": recv.sum(1).tolist(), "recv_chunks": recv.tolist(),
+    }
+
+
+def rank_major_to_expert_major(rows: torch.Tensor, chunks: list[list[int]]) -> torch.Tensor:
+    """Rows arriving as (rank s, expert e) chunks, rank-major, regrouped expert-major (Megatron's
+    ``sort_chunks_by_idxs``)."""
+    world_size, per_rank = len(chunks), len(chunks[0])
+    parts = rows.split([c for row in chunks for c in row])
+    return torch.cat([parts[s * per_rank + e] for e in range(per_rank) for s in range(world_size)])
+
+
+def expert_major_to_rank_major(rows: torch.Tensor, chunks: list[list[int]]) -> torch.Tensor:
+    world_size, per_rank = len(chunks), len(chunks[0])
+    parts = rows.split([chunks[s][e] for e in range(per_rank) for s in range(world_size)])
+    return torch.cat([parts[e * world_size + s] for s in range(world_size) for e in range(per_rank)])
+
+
+def nccl_dispatch(i):
+    """Megatron-style: permute, count exchange, host sync for the splits, all_to_all_single, regroup."""
+    tokens, ids = i["tokens"], i["expert_ids"]
+    world_size, top_k = dist.get_world_size(), ids.shape[1]
+    per_rank = i["num_experts"] // world_size
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    permuted = tokens.index_select(0, order // top_k)
+    counts = torch.bincount(flat, minlength=i["num_experts"])
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts)  # [s * per_rank + e]: from rank s to my expert e
+    chunks = received.view(world_size, per_rank).tolist()  # the host synchronisation
+    in_splits = counts.view(world_size, per_rank).sum(1).tolist()
+    out_splits = [sum(row) for row in chunks]
+    out = tokens.new_empty((sum(out_splits), tokens.shape[1]))
+    dist.all_to_all_single(out, permuted, out_splits, in_splits)
+    return rank_major_to_expert_major(out, chunks)
+
+
+def recipe_dispatch(package: str):
+    fn = importlib.import_module(f"{package}.{DISPATCH}").moe_dispatch
+
+    def run(i):
+        recv, _, _ = fn(i["tokens"], i["expert_ids"], i["num_experts"], capacity=i["capacity"])
+        return recv[:i["recv_rows"]]
+
+    return run
+
+
+def combine_inputs(shape, dtype, seed):
+    """The dispatch's inputs, the recipe's dispatch done (its handle), the expert outputs written in place into
+    its receive buffer (``recv * 2``), the same rows as an ordinary tensor for the baseline, and weights."""
+    i = dispatch_inputs(shape, dtype, seed)
+    from kraken.comm.moe_dispatch import moe_dispatch
+
+    recv, _, handle = moe_dispatch(i["tokens"], i["expert_ids"], i["num_experts"], capacity=i["capacity"])
+    recv[:i["recv_rows"]].mul_(2)
+    gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + 500 + dist.get_rank())
+    logits = torch.randn(i["expert_ids"].shape, device="cuda", generator=gen)
+    return {**i, "recv": recv, "handle": handle, "expert_out": recv[:i["recv_rows"]].clone(),
+            "weights": torch.softmax(logits, dim=1)}
+
+
+def nccl_combine(i):
+    """Megatron-style, reusing the dispatch's splits: regroup rank-major, all_to_all_single back, weighted
+    index_add_ (fp32) into token order."""
+    tokens, top_k = i["tokens"], i["expert_ids"].shape[1]
+    back = expert_major_to_rank_major(i["expert_out"], i["recv_chunks"])
+    permuted = back.new_empty((sum(i["in_splits"]), back.shape[1]))
+    dist.all_to_all_single(permuted, back, i["in_splits"], i["out_splits"])
+    order = i["order"]
+    weighted = permuted.float() * i["weights"].flatten()[order, None]
+    out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    out.index_add_(0, order // top_k, weighted)
+    return out.to(tokens.dtype)
+
+
+def recipe_combine(package: str):
+    fn = importlib.import_module(f"{package}.{COMBINE}").moe_combine
+    return lambda i: fn(i["recv"], i["handle"], i["weights"])
+
+
+# ---------------------------------------------------------------------------
+# CPU compile examples (benchmark.sm90): fake peers, the launch only
+# ---------------------------------------------------------------------------
+
+
+def example_shape(world_size: int) -> tuple[int, ...]:
+    return (37, 129, 2 * world_size, 2, 0)  # odd: every tail masked, nothing 16-byte aligned
+
+
+def example_handle(module_path: str, world_size: int, shape, rank: int = 1):
+    num_tokens, hidden, num_experts, top_k, _ = shape
+    dispatch = importlib.import_module(f"kraken.{DISPATCH}")
+    capacity = 2 * num_tokens * top_k
+    cfg = dispatch.plan(num_tokens, top_k, hidden, num_experts, world_size, {})
+    recv = tuple(torch.empty(capacity, hidden, dtype=torch.bfloat16) for _ in range(world_size))
+    counts = tuple(torch.empty(world_size, cfg["e_pad"], dtype=torch.int32) for _ in range(world_size))
+    recv_ctx = host.SymmContext(rank, world_size, "", recv, FAKE_SIGNAL_PADS)
+    counts_ctx = host.SymmContext(rank, world_size, "", counts, FAKE_SIGNAL_PADS)
+    tokens = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k))
+    handle = dispatch.new_handle(tokens, ids, num_experts, recv[rank], recv_ctx, capacity)
+    return tokens, ids, handle, counts_ctx, cfg
+
+
+def dispatch_example(module, world_size: int, shape=None) -> None:
+    shape = shape or example_shape(world_size)
+    check_shape(shape, world_size)
+    tokens, ids, handle, counts_ctx, cfg = example_handle(module.__name__, world_size, shape)
+    module.launch(tokens, ids, handle, counts_ctx, 1, **cfg)
+
+
+def combine_example(module, world_size: int, shape=None) -> None:
+    shape = shape or example_shape(world_size)
+    check_shape(shape, world_size)
+    num_tokens, hidden, _, top_k, _ = shape
+    _, _, handle, _, _ = example_handle(module.__name__, world_size, shape)
+    combine = importlib.import_module(f"kraken.{COMBINE}")
+    cfg = combine.plan(num_tokens, hidden, world_size, {})
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
+    module.launch(out, torch.rand(num_tokens, top_k), handle, 1, **cfg)
+
+
+def nvlink_bytes(shape, dtype, world_size):
+    """Rows a rank sends to (or pulls from) its peers under uniform routing: (ws - 1) / ws of its T * k pairs.
+    (Skewed rows move as much on average but unevenly: the busiest rank receives more.)"""
+    num_tokens, hidden, _, top_k, _ = shape
+    return (world_size - 1) / world_size * num_tokens * top_k * hidden * dtype.itemsize
+
+
+def floor_us(shape, dtype, world_size):
+    return nvlink_us(nvlink_bytes(shape, dtype, world_size)) + 2 * SYNC_US
+
+
+register(
+    Op(
+        name="moe_combine",
+        description="MoE combine: top-k expert outputs back to their tokens' ranks, weighted sum in token order",
+        make_inputs=combine_inputs,
+        backends={"nccl": nccl_combine, "triton": recipe_combine("kraken"), "helion": recipe_combine("helion_ports")},
+        default_shapes=DEFAULT_SHAPES,
+        shape_format=SHAPE_FORMAT,
+        nvlink_bytes=nvlink_bytes,
+        floor_us=floor_us,
+        pairs=[Pair("triton", "helion", f"kraken.{COMBINE}", f"helion_ports.{COMBINE}", combine_example)],
+    )
+)
+
+register(
+    Op(
+        name="moe_dispatch",
+        description="MoE dispatch: every token to its top-k experts' ranks, expert-major, counts on the device",
+        make_inputs=dispatch_inputs,
+        backends={"nccl": nccl_dispatch, "triton": recipe_dispatch("kraken"),
+                  "helion": recipe_dispatch("helion_ports")},
+        default_shapes=DEFAULT_SHAPES,
+        shape_format=SHAPE_FORMAT,
+        nvlink_bytes=nvlink_bytes,
+        floor_us=floor_us,
+        pairs=[Pair("triton", "helion", f"kraken.{DISPATCH}", f"helion_ports.{DISPATCH}", dispatch_example)],
+    )
+)

@@ -1,0 +1,119 @@
+"""Helion twin of ``kraken.comm.moe_dispatch``: same function, same arguments.
+
+The routing bookkeeping (count histogram, the on-device count exchange with its barrier and the
+prefix sums, each pair's destination slot) is the recipe's own three small Triton kernels, shared
+as ``plan`` and ``prepare`` are: it is index arithmetic on a few kilobytes, and the twin's subject
+is the data movement. The token copy is ported: ``hl.grid(num_blocks)`` is the persistent grid and
+the barrier's block id, block ``b`` copies its contiguous range of (token, k) pairs, whole rows, as
+``[rows, block_h]`` tiles gathered from the local tokens and stored into the owner's receive buffer
+(one masked ``hl.store`` per rank, unrolled with ``hl.static_range``; exactly one of them stores),
+then the kraken barrier (release + acquire) through ``hl.inline_triton``.
+
+Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from helion_ports import flat_kernel
+from kraken import host
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken.comm.moe_dispatch import (  # shared with the Triton recipe
+    MoEHandle, check, new_handle, plan, prepare, route,
+)
+
+# "My rows are visible to their owners; the peers' rows for me have landed."
+SYNC_END = SYMM_MEM_SYNC[(True, True)]
+
+
+def dispatch_body(
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    recv_peers: tuple[torch.Tensor, ...],
+    signal_pad_ptrs: int,
+    num_blocks: int,
+    pairs_per_block: int,
+    capacity: int,
+    top_k: int,
+    rank: int,
+    world_size: hl.constexpr,
+    group_name: hl.ProcessGroupName,
+) -> torch.Tensor:
+    # Sizes from the top-level tensors (Helion 1.5.0 does not re-specialise on tensors only inside a tuple).
+    num_pairs = slots.size(0)
+    hidden = tokens.size(1)
+    for block in hl.grid(num_blocks):
+        start = block * pairs_per_block
+        for tile_p, tile_h in hl.tile([start, 0], [min(start + pairs_per_block, num_pairs), hidden]):
+            slot = hl.load(slots, [tile_p])
+            kept = slot >= 0
+            slot = torch.clamp(slot, min=0)
+            owner = slot // capacity
+            row = slot - owner * capacity
+            token = tile_p.index // top_k
+            values = hl.load(tokens, [token, tile_h], extra_mask=kept[:, None])
+            for r in hl.static_range(world_size):  # one store per row lands: the owner's
+                hl.store(recv_peers[r], [row, tile_h], values, extra_mask=(kept & (owner == r))[:, None])
+        hl.inline_triton(
+            SYNC_END,
+            args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size},
+            output_like=None,
+        )
+    return slots
+
+
+@functools.cache
+def compiled(rows: int, block_h: int, num_warps: int) -> helion.Kernel:
+    """One Helion kernel per launch configuration, each with an explicit config (``pid_type="flat"``)."""
+    return flat_kernel(dispatch_body, (rows, block_h), num_warps)
+
+
+def launch(
+    tokens: torch.Tensor,
+    expert_ids: torch.Tensor,
+    handle: MoEHandle,
+    counts_ctx: host.SymmContext,
+    rank: int,
+    num_chunks: int,
+    e_pad: int,
+    ws_pad: int,
+    rows: int,
+    block_h: int,
+    num_warps: int,
+    num_blocks: int,
+    pairs_per_block: int,
+    group_name: str = "",
+) -> MoEHandle:
+    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.moe_dispatch.launch``."""
+    route(expert_ids, handle, counts_ctx, rank, num_chunks, e_pad, ws_pad)
+    ctx = handle.recv_context
+    compiled(rows, block_h, num_warps)(
+        tokens, handle.slots.view(-1), ctx.peers, ctx.signal_pad_ptrs, num_blocks, pairs_per_block, handle.capacity,
+        expert_ids.shape[1], rank, len(ctx.peers), group_name,
+    )
+    return handle
+
+
+def moe_dispatch(
+    tokens: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup | str | None = None,
+    capacity: int | None = None,
+    check_status: bool = False,
+    **config,
+) -> tuple[torch.Tensor, torch.Tensor, MoEHandle]:
+    """Send each token to its top-k experts' ranks: ``(recv, recv_counts, handle)`` (see the kraken recipe)."""
+    recv, recv_ctx, counts_ctx, capacity, cfg = prepare(tokens, expert_ids, num_experts, group, capacity,
+                                                        "helion moe_dispatch", config)
+    handle = new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity)
+    launch(tokens, expert_ids, handle, counts_ctx, recv_ctx.rank, **cfg, group_name=recv_ctx.group_name)
+    if check_status:
+        check(handle)
+    return recv, handle.recv_counts, handle

@@ -1,0 +1,357 @@
+"""MoE dispatch and combine without a GPU: the plans fit the signal pad and cover every pair and token once,
+the plain-torch reference has the documented layout and capacity rule, the four dispatch kernels and the
+combine kernel run end to end under the Triton interpreter (fake peers, barriers as no-ops) and agree
+with the reference exactly, bad input raises on every rank before any launch (a fake two-rank world),
+and the combine's machine code issues every peer load of a step before its first multiply-add."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from benchmark import registry, sm90
+from benchmark.ops import moe as moe_op
+from fake_world import FakeWorld
+from kraken import host
+
+DISPATCH = ("kraken.comm.moe_dispatch", "helion_ports.comm.moe_dispatch")
+COMBINE = ("kraken.comm.moe_combine", "helion_ports.comm.moe_combine")
+PAD = 9216  # torch 2.11's default signal pad
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def module(path: str):
+    return importlib.import_module(path)
+
+
+D, C = module(DISPATCH[0]), module(COMBINE[0])
+
+
+# ---------------------------------------------------------------------------
+# Plans
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ws", [2, 3, 8])
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (37, 2), (128, 8), (4096, 8), (4097, 3)])
+def test_plans_fit_the_pad_and_cover_everything_once(ws, tokens, top_k, monkeypatch):
+    monkeypatch.setattr(host, "signal_pad_bytes", lambda: PAD)
+    for max_blocks in (132, 100_000):
+        cfg = D.plan(tokens, top_k, 4096, 8 * ws, ws, {"max_blocks": max_blocks})
+        assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(ws, PAD)
+        covered = torch.zeros(tokens * top_k, dtype=torch.int32)
+        for b in range(cfg["num_blocks"]):
+            start = b * cfg["pairs_per_block"]
+            covered[start:min(start + cfg["pairs_per_block"], tokens * top_k)] += 1
+        assert torch.all(covered == 1), (ws, tokens, top_k, cfg)
+        assert cfg["pairs_per_block"] % cfg["rows"] == 0
+        assert cfg["num_chunks"] * D.CHUNK >= tokens * top_k
+        assert cfg["e_pad"] >= 8 * ws and cfg["ws_pad"] >= ws
+        ccfg = C.plan(tokens, 4096, ws, {"max_blocks": max_blocks})
+        assert 1 <= ccfg["num_blocks"] <= host.max_barrier_blocks(ws, PAD)
+        covered = torch.zeros(tokens, dtype=torch.int32)
+        for b in range(ccfg["num_blocks"]):
+            start = b * ccfg["tokens_per_block"]
+            covered[start:min(start + ccfg["tokens_per_block"], tokens)] += 1
+        assert torch.all(covered == 1), (ws, tokens, ccfg)
+    with pytest.raises(TypeError, match="unknown config keys"):
+        D.plan(4, 2, 8, 4, 2, {"bogus": 1})
+    with pytest.raises(TypeError, match="unknown config keys"):
+        C.plan(4, 8, 2, {"bogus": 1})
+
+
+def test_default_capacity_is_twice_an_even_share():
+    assert D.default_capacity(4096, 8) == 2 * 4096 * 8
+    assert D.default_capacity(1, 1) == 2
+
+
+# ---------------------------------------------------------------------------
+# The reference: layout, capacity, bad ids
+# ---------------------------------------------------------------------------
+
+
+def test_reference_layout_is_expert_major_then_rank_then_token():
+    # 2 ranks, 4 experts (rank 0 owns 0, 1; rank 1 owns 2, 3), top-2.
+    ids0 = torch.tensor([[1, 2], [0, 1], [3, -1]])
+    ids1 = torch.tensor([[1, 0], [2, 3]])
+    ref = D.reference_slots([ids0, ids1], 4, capacity=100)
+    # Rank 0 receives: expert 0 from rank 0 (t1) then rank 1 (t0); expert 1: rank 0 (t0, t1), rank 1 (t0).
+    assert ref["recv_counts"][0].tolist() == [2, 3] and ref["recv_offsets"][0].tolist() == [0, 2]
+    assert ref["recv_counts"][1].tolist() == [2, 2] and ref["recv_offsets"][1].tolist() == [0, 2]
+    assert ref["slots"][0].tolist() == [[2, 100 + 0], [0, 3], [100 + 2, -1]]
+    assert ref["slots"][1].tolist() == [[4, 1], [100 + 1, 100 + 3]]
+    assert ref["dropped"] == [0, 0] and ref["bad"] == [0, 0]
+    tokens = [torch.arange(3.0)[:, None].expand(3, 2) + 10, torch.arange(2.0)[:, None].expand(2, 2) + 20]
+    rows, counts, offsets = D.reference_dispatch(tokens, [ids0, ids1], 4, 100, 0)
+    assert rows[:, 0].tolist() == [11, 20, 10, 11, 20]
+
+
+def test_capacity_drops_the_last_rows_and_counts_them():
+    ids0 = torch.tensor([[0], [0], [1]])
+    ids1 = torch.tensor([[0], [1], [1]])
+    # Rank 0 owns experts 0 and 1 (of 4): expert 0 gets rows 0-2, expert 1 rows 3-5; capacity 4 keeps 4.
+    ref = D.reference_slots([ids0, ids1], 4, capacity=4)
+    assert ref["slots"][0].flatten().tolist() == [0, 1, 3]
+    assert ref["slots"][1].flatten().tolist() == [2, -1, -1]
+    assert ref["dropped"] == [0, 2]
+    assert ref["recv_counts"][0].tolist() == [3, 1] and ref["recv_offsets"][0].tolist() == [0, 3]
+    # Capacity 2: expert 1 starts past the end, nothing of it is kept.
+    ref = D.reference_slots([ids0, ids1], 4, capacity=2)
+    assert ref["recv_counts"][0].tolist() == [2, 0] and ref["recv_offsets"][0].tolist() == [0, 2]
+    assert ref["dropped"] == [1, 3]
+
+
+def test_bad_ids_are_skipped_and_counted():
+    ref = D.reference_slots([torch.tensor([[0, 7], [-1, -2]]), torch.tensor([[1, 1]])], 4, capacity=10)
+    assert ref["bad"] == [2, 0] and ref["slots"][0].tolist() == [[0, -1], [-1, -1]]
+
+
+# ---------------------------------------------------------------------------
+# The kernels under the Triton interpreter (a subprocess: TRITON_INTERPRET is read at import)
+# ---------------------------------------------------------------------------
+
+INTERPRET_CASES = [
+    # ws, T, H, E, K, capacity, skewed, bad ids
+    (2, 1, 1, 2, 1, None, False, False),  # one token, one column, one expert per rank
+    (2, 37, 33, 4, 2, None, False, False),
+    (3, 50, 16, 6, 3, None, True, False),
+    (4, 300, 8, 16, 2, 200, True, False),  # drops past capacity, chunks of 128 pairs cross
+    (2, 20, 8, 8, 2, None, False, True),  # ids -1 and out of range
+    (8, 16, 4, 64, 8, 40, True, False),  # many empty experts, drops
+]
+
+
+@triton.jit
+def no_barrier(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, hasPreviousMemAccess: tl.constexpr = False,
+               hasSubsequentMemAccess: tl.constexpr = False):
+    """Stands in for ``symm_mem_sync`` under the interpreter (which runs no inline PTX)."""
+    pass
+
+
+def patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with ``int(array)``, which numpy 2.4 refuses for the
+    1-element 1-D arrays it holds scalars in (``range(0, n, step)`` over a runtime ``n`` fails); take the element."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def interpret_case(ws, tokens, hidden, num_experts, top_k, capacity, skewed, bad, seed=0):
+    """Run inside a TRITON_INTERPRET=1 process: every rank's four dispatch kernels on CPU tensors standing in for
+    the symmetric buffers (the barrier a no-op: the exchange runs twice over all ranks, so the second pass sees
+    every rank's counts), then the combine, each checked against the reference."""
+    patch_interpreter_index()
+    D.symm_mem_sync = no_barrier
+    C.symm_mem_sync = no_barrier
+    gen = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, num_experts + 1) ** 2 if skewed else torch.ones(num_experts)
+    all_ids = [torch.multinomial(weights.expand(tokens, num_experts), top_k, generator=gen) for _ in range(ws)]
+    if bad:
+        all_ids[0][0, 0], all_ids[0][1, 1], all_ids[1][2, 0] = -1, num_experts, -5
+    all_tokens = [torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16) for _ in range(ws)]
+    capacity = capacity or D.default_capacity(tokens, top_k)
+    cfg = D.plan(tokens, top_k, hidden, num_experts, ws, {"max_blocks": 7, "rows": 4, "block_h": 16})
+    recv = tuple(torch.full((capacity, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(ws))
+    counts = tuple(torch.zeros(ws, cfg["e_pad"], dtype=torch.int32) for _ in range(ws))
+    handles, counts_ctxs = [], []
+    for r in range(ws):
+        recv_ctx = host.SymmContext(r, ws, "", recv, 0)
+        counts_ctxs.append(host.SymmContext(r, ws, "", counts, 0))
+        handles.append(D.new_handle(all_tokens[r], all_ids[r], num_experts, recv[r], recv_ctx, capacity))
+    for _ in range(2):
+        for r in range(ws):
+            D.route(all_ids[r], handles[r], counts_ctxs[r], r, **cfg)
+    for r in range(ws):
+        D.launch(all_tokens[r], all_ids[r], handles[r], counts_ctxs[r], r, **cfg)
+    ref = D.reference_slots(all_ids, num_experts, capacity)
+    for r in range(ws):
+        h = handles[r]
+        assert torch.equal(h.slots, ref["slots"][r]), (r, h.slots, ref["slots"][r])
+        assert h.recv_counts.tolist() == ref["recv_counts"][r].tolist(), r
+        assert h.recv_offsets.tolist() == ref["recv_offsets"][r].tolist(), r
+        assert h.status.tolist() == [ref["dropped"][r], ref["bad"][r]], (r, h.status)
+        rows, _, _ = D.reference_dispatch(all_tokens, all_ids, num_experts, capacity, r)
+        used = rows.shape[0]
+        if used:
+            assert torch.equal(recv[r][:min(used, capacity)], rows[:capacity]), f"rank {r}: recv rows differ"
+        assert torch.isnan(recv[r][used:].float()).all(), f"rank {r}: rows past the used ones were written"
+    # Combine: expert outputs = recv * 2 (rows never written stay NaN and must never be read).
+    expert_out = tuple(x * 2 for x in recv)
+    for r in range(ws):
+        recv[r].copy_(expert_out[r])
+    ccfg = C.plan(tokens, hidden, ws, {"max_blocks": 5, "tokens": 2, "block_h": 16})
+    for r in range(ws):
+        w = torch.rand(tokens, top_k, generator=gen)
+        out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16)
+        C.launch(out, w, handles[r], r, **ccfg)
+        expected = C.reference_combine(list(expert_out), ref["slots"], w, r, capacity)
+        assert not torch.isnan(out.float()).any(), f"rank {r}: combine read an unwritten row or left one"
+        torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    return "ok"
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES, ids=[f"ws{c[0]}-T{c[1]}-E{c[3]}-k{c[4]}" for c in INTERPRET_CASES])
+def test_kernels_under_the_interpreter_match_the_reference(case):
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import test_moe_cpu as t; print(t.interpret_case(*{case!r}))"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("KRAKEN_BARRIER_TIMEOUT_S", None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                            cwd=os.path.dirname(HERE), timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------
+# Input validation (host only, before any launch)
+# ---------------------------------------------------------------------------
+
+
+def every_check_but_the_device(real_check):
+    def check(tensor, name, op, **kwargs):
+        try:
+            real_check(tensor, name, op, **kwargs)
+        except ValueError as exc:
+            if "must be on a CUDA device" not in str(exc):
+                raise
+    return check
+
+
+@pytest.mark.parametrize("path", DISPATCH)
+def test_dispatch_bad_input_raises_on_every_rank_before_any_launch(path, monkeypatch):
+    mod = module(path)
+    world = FakeWorld(monkeypatch)  # rank 1 passes the same arguments
+    monkeypatch.setattr(host, "check_tensor", every_check_but_the_device(host.check_tensor))
+    launches = []
+    monkeypatch.setattr(mod, "launch", lambda *args, **kwargs: launches.append(args))
+    monkeypatch.setattr(mod, "prepare", mod.prepare)
+    tokens, ids = torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.int64)
+    cases = [
+        ((tokens.int(), ids, 4), ValueError, "tokens has dtype int32"),
+        ((tokens, ids.float(), 4), ValueError, "expert_ids has dtype float32"),
+        ((tokens, ids[:5], 4), ValueError, "expert_ids has 5 rows but tokens has 6"),
+        ((tokens, ids, 3), ValueError, "divisible by the world size 2"),
+        ((tokens, ids, 4.0), TypeError, "num_experts must be an int"),
+        ((tokens, torch.zeros(6, 17, dtype=torch.int64), 4), ValueError, "top-k = 17"),
+        ((tokens[0], ids, 4), ValueError, "tokens must be 2-D"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            getattr(mod, "moe_dispatch")(*args)
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        mod.moe_dispatch(tokens, ids, 4, capacity=0)
+    with pytest.raises(TypeError, match="unknown config keys"):
+        mod.moe_dispatch(tokens, ids, 4, bogus=1)
+    assert not launches and world.exchanges == len(cases) + 2
+
+
+def test_dispatch_bad_input_on_one_rank_raises_on_both(monkeypatch):
+    """Rank 1 (the fake) reports a failure: rank 0, whose input is fine, raises naming rank 1."""
+    def other(mine):
+        signature, _ = mine
+        return signature, ("ValueError", "expert_ids has dtype float32; supported: int32, int64")
+
+    FakeWorld(monkeypatch, other=other)
+    monkeypatch.setattr(host, "check_tensor", every_check_but_the_device(host.check_tensor))
+    monkeypatch.setattr(D, "buffers", lambda *a: pytest.fail("allocated after a failed agreement"))
+    with pytest.raises(ValueError, match="bad input on rank 1: expert_ids has dtype float32"):
+        D.moe_dispatch(torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.int64), 4)
+
+
+def test_combine_checks(monkeypatch):
+    FakeWorld(monkeypatch)
+    monkeypatch.setattr(host, "check_tensor", every_check_but_the_device(host.check_tensor))
+    recv = torch.zeros(24, 8, dtype=torch.bfloat16)
+    ctx = host.SymmContext(0, 2, "fake", (recv, recv), 0)
+    handle = D.new_handle(torch.zeros(6, 8, dtype=torch.bfloat16), torch.zeros(6, 2, dtype=torch.int64), 4, recv, ctx,
+                          24)
+    for path in COMBINE:
+        fn = module(path).moe_combine
+        with pytest.raises(TypeError, match="handle must be the MoEHandle"):
+            fn(recv, object(), torch.zeros(6, 2))
+        with pytest.raises(ValueError, match="expert_out has dtype float32"):
+            fn(recv.float(), handle, torch.zeros(6, 2))
+        with pytest.raises(ValueError, match=r"expert_out has shape \(23, 8\)"):
+            fn(recv[:23], handle, torch.zeros(6, 2))
+        with pytest.raises(ValueError, match=r"weights has shape \(6, 3\)"):
+            fn(recv, handle, torch.zeros(6, 3))
+        with pytest.raises(ValueError, match="weights has dtype int64"):
+            fn(recv, handle, torch.zeros(6, 2, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------
+# Machine code and registry
+# ---------------------------------------------------------------------------
+
+
+def loads_before_first_fma(sass: list[str]) -> int:
+    """Data loads a thread issues after the first cross-GPU barrier, before its first fp32 multiply(-add)."""
+    barrier = next(i for i, line in enumerate(sass) if re.search(r"ATOMG.*\.SYS", line))
+    start = next(i for i in range(barrier, len(sass)) if "BAR.SYNC" in sass[i])
+    loads = 0
+    for line in sass[start:]:
+        op = re.sub(r"^@!?\w+\s+", "", line)
+        if op.startswith("LDG") and "STRONG" not in op and ".128" in op:
+            loads += 1
+        elif op.startswith(("FFMA", "FMUL")) and loads:
+            return loads
+    raise AssertionError("no multiply after the barrier")
+
+
+@pytest.mark.parametrize("ws", [2, 4, 8])
+def test_combine_issues_every_row_load_before_its_first_multiply(ws):
+    """One NVLink round trip per step: the k rows' 16-byte loads (one per rank and expert slot, masked: one of
+    each rank's lands) are all issued before the first multiply, in the recipe and in the twin alike."""
+    shape = (64, 4096, 2 * ws, 2, 0)
+    counts = []
+    for path in COMBINE:
+        with sm90.capture_launches() as launches:
+            moe_op.combine_example(module(path), ws, shape=shape)
+        counts.append(loads_before_first_fma(sm90.sass_instructions(launches[-1])))
+    recipe, twin = counts
+    assert recipe >= 2 * ws and twin >= recipe, f"ws={ws}: the recipe issues {recipe} loads first, the twin {twin}"
+
+
+def test_registry_entries():
+    for name in ("moe_dispatch", "moe_combine"):
+        entry = registry.get(name)
+        assert list(entry.backends) == ["nccl", "triton", "helion"]
+        assert len(entry.default_shapes) == 48 and entry.shape_format == "TxHxExKxSKEW"
+        assert (4096, 4096, 8, 2, 0) in entry.default_shapes and (128, 7168, 64, 8, 1) in entry.default_shapes
+        # 4096 tokens x top-2 x 4096 x bf16 at 2 ranks: half of the 64 MiB of rows cross NVLink.
+        assert entry.nvlink_bytes((4096, 4096, 8, 2, 0), torch.bfloat16, 2) == 32 << 20
+        assert entry.floor_us((4096, 4096, 8, 2, 0), torch.bfloat16, 2) == pytest.approx((32 << 20) / 361e3 + 2.0)
+    assert registry.parse_shape("4096x7168x64x8x1", "TxHxExKxSKEW") == (4096, 7168, 64, 8, 1)
+    with pytest.raises(ValueError, match="divisible by the world size 3"):
+        moe_op.dispatch_example(None, 3, shape=(8, 8, 4, 2, 0))
+
+
+def test_routing_draws_distinct_experts_and_skews():
+    ids = moe_op.routing(4096, 64, 8, 1, seed=3)
+    assert ids.shape == (4096, 8) and all(len(set(row)) == 8 for row in ids.tolist()[:100])
+    load = torch.bincount(ids.flatten(), minlength=64)
+    assert load[0] > 3 * load.float().mean() and load[-1] < load.float().mean()
+    uniform = torch.bincount(moe_op.routing(4096, 8, 2, 0, seed=3).flatten(), minlength=8).float()
+    assert uniform.max() < 1.2 * uniform.mean()
+    assert torch.equal(moe_op.routing(16, 8, 2, 0, seed=5), moe_op.routing(16, 8, 2, 0, seed=5))
+
+
+def test_eager_path_regrouping_round_trips():
+    chunks = [[2, 0, 1], [1, 3, 0]]  # (rank s, expert e) chunk sizes
+    rows = torch.arange(7.0)[:, None]
+    expert_major = moe_op.rank_major_to_expert_major(rows, chunks)
+    # rank-major: s0e0 = [0, 1], s0e2 = [2], s1e0 = [3], s1e1 = [4, 5, 6]; expert-major: e0 (s0, s1), e1, e2.
+    assert expert_major.flatten().tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert torch.equal(moe_op.expert_major_to_rank_major(expert_major, chunks), rows)
