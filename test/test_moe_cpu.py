@@ -355,3 +355,76 @@ def test_eager_path_regrouping_round_trips():
     # rank-major: s0e0 = [0, 1], s0e2 = [2], s1e0 = [3], s1e1 = [4, 5, 6]; expert-major: e0 (s0, s1), e1, e2.
     assert expert_major.flatten().tolist() == [0, 1, 3, 4, 5, 6, 2]
     assert torch.equal(moe_op.expert_major_to_rank_major(expert_major, chunks), rows)
+
+
+class ThreadWorld:
+    """``world_size`` ranks as threads of this process: ``all_to_all_single`` exchanges through a shared box."""
+
+    def __init__(self, world_size: int):
+        import threading
+
+        self.world_size, self.box, self.local = world_size, {}, threading.local()
+        self.barrier = threading.Barrier(world_size)
+
+    def get_world_size(self, group=None):
+        return self.world_size
+
+    def get_rank(self, group=None):
+        return self.local.rank
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None):
+        splits = input_split_sizes or [input.shape[0] // self.world_size] * self.world_size
+        self.box[self.local.rank] = input.split(list(splits))
+        self.barrier.wait()
+        output.copy_(torch.cat([self.box[s][self.local.rank] for s in range(self.world_size)]))
+        self.barrier.wait()
+
+    def run(self, fn):
+        import concurrent.futures
+
+        def as_rank(rank):
+            self.local.rank = rank
+            return fn(rank)
+
+        with concurrent.futures.ThreadPoolExecutor(self.world_size) as pool:
+            return list(pool.map(as_rank, range(self.world_size)))
+
+
+@pytest.mark.parametrize("ws,shape", [(2, (37, 16, 4, 2, 0)), (3, (100, 8, 6, 3, 1)), (8, (64, 4, 64, 8, 1)),
+                                      (8, (50, 4, 8, 8, 0))])
+def test_eager_baseline_matches_the_reference(ws, shape, monkeypatch):
+    """The NCCL baseline (Megatron's permute + all_to_all_single + regroup, and back) gives the recipes' layout
+    row for row and the reference combine: the benchmark compares them directly."""
+    world = ThreadWorld(ws)
+    for name in ("get_world_size", "get_rank", "all_to_all_single"):
+        monkeypatch.setattr(moe_op.dist, name, getattr(world, name))
+    num_tokens, hidden, num_experts, top_k, skew = shape
+    all_ids = [moe_op.routing(num_tokens, num_experts, top_k, skew, 10 + r) for r in range(ws)]
+    all_tokens = [torch.randn(num_tokens, hidden) for _ in range(ws)]
+    books = [moe_op.bookkeeping(all_ids, r, num_experts) for r in range(ws)]
+    capacity = books[0]["capacity"]
+    assert all(b["capacity"] == capacity for b in books)
+    ref = D.reference_slots(all_ids, num_experts, capacity)
+    assert sum(ref["dropped"]) == 0 and capacity >= max(b["recv_rows"] for b in books)
+
+    def dispatch(rank):
+        return moe_op.nccl_dispatch({**books[rank], "tokens": all_tokens[rank], "expert_ids": all_ids[rank]})
+
+    received = world.run(dispatch)
+    for rank in range(ws):
+        rows, _, _ = D.reference_dispatch(all_tokens, all_ids, num_experts, capacity, rank)
+        assert torch.equal(received[rank], rows) and rows.shape[0] == books[rank]["recv_rows"], rank
+    expert_out = [x * 2 for x in received]
+    weights = [torch.rand(num_tokens, top_k) for _ in range(ws)]
+
+    def combine(rank):
+        return moe_op.nccl_combine({**books[rank], "tokens": all_tokens[rank], "expert_ids": all_ids[rank],
+                                    "expert_out": expert_out[rank], "weights": weights[rank]})
+
+    combined = world.run(combine)
+    padded = [torch.cat([x, x.new_zeros(capacity - x.shape[0], hidden)]) for x in expert_out]
+    for rank in range(ws):
+        expected = C.reference_combine(padded, ref["slots"], weights[rank], rank, capacity)
+        torch.testing.assert_close(combined[rank], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(combined[rank], all_tokens[rank] * 2 * weights[rank].sum(1, keepdim=True),
+                                   rtol=1e-5, atol=1e-5)

@@ -28,6 +28,7 @@ import importlib
 
 import torch
 import torch.distributed as dist
+import triton
 
 from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
 from benchmark.sm90 import FAKE_SIGNAL_PADS
@@ -60,19 +61,27 @@ def dispatch_inputs(shape, dtype, seed):
     world_size, rank = dist.get_world_size(), dist.get_rank()
     check_shape(shape, world_size)
     all_ids = [routing(num_tokens, num_experts, top_k, skew, seed * 1000 + r) for r in range(world_size)]
-    per_rank = num_experts // world_size
-    received = [sum(int(((ids >= d * per_rank) & (ids < (d + 1) * per_rank)).sum()) for ids in all_ids)
-                for d in range(world_size)]
     gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
     tokens = torch.randn(num_tokens, hidden, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
-    ids = all_ids[rank].cuda()
-    # The eager path's bookkeeping, used by its combine (found by its dispatch in a model).
+    book = bookkeeping(all_ids, rank, num_experts)
+    return {**book, "tokens": tokens, "expert_ids": all_ids[rank].cuda(), "order": book["order"].cuda()}
+
+
+def bookkeeping(all_ids: list[torch.Tensor], rank: int, num_experts: int) -> dict:
+    """From every rank's routing (CPU): the capacity, the rows this rank receives, and the eager path's splits
+    and order, which its combine reuses (in a model its dispatch finds them)."""
+    world_size = len(all_ids)
+    per_rank = num_experts // world_size
     counts = torch.stack([torch.bincount(x.flatten(), minlength=num_experts) for x in all_ids])  # [src, e]
+    received = counts.view(world_size, world_size, per_rank).sum((0, 2)).tolist()  # per owner
     send = counts[rank].view(world_size, per_rank)  # to rank d, expert e
     recv = counts[:, rank * per_rank:(rank + 1) * per_rank]  # from rank s, local expert e
     return {
-        "tokens": tokens, "expert_ids": ids, "num_experts": num_experts, "capacity": max(1, max(received)),
-        "recv_rows": received[rank], "order": torch.argsort(ids.flatten(), stable=True),
+        "num_experts": num_experts,
+        # The largest count any rank receives, rounded up to a power of two: nothing is dropped, and shapes
+        # and seeds share receive buffers (each is a symmetric allocation, kept for the process's life).
+        "capacity": triton.next_power_of_2(max(1, max(received))),
+        "recv_rows": received[rank], "order": torch.argsort(all_ids[rank].flatten(), stable=True),
         "in_splits": send.sum(1).tolist(), "out_splits": recv.sum(1).tolist(), "recv_chunks": recv.tolist(),
     }
 
