@@ -342,6 +342,24 @@ def test_combine_issues_every_row_load_before_its_first_multiply(ws):
     assert recipe >= 2 * ws and twin >= recipe, f"ws={ws}: the recipe issues {recipe} loads first, the twin {twin}"
 
 
+@pytest.mark.parametrize("path", DISPATCH + COMBINE)
+def test_every_rank_compiles(path):
+    """Every kernel compiles for sm_90 at every rank of a 3-rank world. The registry examples launch as rank 1,
+    an int Triton specialises to a constant: indexing the peers' tuple with the rank compiled there and failed
+    at ranks 0 and 2 (a tuple takes constexpr indices only)."""
+    shape = (37, 129, 6, 2, 0)
+    for rank in range(3):
+        tokens, ids, handle, counts_ctx, cfg = moe_op.example_handle(path, 3, shape, rank=rank)
+        with sm90.capture_launches() as launches:
+            if "dispatch" in path:
+                module(path).launch(tokens, ids, handle, counts_ctx, rank, **cfg)
+            else:
+                module(path).launch(torch.empty(37, 129, dtype=torch.bfloat16), torch.rand(37, 2), handle, rank,
+                                    **C.plan(37, 129, 3, {}))
+        for launch in launches:
+            assert sm90.compile_sm90(launch).asm["ptx"], (path, rank, launch.kernel.fn.__name__)
+
+
 def test_registry_entries():
     for name in ("moe_dispatch", "moe_combine"):
         entry = registry.get(name)

@@ -89,6 +89,7 @@ def exchange_kernel(
     hist_ptr,  # [num_chunks, E_PAD] int32, local
     chunk_base_ptr,  # [num_chunks, E_PAD] int32, local: first destination row of each (chunk, expert)
     count_peers,  # tuple of world_size pointers: rank r's symmetric counts [world_size, E_PAD] int32
+    counts_ptr,  # this rank's counts (count_peers[rank]: a tuple takes constexpr indices only)
     signal_pad_ptrs,  # of the counts buffer
     recv_counts_ptr,  # [E_local] int32
     recv_offsets_ptr,  # [E_local] int32
@@ -116,7 +117,7 @@ def exchange_kernel(
     # this call, so it is done with its recv from the last one (stream order) and may be written.
     symm_mem_sync(signal_pad_ptrs, 0, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
     sources = tl.arange(0, WS_PAD)
-    counts = tl.load(count_peers[rank] + sources[:, None] * E_PAD + experts[None, :],
+    counts = tl.load(counts_ptr + sources[:, None] * E_PAD + experts[None, :],
                      mask=sources[:, None] < world_size, other=0)  # [WS_PAD, E_PAD]: counts[s, e]
     total = tl.sum(counts, axis=0)  # rows expert e receives
     lower_ranks = tl.sum(tl.where(sources[:, None] < rank, counts, 0), axis=0)
@@ -345,7 +346,8 @@ def route(expert_ids: torch.Tensor, handle: MoEHandle, counts_ctx: host.SymmCont
     histogram_kernel[(num_chunks,)](expert_ids, hist, place, num_pairs, num_experts, CHUNK=CHUNK, E_PAD=e_pad,
                                     num_warps=4)
     exchange_kernel[(1,)](
-        hist, chunk_base, counts_ctx.peers, counts_ctx.signal_pad_ptrs, handle.recv_counts, handle.recv_offsets,
+        hist, chunk_base, counts_ctx.peers, counts_ctx.peers[rank], counts_ctx.signal_pad_ptrs, handle.recv_counts,
+        handle.recv_offsets,
         handle.status, num_chunks, num_experts, num_experts // world_size, capacity, rank, world_size,
         E_PAD=e_pad, WS_PAD=ws_pad, CHUNK_TILE=32, num_warps=4,
     )
