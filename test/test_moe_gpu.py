@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_utils import POISON, TOLERANCE, assert_close, heartbeat, needs_gpus, run_on_gpus
+from gpu_utils import POISON, assert_close, heartbeat, needs_gpus, run_on_gpus
 
 pytestmark = needs_gpus
 

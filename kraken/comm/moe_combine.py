@@ -27,7 +27,6 @@ A persistent grid: block ``b`` takes a contiguous range of tokens and uses barri
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
 

@@ -46,7 +46,6 @@ Steps 1 and 3 and the bookkeeping of 2 are shared with the Helion twin, which po
 from __future__ import annotations
 
 from dataclasses import dataclass
-import math
 
 import torch
 import torch.distributed as dist
