@@ -129,6 +129,9 @@ PEER_READING_PAIRS = [(o, p) for o, p in PAIRS
                                                  # (FFMA): test_moe_cpu checks its loads instead
                                                  "kraken.comm.moe_dispatch", "kraken.comm.moe_combine")]
 
+# context_parallel_attention: its peers' K/V arrive by the copy engine; the attention kernel reads local memory.
+PEER_READING_PAIRS = [(o, p) for o, p in PEER_READING_PAIRS if p.triton_module != "kraken.fused.context_parallel_attention"]
+
 
 @pytest.mark.parametrize(
     "op_name,pair,world_size",

@@ -1,0 +1,508 @@
+"""Context-parallel attention: a flash-attention forward that takes the peers' K/V as they land.
+
+Long-context models shard the sequence: every rank holds ``q``, ``k``, ``v`` [batch, heads,
+S_local, head_dim] for its part of the sequence, and its queries must attend to every rank's keys.
+The usual answers move K/V with NCCL (one all-gather, or a ring of send/recv with one flash call
+per step and a log-sum-exp merge). Here one kernel launch does the whole attention, starting on
+its own K/V at once:
+
+* K/V travel on the copy engine (the machinery of ``kraken.comm.all_gather_with_progress``: a side
+  stream, one-block barrier kernels, flags written by stream memory operations). On the side stream
+  this rank's ``k`` and ``v`` are staged into its chunk of a symmetric gather buffer
+  [world_size, 2 (k, v), batch * kv_heads, S_local, head_dim]; the ranks meet at a barrier; then every
+  peer's K/V is copied in ``pieces`` (a range of (batch, kv head) rows of K, then of V), piece-major
+  and, within a piece, ``rank + 1`` first, each piece flagged as it lands; a last barrier says
+  "done reading". No SM moves data, so attention blocks spinning on a flag cannot starve the copies.
+* The attention kernel is persistent (one block per SM but ``RESERVED_SMS``, left to the barrier
+  kernel) and walks query tiles (batch, head)-major, so its first tiles need only the first pieces.
+  Each tile keeps its online-softmax state (row max, row sum, fp32 accumulator) in registers across
+  every chunk of keys: its own K/V first, read straight from ``k`` and ``v``, then ``rank + 1``'s,
+  ``rank + 2``'s, ... from the gather buffer. Before a peer's piece a block waits on its flag once
+  (an acquire spin by one thread, then every thread's async-proxy fence, ``_ptx_utils.wait_async``:
+  the K/V tiles load through TMA). No per-step launches and no merge pass.
+* Loads go through host-built TMA descriptors over the flattened [rows, head_dim] tensors; a tile
+  that runs past the end of a chunk masks those keys' scores to ``MASKED_SCORE`` and zeroes their
+  values (the rows after a chunk belong to another head, or to a piece still in flight). Full
+  tiles run an unmasked loop; only the last tile of a chunk, and the diagonal tiles under
+  ``causal``, run the masked one.
+
+``causal=True`` uses the load-balanced layout: the sequence is cut into ``2 * world_size`` equal
+chunks and rank r holds chunks ``r`` and ``2 * world_size - 1 - r``, in that order, as its S_local
+rows (``shard_sequence`` / ``unshard_sequence``). Every rank then has the same work: for a query
+chunk ``cq`` and a key chunk ``ck``, keys are all visible if ``ck < cq``, causally masked if
+``ck == cq`` and skipped if ``ck > cq``. Without ``causal``, rank r holds the r-th contiguous
+``1 / world_size`` of the sequence.
+
+GQA: ``k``, ``v`` may have fewer heads than ``q`` (a divisor); query head ``h`` reads kv head
+``h // (heads // kv_heads)``. ``attention_on_gathered`` runs the same kernel on K/V that are all
+here already (no communication, no flags): the comparison that shows what the exchange costs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kraken import host
+from kraken._ptx_utils import wait_async
+from kraken.comm.all_gather_with_progress import LANDED, GatherInProgress, barrier, copy_stream, set_flag
+
+OP = "context_parallel_attention"
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+MAX_INDEX = 2**31 - 1  # element offsets are int32
+LOG2E = 1.4426950408889634
+# A masked key's score (after scaling): finite, so a row whose first tile were all masked would not
+# turn into NaN (its weights are wiped by the rescale at its first real key; none occurs here).
+MASKED_SCORE = -1.0e30
+_MASKED_SCORE = tl.constexpr(MASKED_SCORE)  # Triton reads module globals only as constexprs
+# The kernel leaves this many SMs free: its blocks spin on flags that follow the gather's one-block barrier
+# kernel, which must find an SM while every attention block is resident.
+RESERVED_SMS = 1
+# Tiles per head_dim: (block_m, block_n, num_warps, num_stages). 128 x 64 key tiles keep the 8-warp block under
+# 255 registers with no spills in every variant of both kernels (128 x 128 spilled; checked for sm_90 on the CPU).
+TILES = {
+    64: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+}
+# ``pieces``: each peer's K/V is copied (and flagged) in up to this many ranges of (batch, kv head) rows.
+DEFAULT_CONFIG = {"block_m": None, "block_n": None, "num_warps": None, "num_stages": None, "pieces": 16,
+                  "max_blocks": None}
+
+
+# ---------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def attend(acc, m_i, l_i, q, k_desc, v_desc, k_row0, v_row0, lo, hi, q_limit, qk_scale,
+           MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over keys ``lo .. hi`` of one chunk (rows ``k_row0 + ...`` of ``k_desc``, ``v_row0 + ...``
+    of ``v_desc``). MASKED: key ``j`` counts for query row ``i`` only if ``j <= q_limit[i]`` and ``j < hi``."""
+    for start in tl.range(lo, hi, BLOCK_N):
+        k = k_desc.load([k_row0 + start, 0])
+        qk = tl.dot(q, k.T)
+        if MASKED:
+            cols = start + tl.arange(0, BLOCK_N)
+            keep = (cols[None, :] <= q_limit[:, None]) & (cols[None, :] < hi)
+            qk = tl.where(keep, qk * qk_scale, _MASKED_SCORE)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_ij[:, None]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_ij[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([v_row0 + start, 0])
+        if MASKED:
+            # Rows past the chunk: another head's values, or a piece still in flight (any bits, NaN too).
+            v = tl.where((cols < hi)[:, None], v, tl.zeros_like(v))
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_ij
+    return acc, m_i, l_i
+
+
+@triton.jit
+def key_range(before, diag, m0, chunk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(end of the unmasked keys, end of all keys) of a key chunk of ``chunk`` rows for the query tile at ``m0``:
+    all of it if ``before`` (the key chunk precedes the query chunk), the keys up to the tile's end if ``diag``
+    (the same chunk: the causal diagonal, masked from ``m0`` on), none if neither."""
+    full = before * (chunk // BLOCK_N * BLOCK_N) + diag * m0
+    hi = before * chunk + diag * tl.minimum(m0 + BLOCK_M, chunk)
+    return full, hi
+
+
+@triton.jit
+def context_parallel_attention_kernel(
+    q_desc,  # q as [batch * heads * S_local, head_dim], BLOCK_M x HEAD_DIM boxes
+    k_desc,  # my k as [batch * kv_heads * S_local, head_dim], BLOCK_N x HEAD_DIM boxes
+    v_desc,  # my v, the same
+    kv_desc,  # the gather buffer [world_size * 2 * batch * kv_heads * S_local, head_dim]: (rank, k|v, row, ...)
+    out_ptr,  # [batch, heads, S_local, head_dim]
+    progress_ptr,  # int32[world_size * pieces]: [r * pieces + p] piece p of rank r's K/V has landed
+    heads,
+    kv_heads,
+    kv_rows,  # batch * kv_heads
+    s_local,
+    piece_rows,  # (batch, kv head) rows per piece
+    pieces,
+    qk_scale,  # softmax scale * log2(e)
+    rank,
+    world_size: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WAIT: tl.constexpr,  # False: every rank's K/V is in the gather buffer already (no flags to wait for)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    HALVES: tl.constexpr = 2 if CAUSAL else 1
+    chunk = s_local // HALVES
+    tiles_per_chunk = tl.cdiv(chunk, BLOCK_M)
+    tiles_per_head = HALVES * tiles_per_chunk
+    num_tiles = kv_rows * (heads // kv_heads) * tiles_per_head
+    group = heads // kv_heads
+    # Tiles are (batch, head)-major and kv row = (batch, head) // group, so a piece's tiles are consecutive.
+    tiles_per_piece = tiles_per_head * group * piece_rows
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        bh = tile // tiles_per_head  # (batch, head)-major: the first tiles need only the first pieces
+        within = tile % tiles_per_head
+        half = HALVES - 1 - within // tiles_per_chunk  # the later (costlier, under causal) half first
+        m0 = within % tiles_per_chunk * BLOCK_M
+        kv_row = bh // group  # (batch, kv head): heads = kv_heads * group
+        q = q_desc.load([bh * s_local + half * chunk + m0, 0])
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # My own K/V first, read where the caller keeps them. Under causal, my query chunks are (rank, 2 ws - 1 -
+        # rank) and so are my key chunks: key half 0 is the diagonal of query half 0 and all visible to query
+        # half 1; key half 1 is invisible to query half 0 and the diagonal of query half 1. Linear in the halves,
+        # no comparisons (the Helion twin drops a comparison inside an int expression).
+        for kh in tl.static_range(HALVES):
+            if CAUSAL:
+                before = (1 - kh) * half
+                diag = (1 - kh) * (1 - half) + kh * half
+            else:
+                before = 1
+                diag = 0
+            full, hi = key_range(before, diag, m0, chunk, BLOCK_M, BLOCK_N)
+            row0 = kv_row * s_local + kh * chunk
+            acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, row0, row0, 0, full, offs_m, qk_scale,
+                                   False, BLOCK_N)
+            acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, row0, row0, full, hi,
+                                   offs_m + (1 - diag) * chunk, qk_scale, True, BLOCK_N)
+        # Then rank + 1's, rank + 2's, ... from the gather buffer, each once its piece has landed.
+        piece = tile // tiles_per_piece
+        # The piece of this block's previous tile (negative before its first: operands stay >= 0 for //).
+        prev_piece = (tile - tl.num_programs(0) + tiles_per_piece * tl.num_programs(0)) // tiles_per_piece \
+            - tl.num_programs(0)
+        for step in tl.range(1, world_size):
+            src = (rank + step) % world_size
+            if WAIT:
+                if piece > prev_piece:  # this block's first tile of the piece: wait once per peer
+                    # Acquire: the copy engine's writes are visible; async-proxy fence: TMA sees them too.
+                    wait_async(progress_ptr + src * pieces + piece, 1)
+            # A peer's key chunks are (src, 2 ws - 1 - src): never my diagonal. Key half 0 is visible to my query half
+            # 1, and to half 0 if src < rank (the step wrapped around); key half 1 to my query half 1 if src > rank.
+            wrapped = (rank + step) // world_size
+            for kh in tl.static_range(HALVES):
+                if CAUSAL:
+                    before = (1 - kh) * (half + (1 - half) * wrapped) + kh * half * (1 - wrapped)
+                else:
+                    before = 1
+                full, hi = key_range(before, 0, m0, chunk, BLOCK_M, BLOCK_N)
+                k_row0 = ((src * 2) * kv_rows + kv_row) * s_local + kh * chunk
+                v_row0 = k_row0 + kv_rows * s_local
+                acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, 0, full, offs_m,
+                                       qk_scale, False, BLOCK_N)
+                acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, full, hi,
+                                       offs_m + chunk, qk_scale, True, BLOCK_N)
+        acc = acc / l_i[:, None]
+        # Only the chunk's rows: a tile at a chunk's end also read some rows after it, discarded.
+        dims = tl.arange(0, HEAD_DIM)
+        rows = bh * s_local + half * chunk + offs_m
+        tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(offs_m < chunk)[:, None])
+
+
+# ---------------------------------------------------------------------------
+# The sequence layout
+# ---------------------------------------------------------------------------
+
+
+def shard_chunks(rank: int, world_size: int, causal: bool) -> tuple[int, ...]:
+    """The chunks of the sequence rank ``rank`` holds, in order: of ``world_size`` chunks ``(rank,)``, or with
+    ``causal`` (the load-balanced layout) of ``2 * world_size`` chunks ``(rank, 2 * world_size - 1 - rank)``."""
+    return (rank, 2 * world_size - 1 - rank) if causal else (rank,)
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world_size: int, causal: bool = False, dim: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s shard (a new contiguous tensor) of the full sequence ``x`` along ``dim`` (2: [batch,
+    heads, S, head_dim]). S must divide into ``world_size`` (``2 * world_size`` with ``causal``) equal chunks."""
+    parts = 2 * world_size if causal else world_size
+    if x.shape[dim] % parts:
+        raise ValueError(f"{OP}: a sequence of {x.shape[dim]} does not split into {parts} equal chunks")
+    chunks = x.chunk(parts, dim=dim)
+    return torch.cat([chunks[c] for c in shard_chunks(rank, world_size, causal)], dim=dim).contiguous()
+
+
+def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], causal: bool = False,
+                     dim: int = 2) -> torch.Tensor:
+    """The full sequence from every rank's shard (``shards[r]``: rank r's), the inverse of ``shard_sequence``."""
+    world_size = len(shards)
+    parts = 2 * world_size if causal else world_size
+    chunks: list[torch.Tensor | None] = [None] * parts
+    for rank, shard in enumerate(shards):
+        for c, piece in zip(shard_chunks(rank, world_size, causal), shard.chunk(len(shard_chunks(0, 1, causal)), dim)):
+            chunks[c] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+def sequence_positions(s_local: int, rank: int, world_size: int, causal: bool = False) -> torch.Tensor:
+    """The positions in the full sequence of rank ``rank``'s ``s_local`` rows (int64, on the CPU)."""
+    chunk = s_local // 2 if causal else s_local
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in shard_chunks(rank, world_size, causal)])
+
+
+# ---------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------
+
+
+def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, world_size: int, causal: bool,
+         config: dict, num_sms: int) -> dict:
+    """Resolve the launch configuration (shared with the Helion port). The grid is persistent: at most one
+    block per SM but ``RESERVED_SMS``, never more blocks than query tiles. ``piece_rows``: the (batch, kv head)
+    rows of each flagged piece of a peer's K/V."""
+    cfg = host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    tiles = TILES.get(head_dim, TILES[128])
+    cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in tiles.items()}}
+    for key in ("block_m", "block_n"):
+        value = cfg[key]
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{OP}: {key} must be a power of two >= 16, got {value}")
+    if cfg["block_m"] % cfg["block_n"]:
+        raise ValueError(f"{OP}: block_n must divide block_m (the causal diagonal starts at a query tile), "
+                         f"got block_m={cfg['block_m']}, block_n={cfg['block_n']}")
+    if cfg["pieces"] < 1:
+        raise ValueError(f"{OP}: pieces must be >= 1, got {cfg['pieces']}")
+    kv_rows = batch * kv_heads
+    piece_rows = host.cdiv(kv_rows, min(cfg["pieces"], kv_rows))
+    chunk = s_local // 2 if causal else s_local
+    num_tiles = batch * heads * (2 if causal else 1) * host.cdiv(max(chunk, 1), cfg["block_m"])
+    sms = max(1, num_sms - RESERVED_SMS)
+    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
+    keys = ("block_m", "block_n", "num_warps", "num_stages")
+    return {**{key: cfg[key] for key in keys}, "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows),
+            "num_blocks": max(1, min(num_tiles, max_blocks))}
+
+
+def check_inputs(q, k, v, causal, scale, op: str) -> None:
+    """Argument checks that need neither a GPU nor torch.distributed."""
+    named = (("q", q), ("k", k), ("v", v))
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    # host.check_tensor's checks, but every one on all three before the device (the last, below).
+    for name, tensor in named:
+        if tensor.dtype not in INPUT_DTYPES:
+            host.check_tensor(tensor, name, op, INPUT_DTYPES)  # raises, naming the dtype
+    for name, tensor in named:
+        if tensor.dim() != 4:
+            raise ValueError(f"{op}: {name} must be 4-D, got shape {tuple(tensor.shape)}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (got strides {tensor.stride()}); call .contiguous() first")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{op}: q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    (batch, heads, s_local, head_dim), (kv_batch, kv_heads, kv_len, kv_dim) = q.shape, k.shape
+    if kv_batch != batch or kv_len != s_local or kv_dim != head_dim:
+        raise ValueError(f"{op}: q is [batch, heads, S_local, head_dim] = {tuple(q.shape)} but k and v are "
+                         f"{tuple(k.shape)}: batch, S_local and head_dim must match")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{op}: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{op}: the kv heads ({kv_heads}) must divide the query heads ({heads})")
+    if q.numel() == 0:
+        raise ValueError(f"{op}: empty input (q is {tuple(q.shape)})")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+    if causal and s_local % 2:
+        raise ValueError(f"{op}: causal=True needs an even S_local (two equal chunks per rank, the load-balanced "
+                         f"layout), got {s_local}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"{op}: scale must be a positive finite number or None, got {scale!r}")
+    for name, tensor in named:
+        host.check_tensor(tensor, name, op, INPUT_DTYPES, ndim=4)  # the device
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"{op}: q, k and v must be on the same device, got {q.device}, {k.device} and {v.device}")
+
+
+def check_sizes(q: torch.Tensor, k: torch.Tensor, world_size: int, op: str) -> None:
+    if max(q.numel(), world_size * 2 * k.numel()) > MAX_INDEX:
+        raise ValueError(f"{op}: q or the gathered K/V has more than 2**31 - 1 elements (32-bit offsets)")
+
+
+def softmax_scale(scale: float | None, head_dim: int) -> float:
+    """The scale of the scores (default 1 / sqrt(head_dim)) times log2(e): the kernel exponentiates with exp2."""
+    return (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
+
+
+def descriptors(q, k, v, gathered, block_m: int, block_n: int):
+    """Host-built TMA descriptors over the flattened [rows, head_dim] tensors."""
+    head_dim = q.shape[-1]
+    return (TensorDescriptor.from_tensor(q.view(-1, head_dim), [block_m, head_dim]),
+            TensorDescriptor.from_tensor(k.view(-1, head_dim), [block_n, head_dim]),
+            TensorDescriptor.from_tensor(v.view(-1, head_dim), [block_n, head_dim]),
+            TensorDescriptor.from_tensor(gathered.view(-1, head_dim), [block_n, head_dim]))
+
+
+def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
+                     block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
+                     num_blocks: int) -> torch.Tensor:
+    """The attention kernel alone: my K/V from ``k``, ``v``, every other rank's from ``gathered`` [world_size, 2,
+    batch * kv_heads, S_local, head_dim], waiting on ``progress`` if ``wait``."""
+    batch, heads, s_local, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q_desc, k_desc, v_desc, kv_desc = descriptors(q, k, v, gathered, block_m, block_n)
+    context_parallel_attention_kernel[(num_blocks,)](
+        q_desc, k_desc, v_desc, kv_desc, out, progress, heads, kv_heads, batch * kv_heads, s_local, piece_rows,
+        pieces, softmax_scale(scale, head_dim), rank, world_size, CAUSAL=causal, WAIT=wait, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank: int, piece_rows: int,
+                    pieces: int) -> GatherInProgress:
+    """Stage my ``k``, ``v`` into my chunk of the symmetric ``gathered`` and copy every peer's K/V into
+    ``gathered`` on the copy engine, piece by piece, flagging each (see the module docstring). ``peers[r]``:
+    rank r's own chunk [2, batch * kv_heads, S_local, head_dim] of rank r's gather buffer."""
+    world_size = len(peers)
+    kv_rows = peers[rank].shape[1]
+    current = torch.cuda.current_stream(k.device)
+    side = copy_stream(k.device)
+    progress.zero_()  # before the fork: no flag of the previous call survives into this one
+    side.wait_stream(current)  # k and v are written; the previous call's closing barrier is behind us
+    order = tuple((rank + step) % world_size for step in range(world_size))
+    with torch.cuda.stream(side):
+        peers[rank][0].copy_(k.view(peers[rank][0].shape))
+        peers[rank][1].copy_(v.view(peers[rank][1].shape))
+        barrier(signal_pad_ptrs, rank, world_size)  # every rank's K/V is staged
+        for piece in range(pieces):
+            begin, end = piece * piece_rows, min((piece + 1) * piece_rows, kv_rows)
+            for src in order[1:]:
+                for kv in (0, 1):  # two contiguous copies: the copy engine, not a strided copy kernel
+                    gathered[src, kv, begin:end].copy_(peers[src][kv, begin:end])
+                set_flag(progress, src * pieces + piece, LANDED)
+        barrier(signal_pad_ptrs, rank, world_size)  # done reading: peers may stage into their buffers again
+    return GatherInProgress(gathered, progress, side, order)
+
+
+def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
+           block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
+           num_blocks: int, group_name: str = "") -> torch.Tensor:
+    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+    ``group_name`` is unused here."""
+    started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces)
+    launch_attention(q, k, v, gathered, out, progress, rank, len(peers), causal, scale, True, block_m, block_n,
+                     num_warps, num_stages, piece_rows, pieces, num_blocks)
+    started.wait()
+    return out
+
+
+_chunks: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def chunk_views(ctx: host.SymmContext) -> tuple[torch.Tensor, ...]:
+    """Rank r's own chunk of rank r's gather buffer, for every r (cached)."""
+    key = tuple(p.data_ptr() for p in ctx.peers) + tuple(ctx.peers[0].shape)
+    if key not in _chunks:
+        _chunks[key] = tuple(p[r] for r, p in enumerate(ctx.peers))
+    return _chunks[key]
+
+
+_flags: dict[tuple, torch.Tensor] = {}
+
+
+def progress_flags(count: int, device: torch.device) -> torch.Tensor:
+    """The flags of one launch, one per (rank, piece) (cached; zeroed by every launch before its gather)."""
+    key = (device, count)
+    if key not in _flags:
+        _flags[key] = torch.zeros(count, dtype=torch.int32, device=device)
+    return _flags[key]
+
+
+def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple[host.SymmContext, dict]:
+    """Validate, plan, and find the buffers: the context of the symmetric gather buffer (a slice of
+    ``host.symm_workspace``) and the launch arguments."""
+    with host.agreed(op, group, q=q, k=k, v=v, causal=causal, scale=scale, config=config):
+        check_inputs(q, k, v, causal, scale, op)
+        world_size = host.world_size_of(group, op)
+        check_sizes(q, k, world_size, op)
+        if q.device.type != "cuda":
+            raise ValueError(f"{op}: q must be on a CUDA device, got {q.device}")
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        batch, heads, s_local, head_dim = q.shape
+        cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
+    pg = host.resolve_group(group, op)
+    shape = (world_size, 2, k.shape[0] * k.shape[1], k.shape[2], k.shape[3])
+    gathered = host.symm_workspace(math.prod(shape), k.dtype, k.device, pg, op).view(shape)
+    ctx = host.symm_context(gathered, pg, op, name="K/V gather buffer")
+    out = torch.empty_like(q)
+    progress = progress_flags(world_size * cfg["pieces"], q.device)
+    return ctx, {"peers": chunk_views(ctx), "gathered": gathered, "out": out, "progress": progress, **cfg}
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    **config,
+) -> torch.Tensor:
+    """This rank's [batch, heads, S_local, head_dim] output of attention over the whole sequence.
+
+    ``q`` [batch, heads, S_local, head_dim], ``k``, ``v`` [batch, kv_heads, S_local, head_dim]: this rank's
+    shard of the sequence (``shard_sequence``; with ``causal``, the load-balanced layout), contiguous CUDA
+    tensors, bf16 or fp16, head_dim 64 or 128, kv_heads dividing heads, the same shapes on every rank.
+    ``scale`` defaults to 1 / sqrt(head_dim). ``config`` overrides ``block_m``, ``block_n``, ``num_warps``,
+    ``num_stages``, ``pieces`` and ``max_blocks`` (see ``plan``).
+    """
+    ctx, cfg = prepare(q, k, v, group, OP, causal, scale, config)
+    return launch(q, k, v, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal, scale=scale, **cfg,
+                  group_name=ctx.group_name)
+
+
+def check_gathered(gathered, k, rank: int, op: str) -> None:
+    if not isinstance(gathered, torch.Tensor):
+        raise TypeError(f"{op}: gathered must be a torch.Tensor, got {type(gathered).__name__}")
+    shape = (2, k.shape[0] * k.shape[1], k.shape[2], k.shape[3])
+    if gathered.dim() != 5 or tuple(gathered.shape[1:]) != shape:
+        raise ValueError(f"{op}: gathered must be [world_size, 2, batch * kv_heads, S_local, head_dim] = "
+                         f"[world_size, {', '.join(map(str, shape))}], got {tuple(gathered.shape)}")
+    if not 0 <= rank < gathered.shape[0]:
+        raise ValueError(f"{op}: rank {rank} is not in 0 .. {gathered.shape[0] - 1}")
+    host.check_tensor(gathered, "gathered", op, (k.dtype,), ndim=5)
+    if gathered.device != k.device:
+        raise ValueError(f"{op}: gathered must be on {k.device}, got {gathered.device}")
+
+
+def attention_on_gathered(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gathered: torch.Tensor,
+    rank: int,
+    causal: bool = False,
+    scale: float | None = None,
+    **config,
+) -> torch.Tensor:
+    """The same attention kernel with every rank's K/V here already: no communication, no flag waits.
+
+    ``gathered`` [world_size, 2, batch * kv_heads, S_local, head_dim]: rank r's k and v at ``[r, 0]`` and
+    ``[r, 1]`` (any memory; ``[rank]`` is not read: my K/V come from ``k`` and ``v``). Also attention on one GPU
+    (world size 1: ``gathered`` [1, ...], the whole sequence in order, causal or not). No process group.
+    """
+    check_inputs(q, k, v, causal, scale, OP)
+    check_gathered(gathered, k, rank, OP)
+    world_size = gathered.shape[0]
+    check_sizes(q, k, world_size, OP)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    batch, heads, s_local, head_dim = q.shape
+    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
+    out = torch.empty_like(q)
+    progress = progress_flags(1, q.device)  # never read (wait=False)
+    return launch_attention(q, k, v, gathered, out, progress, rank, world_size, causal, scale, False, **cfg)

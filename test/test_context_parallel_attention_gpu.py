@@ -1,0 +1,234 @@
+"""GPU tests of context-parallel attention and its Helion twin.
+
+One spawn per backend runs every check: a float32 reference (attention of this rank's queries over the whole
+sequence, every rank's K/V rebuilt from their seeds, the causal mask from the layout's positions) on odd
+per-rank lengths (tails in every chunk, one row per rank), causal and not, GQA and MQA, head_dim 64 and 128,
+bf16 and fp16, a custom scale, several flag pieces, into NaN-poisoned outputs with a NaN-poisoned gather
+buffer; ``attention_on_gathered`` (the no-communication kernel) alike; 200 back-to-back launches
+alternating shapes; CUDA-graph replays equal to eager; bad input raising on every rank. A third spawn checks
+the benchmark's baselines (NCCL + SDPA, SDPA on gathered K/V) against the same reference, so the harness's
+comparisons stand on a checked baseline.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmark.ops import context_parallel_attention as op
+from benchmark.registry import REGISTRY
+from gpu_utils import POISON, TOLERANCE, heartbeat, needs_gpus, rel_err, run_on_gpus
+
+pytestmark = needs_gpus
+
+MODULES = {
+    "triton": "kraken.fused.context_parallel_attention",
+    "helion": "helion_ports.fused.context_parallel_attention",
+}
+BF16, FP16 = torch.bfloat16, torch.float16
+NONE, CAUSAL = op.NONE, op.CAUSAL
+
+
+def shape_of(batch, s_local, heads, kv_heads, head_dim, mask, world_size):
+    """The op's shape (total sequence) for ``s_local`` rows per rank."""
+    return (batch, s_local * world_size, heads, kv_heads, head_dim, mask)
+
+
+# (batch, S_local, heads, kv_heads, head_dim, mask, dtype, config). Odd: one row per rank, odd lengths (a query
+# and a key tile end inside every chunk), GQA 2:1 and MQA, head_dim 64 and 128; then several tiles per chunk
+# and several flag pieces; a custom scale is added to one case below.
+CASES = [
+    (1, 1, 2, 2, 64, NONE, BF16, {}),
+    (1, 2, 2, 1, 128, CAUSAL, FP16, {}),
+    (1, 37, 4, 4, 64, NONE, BF16, {}),
+    (2, 129, 4, 2, 128, NONE, FP16, {}),
+    (1, 74, 4, 1, 128, CAUSAL, BF16, {}),
+    (2, 150, 8, 2, 64, CAUSAL, FP16, {"pieces": 3}),
+    (1, 300, 4, 2, 128, CAUSAL, BF16, {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}),
+    (1, 1024, 8, 8, 128, NONE, BF16, {"pieces": 4}),
+    (1, 2048, 8, 2, 128, CAUSAL, BF16, {}),
+    (1, 1000, 4, 4, 64, CAUSAL, FP16, {"pieces": 1}),
+]
+STRESS = [(1, 256, 8, 2, 128, CAUSAL), (2, 100, 4, 4, 64, NONE), (1, 512, 8, 8, 128, NONE)]
+
+
+def operands(shape, dtype, seed: int, rank: int | None = None):
+    world_size = dist.get_world_size()
+    return op.rank_operands(shape, dtype, seed, dist.get_rank() if rank is None else rank, world_size)
+
+
+def reference(shape, dtype, seed: int, scale: float | None = None) -> torch.Tensor:
+    """This rank's output in float32: its queries over the whole sequence's keys, every rank's K/V rebuilt from
+    their seeds and put in sequence order, the causal mask from each row's position in the layout."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    batch, s_local, heads, kv_heads, head_dim, causal = op.unpack(shape, world_size)
+    recipe = importlib.import_module(MODULES["triton"])
+    q = operands(shape, dtype, seed)[0].float()
+    shards = [operands(shape, dtype, seed, r) for r in range(world_size)]
+    k = recipe.unshard_sequence([s[1] for s in shards], causal).float()
+    v = recipe.unshard_sequence([s[2] for s in shards], causal).float()
+    group = heads // kv_heads
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    q_pos = recipe.sequence_positions(s_local, rank, world_size, causal).cuda()
+    k_pos = torch.arange(s_local * world_size, device="cuda")
+    out = torch.empty(batch, heads, s_local, head_dim, dtype=torch.float32, device="cuda")
+    for h in range(heads):  # one head at a time: [S_local, S] scores stay small
+        scores = q[:, h] @ k[:, h // group].transpose(-1, -2) * scale
+        if causal:
+            scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        out[:, h] = torch.softmax(scores, dim=-1) @ v[:, h // group]
+    return out
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (an element was never written, or leaked)"
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[out.dtype], f"{what}: relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e}"
+
+
+def launch_into(module, q, k, v, out: torch.Tensor, causal: bool, scale=None, poison_buffer: bool = False,
+                **config) -> torch.Tensor:
+    """The public call's own prepare/launch, but into a caller-owned (poisoned) output; optionally with this
+    rank's whole gather buffer poisoned first (no peer reads it between calls: each call ends with a barrier
+    after every copy, and the current stream joins it)."""
+    ctx, cfg = module.prepare(q, k, v, None, "test", causal, scale, config)
+    cfg["out"] = out
+    if poison_buffer:
+        cfg["gathered"].fill_(POISON)
+    return module.launch(q, k, v, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal, scale=scale,
+                         **cfg, group_name=ctx.group_name)
+
+
+def correctness(backend: str, module) -> None:
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    fn = module.context_parallel_attention
+    for seed, (batch, s_local, heads, kv_heads, head_dim, mask, dtype, config) in enumerate(CASES, start=1):
+        shape = shape_of(batch, s_local, heads, kv_heads, head_dim, mask, world_size)
+        causal = mask == CAUSAL
+        scale = 0.05 if seed == 4 else None
+        what = f"{backend} {'x'.join(map(str, shape))} {dtype} {config} scale={scale}"
+        heartbeat(what)
+        q, k, v = operands(shape, dtype, seed)
+        ref = reference(shape, dtype, seed, scale)
+        out = torch.full_like(q, POISON)
+        launch_into(module, q, k, v, out, causal, scale, poison_buffer=True, **config)
+        public = fn(q, k, v, causal=causal, scale=scale, **config)
+        # The kernel with every rank's K/V here already (gathered by NCCL): no communication.
+        gathered = op.gather_kv(k, v)
+        gathered[rank].fill_(POISON)  # my own K/V come from k and v
+        local = module.attention_on_gathered(q, k, v, gathered, rank, causal=causal, scale=scale, **config)
+        torch.cuda.synchronize()
+        check(out, ref, what)
+        check(local, ref, f"{what} (attention_on_gathered)")
+        assert torch.equal(public, out), f"{what}: the public call and launch() disagree"
+
+
+def stress_and_cuda_graph(backend: str, module) -> None:
+    """200 back-to-back launches on rotating inputs, alternating shapes and masks (a buffer overwritten while a peer
+    still copies it, or a flag left over from the previous launch, shows up here), then CUDA-graph capture and 20
+    replays against eager, bitwise."""
+    world_size = dist.get_world_size()
+    fn = module.context_parallel_attention
+    shapes = [shape_of(*STRESS[s % len(STRESS)], world_size) for s in range(6)]
+    inputs = [operands(shape, BF16, 100 + s) for s, shape in enumerate(shapes)]
+    refs = [reference(shape, BF16, 100 + s) for s, shape in enumerate(shapes)]
+    outs = [torch.full_like(inputs[s][0], POISON) for s in range(6)]
+    for i in range(200):
+        q, k, v = inputs[i % 6]
+        launch_into(module, q, k, v, outs[i % 6], shapes[i % 6][5] == CAUSAL)
+        if i % 50 == 49:
+            heartbeat(f"{backend} launch {i + 1}")
+            torch.cuda.synchronize()
+            for s in range(6):
+                check(outs[s], refs[s], f"{backend} after {i + 1} launches (slot {s}, {shapes[s]})")
+                outs[s].fill_(POISON)
+
+    for causal, slots in ((True, [0, 3]), (False, [2, 5])):  # slots of one shape each (STRESS[0], STRESS[2])
+        eager = {s: fn(*inputs[s], causal=causal) for s in slots}
+        static = [t.clone() for t in inputs[slots[0]]]
+        fn(*static, causal=causal)  # warm-up before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = fn(*static, causal=causal)
+        for i in range(20):
+            s = slots[i % len(slots)]
+            for dst, src in zip(static, inputs[s]):
+                dst.copy_(src)
+            static_out.fill_(POISON)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_out, eager[s]), f"{backend} causal={causal}: graph replay {i} differs from eager"
+    heartbeat(f"{backend} graph replays done")
+
+
+def bad_input(backend: str, module) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    fn = module.context_parallel_attention
+    # Ranks disagreeing on S_local (fresh shapes, so this is the first use): every rank raises, nothing hangs.
+    q, k, v = operands(shape_of(1, 40 + 2 * rank, 2, 2, 64, NONE, world_size), BF16, 7)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        fn(q, k, v)
+    shape = shape_of(1, 44, 4, 2, 64, CAUSAL, world_size)
+    q, k, v = operands(shape, BF16, 7)
+    with pytest.raises(TypeError, match="unknown config"):
+        fn(q, k, v, causal=True, bogus=1)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        fn(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous())
+    with pytest.raises(ValueError, match="must divide the query heads"):
+        fn(q[:, :3].contiguous(), k, v)
+    with pytest.raises(ValueError, match="causal=True needs an even S_local"):
+        fn(q[:, :, :43].contiguous(), k[:, :, :43].contiguous(), v[:, :, :43].contiguous(), causal=True)
+    # One rank alone passes a bad dtype or a bad head count: every rank raises (first call of this signature).
+    with pytest.raises((ValueError, TypeError)):
+        fn(q if rank else q.float(), k if rank else k.float(), v if rank else v.float(), causal=True)
+    with pytest.raises(ValueError, match="bad input on rank 0"):
+        fn(q if rank else q[:, :3].contiguous(), k, v, causal=True)
+    # The group still works after all that.
+    out = fn(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    check(out, reference(shape, BF16, 7), f"{backend} after bad input")
+    heartbeat(f"{backend} bad input done")
+
+
+def worker(backend: str) -> None:
+    module = importlib.import_module(MODULES[backend])
+    correctness(backend, module)
+    stress_and_cuda_graph(backend, module)
+    bad_input(backend, module)
+
+
+@pytest.mark.parametrize("backend", list(MODULES))
+def test_context_parallel_attention(backend):
+    run_on_gpus(worker, backend, name=f"context_parallel_attention {backend}")
+
+
+def baseline_worker() -> None:
+    world_size = dist.get_world_size()
+    for seed, (s_local, mask, kv_heads) in enumerate(((256, NONE, 8), (256, CAUSAL, 2), (130, CAUSAL, 8)), start=1):
+        shape = shape_of(1, s_local, 8, kv_heads, 128, mask, world_size)
+        ref = reference(shape, BF16, seed)
+        for name in ("nccl", "sdpa", "triton_local", "torch_cp"):
+            heartbeat(f"baseline {name} {shape}")
+            backend = REGISTRY["context_parallel_attention"].backends[name]
+            if name != "torch_cp":
+                out = backend(op.make_inputs(shape, BF16, seed))
+                torch.cuda.synchronize()
+                check(out, ref, f"baseline {name} {shape}")
+                continue
+            # torch's prototype: informational (the benchmark reports an error or a FAIL in its column the same way).
+            try:
+                out = backend(op.make_inputs(shape, BF16, seed))
+                torch.cuda.synchronize()
+                print(f"rank {dist.get_rank()}: torch_cp {shape}: relative error {rel_err(out, ref):.2e}", flush=True)
+            except (NotImplementedError, ValueError, TypeError) as exc:
+                print(f"rank {dist.get_rank()}: torch_cp refused {shape}: {exc}", flush=True)
+
+
+def test_benchmark_baselines():
+    run_on_gpus(baseline_worker, name="context_parallel_attention baselines")
