@@ -605,8 +605,8 @@ def jit_launch(kernel, grid: tuple[int, ...], *args, **meta):
 
 def launch_hooked() -> bool:
     """Whether a Triton launch enter/exit hook is installed (triton 3.6 keeps them in always-present chains)."""
-    runtime = knobs.runtime
-    return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
 
 
 class Launcher:
@@ -618,28 +618,44 @@ class Launcher:
     out as the JIT lays them out (the kernel's parameters in order, constexprs included). That skips about
     15 us of binding per call. It is exact because every launch of a prepared call has the same
     specialisation: its ints come from the plan (fixed by the signature), its tensors' dtypes and 16-byte
-    alignment are in the signature's key (``tensor_key``). While a Triton launch hook is set (a profiler such
-    as proton), every launch takes the JIT path, so the hook sees it. Helion kernels keep their bound kernel here too
-    (``helion_ports.run``).
+    alignment are in the signature's key (``tensor_key``). While a Triton launch hook is set (a profiler
+    such as proton), every launch takes the JIT path, so the hook sees it. Helion kernels keep their bound
+    kernel here too (``helion_ports.run``).
+
+    Where the kernel needs no scratch memory, the launch goes one step further down, to the C function of
+    triton 3.6's ``CudaLauncher`` (``launch``), with the arguments its ``__call__`` would add (no scratch
+    buffers); any other launcher object is called as the JIT calls it.
     """
 
     def __init__(self, op: str):
         self.op = op
-        self.compiled: dict = {}  # JIT kernel -> (launch function, CUfunction, packed metadata, constexpr tail)
-        self.bound: dict = {}  # Helion kernel -> its BoundKernel for this call's specialisation
+        # Keyed by id(kernel): kernels live as long as their modules, and JITFunction's __hash__ is Python code.
+        self.compiled: dict = {}  # id(JIT kernel) -> (launch function, arguments before the kernel's, constexprs)
+        self.bound: dict = {}  # id(Helion kernel) -> its BoundKernel for this call's specialisation
 
     def __call__(self, kernel, grid: tuple[int, ...], *args, **meta):
         global last_op
         last_op = self.op
-        hit = self.compiled.get(kernel)
+        hit = self.compiled.get(id(kernel))
         if hit is None or launch_hooked():
             compiled = kernel[grid](*args, **meta)
             if compiled is not None and hasattr(compiled, "packed_metadata"):  # None: a CPU capture recorded it
                 names, params = kernel.arg_names, kernel.params
                 tail = tuple(meta.get(name, params[i].default) for i, name in enumerate(names) if i >= len(args))
-                self.compiled[kernel] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+                self.compiled[id(kernel)] = (*launch_function(compiled), tail)
             return compiled
-        run, function, packed_metadata, tail = hit
+        run, head, tail = hit
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # what Triton's driver asks too
-        run(grid[0], grid_y, grid_z, stream, function, packed_metadata, None, None, None, *args, *tail)
+        run(grid[0], grid_y, grid_z, stream, *head, *args, *tail)
+
+
+def launch_function(compiled) -> tuple[Callable, tuple]:
+    """How ``Launcher`` launches ``compiled``: a function and the arguments that go between (grid, stream) and
+    the kernel's own. No launch metadata and no hooks (``launch_hooked`` is checked before)."""
+    run = compiled.run
+    hooks = (None, None, None)  # launch metadata, enter hook, exit hook
+    if getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0:
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata)
+        return run.launch, (*head, *hooks)
+    return run, (compiled.function, compiled.packed_metadata, *hooks)

@@ -63,6 +63,36 @@ def test_launcher_replays_the_jit_bound_arguments(launches):
         assert run_args[9] is peers and run_args[10] is out
 
 
+def test_launcher_calls_the_c_launch_function_when_no_scratch_is_needed(monkeypatch):
+    """With triton 3.6's CudaLauncher (``run.launch`` and no scratch), the launch skips its Python ``__call__``
+    and passes what that would pass: no scratch buffers, the cooperative/PDL flags, metadata, no hooks."""
+    log: list = []
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def launch(self, *args):
+            log.append(args)
+
+        def __call__(self, *args):
+            raise AssertionError("the Python wrapper was called")
+
+    class Compiled:
+        function, packed_metadata, run = "cufunction", "packed metadata", CudaLauncher()
+
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **meta: Compiled())
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    launcher = host.Launcher("op")
+    args = ((torch.zeros(8), torch.zeros(8)), torch.zeros(8), 77, 8, 1024, 1, 2)
+    for _ in range(2):
+        launcher(kernel, (5,), *args, BLOCK_SIZE=1024, num_warps=4)
+    assert log == [(5, 1, 1, 1234, "cufunction", False, True, None, None, "packed metadata", None, None, None,
+                    *args, 1024)]
+
+
 def test_launcher_takes_the_jit_path_while_a_launch_hook_is_set(launches, monkeypatch):
     from triton import knobs
 

@@ -24,7 +24,7 @@ def same_bits_worker() -> None:
     for name in OPS:
         op = registry.get(name)
         shape = op.default_shapes[0]
-        backends = [b for pair in op.pairs for b in (pair.triton, pair.helion)]
+        backends = [b for pair in op.pairs for b in (pair.triton, pair.helion) if b in op.backends]
         for backend in backends:
             heartbeat(f"{name} {backend}")
             fn = op.backends[backend]

@@ -18,7 +18,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run
+from helion_ports import flat_kernel, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather import plan, prepare  # shared with the Triton recipe
@@ -73,7 +73,7 @@ def launch(
     launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.all_gather.launch``."""
-    flat = tuple(p.view(-1) for p in peers)
+    flat = views(peers, -1)
     sources = flat[rank + 1:] + flat[:rank + 1]
     args = (
         out.view(-1), flat[rank], sources, signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name,

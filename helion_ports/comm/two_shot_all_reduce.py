@@ -15,7 +15,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run
+from helion_ports import flat_kernel, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.two_shot_all_reduce import plan, prepare  # shared with the Triton recipe
@@ -78,7 +78,7 @@ def launch(
     launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch``."""
-    flat_peers = tuple(p.view(-1) for p in peers)
+    flat_peers = views(peers, -1)
     args = (
         flat_peers[rank], flat_peers, signal_pad_ptrs, num_blocks, shard, chunk, rank, len(peers), group_name,
     )

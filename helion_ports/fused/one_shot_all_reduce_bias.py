@@ -20,7 +20,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage, run
+from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
@@ -88,7 +88,7 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.one_shot_all_reduce_bias.launch``."""
     # `workspace` through its own storage object: see helion_ports.own_storage.
-    flat_peers = tuple(p.view(-1) for p in peers)
+    flat_peers = views(peers, -1)
     args = (
         x.view(-1), bias, own_storage(peers[rank]).view(-1), flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk,
         rank, len(peers), group_name,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
-from helion_ports import flat_kernel, own_storage, run
+from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
@@ -95,7 +95,7 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     # `workspace` through its own storage object: see helion_ports.own_storage.
-    row_peers = tuple(p.view(x.shape) for p in peers)
+    row_peers = views(peers, x.shape)
     args = (
         x, bias, weight, float(eps), own_storage(peers[rank]).view(x.shape), row_peers, out, signal_pad_ptrs, num_blocks,
         rows_per_block, rank, len(peers), group_name,

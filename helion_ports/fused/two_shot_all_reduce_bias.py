@@ -16,7 +16,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage, run
+from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.two_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
@@ -94,7 +94,7 @@ def launch(
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.two_shot_all_reduce_bias.launch``."""
     regions = (2, x.numel())
     # `workspace` through its own storage object: see helion_ports.own_storage.
-    region_peers = tuple(p.view(regions) for p in peers)
+    region_peers = views(peers, regions)
     args = (
         x.view(-1), bias, own_storage(peers[rank]).view(regions), region_peers, out.view(-1), signal_pad_ptrs, num_blocks,
         shard, chunk, rank, len(peers), group_name,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
-from helion_ports import flat_kernel, own_storage, run
+from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
@@ -106,7 +106,7 @@ def launch(
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     regions = (2, *x.shape)
     # `workspace` through its own storage object: see helion_ports.own_storage.
-    region_peers = tuple(p.view(regions) for p in peers)
+    region_peers = views(peers, regions)
     args = (
         x, bias, weight, float(eps), own_storage(peers[rank]).view(regions), region_peers, out, signal_pad_ptrs, num_blocks,
         shard, chunk, rank, len(peers), group_name,
