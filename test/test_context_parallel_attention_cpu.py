@@ -72,9 +72,10 @@ def test_plan_defaults(world_size):
         cfg = recipe.plan(1, 32, 8, 4096, head_dim, world_size, True, {}, sm90.H200_NUM_SMS)
         assert cfg["block_m"] % cfg["block_n"] == 0
         assert cfg["num_blocks"] == sm90.H200_NUM_SMS - recipe.RESERVED_SMS  # leaves the barrier kernel an SM
-        assert cfg["pieces"] == 8 and cfg["piece_rows"] == 1  # 8 kv heads, one per piece
+        # 8 kv heads: one per piece at 2 and 3 ranks, two per piece at 8 (pieces: 32 // world_size, at least 2)
+        assert (cfg["pieces"], cfg["piece_rows"]) == ((8, 1) if world_size < 8 else (4, 2))
     cfg = recipe.plan(1, 32, 32, 4096, 128, world_size, False, {}, sm90.H200_NUM_SMS)
-    assert cfg["pieces"] == 16 and cfg["piece_rows"] == 2
+    assert (cfg["pieces"], cfg["piece_rows"]) == {2: (16, 2), 3: (8, 4), 8: (4, 8)}[world_size]
     # Few tiles: never more blocks than tiles.
     assert recipe.plan(1, 1, 1, 100, 64, world_size, False, {}, 132)["num_blocks"] == 1
     assert recipe.plan(2, 4, 2, 150, 128, world_size, True, {}, 132)["num_blocks"] == 2 * 4 * 2 * 1

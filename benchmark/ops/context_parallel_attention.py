@@ -104,20 +104,36 @@ def make_inputs(shape, dtype, seed):
 # ---------------------------------------------------------------------------
 
 
+_gqa_native = True  # False once SDPA (flash, then memory-efficient) has refused enable_gqa: K/V heads are repeated
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA, flash backend first; with fewer K/V heads, through ``enable_gqa`` where the backend takes it, else on
+    K/V with their heads repeated (a copy, counted in the time: what a caller would have to do)."""
+    global _gqa_native
+    group = q.shape[1] // k.shape[1]
+    with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
+        if group > 1 and _gqa_native:
+            try:
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+            except RuntimeError:
+                _gqa_native = False
+        if group > 1:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def sdpa_on_sequence(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, causal: bool) -> torch.Tensor:
     """This rank's output from the whole sequence's K/V (in order): one SDPA call, or one per query chunk."""
-    gqa = q.shape[1] != k_seq.shape[1]
-    with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
-        if not causal:
-            return F.scaled_dot_product_attention(q, k_seq, v_seq, enable_gqa=gqa)
-        world_size, chunk = dist.get_world_size(), q.shape[2] // 2
-        outs = []
-        for half, c in enumerate(shard_chunks(dist.get_rank(), world_size, True)):
-            keys = (c + 1) * chunk  # the keys up to this chunk's end; the last chunk of them on the diagonal
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, half * chunk:(half + 1) * chunk], k_seq[:, :, :keys], v_seq[:, :, :keys],
-                attn_mask=causal_lower_right(chunk, keys), enable_gqa=gqa))
-        return torch.cat(outs, dim=2)
+    if not causal:
+        return attention(q, k_seq, v_seq)
+    chunk = q.shape[2] // 2
+    outs = []
+    for half, c in enumerate(shard_chunks(dist.get_rank(), dist.get_world_size(), True)):
+        keys = (c + 1) * chunk  # the keys up to this chunk's end; the last chunk of them on the diagonal
+        outs.append(attention(q[:, :, half * chunk:(half + 1) * chunk], k_seq[:, :, :keys], v_seq[:, :, :keys],
+                              attn_mask=causal_lower_right(chunk, keys)))
+    return torch.cat(outs, dim=2)
 
 
 def nccl(i):

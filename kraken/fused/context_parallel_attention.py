@@ -70,8 +70,11 @@ TILES = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
     128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
 }
-# ``pieces``: each peer's K/V is copied (and flagged) in up to this many ranges of (batch, kv head) rows.
-DEFAULT_CONFIG = {"block_m": None, "block_n": None, "num_warps": None, "num_stages": None, "pieces": 16,
+# ``pieces``: each peer's K/V is copied (and flagged) in up to this many ranges of (batch, kv head) rows; by
+# default ``PIECE_BUDGET // world_size`` (at least 2): finer pieces let the first tiles start sooner, but each
+# costs the host two copies and a flag write per peer.
+PIECE_BUDGET = 32
+DEFAULT_CONFIG = {"block_m": None, "block_n": None, "num_warps": None, "num_stages": None, "pieces": None,
                   "max_blocks": None}
 
 
@@ -272,10 +275,11 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"{OP}: block_n must divide block_m (the causal diagonal starts at a query tile), "
                          f"got block_m={cfg['block_m']}, block_n={cfg['block_n']}")
-    if cfg["pieces"] < 1:
-        raise ValueError(f"{OP}: pieces must be >= 1, got {cfg['pieces']}")
+    pieces = max(2, PIECE_BUDGET // world_size) if cfg["pieces"] is None else cfg["pieces"]
+    if pieces < 1:
+        raise ValueError(f"{OP}: pieces must be >= 1, got {pieces}")
     kv_rows = batch * kv_heads
-    piece_rows = host.cdiv(kv_rows, min(cfg["pieces"], kv_rows))
+    piece_rows = host.cdiv(kv_rows, min(pieces, kv_rows))
     chunk = s_local // 2 if causal else s_local
     num_tiles = batch * heads * (2 if causal else 1) * host.cdiv(max(chunk, 1), cfg["block_m"])
     sms = max(1, num_sms - RESERVED_SMS)
