@@ -87,10 +87,9 @@ def launch(
     launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.one_shot_all_reduce_bias.launch``."""
-    # `workspace` through its own storage object: see helion_ports.own_storage.
-    flat_peers = views(peers, -1)
+    # `workspace` through its own storage object: see helion_ports.own_storage. The workspace is flat already.
     args = (
-        x.view(-1), bias, own_storage(peers[rank]).view(-1), flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk,
+        x.view(-1), bias, own_storage(peers[rank]), views(peers, -1), out.view(-1), signal_pad_ptrs, num_blocks, chunk,
         rank, len(peers), group_name,
     )
     run(compiled(block_size, num_warps), args, launcher)
@@ -104,4 +103,4 @@ def one_shot_all_reduce_bias(
     x2d, ctx, launch_cfg = prepare(x, bias, group, "helion one_shot_all_reduce_bias", config)
     out = torch.empty_like(x2d)
     launch(x2d, bias, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)

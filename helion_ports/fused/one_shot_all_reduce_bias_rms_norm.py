@@ -120,4 +120,4 @@ def one_shot_all_reduce_bias_rms_norm(
         x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
         group_name=ctx.group_name,
     )
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)

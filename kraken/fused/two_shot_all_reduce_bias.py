@@ -149,4 +149,4 @@ def two_shot_all_reduce_bias(
     x2d, ctx, launch_cfg = prepare(x, bias, group, "two_shot_all_reduce_bias", config)
     out = torch.empty_like(x2d)
     launch(x2d, bias, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)
