@@ -123,8 +123,10 @@ SCHEDULE_GAPS = {("kraken.fused.two_shot_all_reduce_bias", 4), ("kraken.fused.tw
 PEER_READING_PAIRS = [(o, p) for o, p in PAIRS
                       if p.triton_module not in ("kraken.fused.rms_norm", "kraken.comm.all_gather",
                                                  "kraken.fused.gemm_reduce_scatter",
+                                                 "kraken.fused.gemm_reduce_scatter_fp8",
                                                  # its peers' rows arrive by the copy engine; the GEMM reads local memory
                                                  "kraken.fused.all_gather_matmul",
+                                                 "kraken.fused.all_gather_matmul_fp8",
                                                  # pushes its rows; the combine's weighted sum has no plain add
                                                  # (FFMA): test_moe_cpu checks its loads instead
                                                  "kraken.comm.moe_dispatch", "kraken.comm.moe_combine")]

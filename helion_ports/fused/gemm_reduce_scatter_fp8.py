@@ -1,0 +1,181 @@
+"""Helion twin of ``kraken.fused.gemm_reduce_scatter_fp8``: same function, same arguments.
+
+The bf16 twin (``helion_ports.fused.gemm_reduce_scatter``) with fp8 operands and the scales applied in
+the epilogue of both phases, as the recipe (``plan`` and ``prepare`` are shared):
+
+* ``hl.grid(num_blocks)`` is the persistent grid, the barrier's block id and the workspace chunk;
+* phase 1: the peers' bands, owner ``rank + 1`` first; ``a`` and ``b`` (as [N, K], its tiles transposed
+  for ``hl.dot``: K-major for fp8 wgmma) through host-built tensor descriptors, fp32 accumulation, then
+  ``acc * scale_a[rows, None] * scale_b[None, cols]`` and the push into this rank's slot of the owner's
+  workspace (``hl.store(peers[r], ...)`` for the ``r`` that is the owner);
+* phase 2: the own band's tiles, the epoch barrier after the first GEMM (the kraken PTX through
+  ``hl.inline_triton``), the peers' partials added from the local workspace in slot order, the band's
+  rows stored masked;
+* the scales arrive as [M] and [N] views (stride 0 for a per-tensor scale): one code path for both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from helion_ports import flat_kernel, own_storage, run
+from kraken import host
+from kraken._ptx_utils.inline_source import EPOCH_SYNC
+from kraken.fused.all_gather_matmul_fp8 import b_operand
+from kraken.fused.gemm_reduce_scatter_fp8 import OP, chunk_tile, plan, prepare, rounds_of, tma_a  # shared
+
+__all__ = ["chunk_tile", "gemm_reduce_scatter_fp8", "launch", "plan", "prepare", "rounds_of"]
+
+
+def indexing(world_size: int) -> tuple[str, ...]:
+    """Per load/store, in program order: the parity and epoch loads; phase 1's ``a`` and ``b`` through tensor
+    descriptors (TMA), its two scale loads and a push per rank; phase 2's ``a`` and ``b`` (TMA), its two scale
+    loads, the peers' partials (one load in a loop), ``out``, parity and epoch through pointers."""
+    tma = ("tensor_descriptor",) * 2
+    return ("pointer",) * 2 + tma + ("pointer",) * (2 + world_size) + tma + ("pointer",) * 6
+
+
+def gemm_reduce_scatter_fp8_body(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    workspace: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    parity: torch.Tensor,
+    epochs: torch.Tensor,
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    num_blocks: int,
+    rank: int,
+    world_size: hl.constexpr,
+    b_trans: hl.constexpr,
+    block_m: hl.constexpr,
+    block_n: hl.constexpr,
+    group_m: hl.constexpr,
+    group_name: hl.ProcessGroupName,
+) -> torch.Tensor:
+    band_m, n = out.size()  # a and b may be zero-padded in k for TMA
+    k = a.size(1)
+    m = band_m * world_size
+    tiles_m = (band_m + block_m - 1) // block_m
+    tiles_n = (n + block_n - 1) // block_n
+    width = group_m * tiles_n
+    for block in hl.grid(num_blocks):
+        half = parity[block]
+        epoch = epochs[block]
+        rounds = (tiles_m * tiles_n - block + num_blocks - 1) // num_blocks
+        for i in hl.grid((world_size - 1) * rounds):
+            owner = (rank + 1 + i // rounds) % world_size
+            rnd = i % rounds
+            j = block + rnd * num_blocks
+            first_m = j // width * group_m
+            group_rows = min(tiles_m - first_m, group_m)
+            m0 = owner * band_m + (first_m + j % width % group_rows) * block_m
+            n0 = j % width // group_rows * block_n
+            # The owner's slot q holds sender owner + 1 + q (no comparison of runtime ints: see the bf16 twin).
+            slot = (rank - owner - 1 + world_size) % world_size
+            for tile_m, tile_n in hl.tile([m0, n0], [m0 + block_m, n0 + block_n]):
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(k):
+                    if b_trans:
+                        acc = hl.dot(a[tile_m, tile_k], b[tile_n, tile_k].T, acc=acc)
+                    else:
+                        acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
+                scale_rows = hl.load(scale_a, [tile_m], extra_mask=tile_m.index < m)
+                scale_cols = hl.load(scale_b, [tile_n], extra_mask=tile_n.index < n)
+                partial = (acc * scale_rows[:, None] * scale_cols[None, :]).to(workspace.dtype)
+                for r in hl.static_range(world_size):
+                    if owner == r:
+                        hl.store(peers[r], [half, block, rnd, slot, tile_m.index - m0, tile_n.index - n0], partial)
+        for rnd in hl.grid(rounds):
+            j = block + rnd * num_blocks
+            first_m = j // width * group_m
+            group_rows = min(tiles_m - first_m, group_m)
+            r0 = (first_m + j % width % group_rows) * block_m
+            m0 = rank * band_m + r0
+            n0 = j % width // group_rows * block_n
+            for tile_m, tile_n in hl.tile([m0, n0], [m0 + block_m, n0 + block_n]):
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(k):
+                    if b_trans:
+                        acc = hl.dot(a[tile_m, tile_k], b[tile_n, tile_k].T, acc=acc)
+                    else:
+                        acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
+                scale_rows = hl.load(scale_a, [tile_m], extra_mask=tile_m.index < m)
+                scale_cols = hl.load(scale_b, [tile_n], extra_mask=tile_n.index < n)
+                acc = acc * scale_rows[:, None] * scale_cols[None, :]
+                if rnd == 0:
+                    hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+                for q in hl.grid(world_size - 1):  # a loop, as in the recipe (unrolled, it spills at 8 ranks)
+                    acc = acc + workspace[half, block, rnd, q, tile_m.index - m0, tile_n.index - n0].to(torch.float32)
+                rows = tile_m.index - rank * band_m
+                inside = (rows < band_m)[:, None] & (tile_n.index < n)[None, :]
+                hl.store(out, [rows, tile_n], acc.to(out.dtype), extra_mask=inside)
+        parity[block] = 1 - half
+        epochs[block] = epoch + 1
+    return out
+
+
+@functools.cache
+def compiled(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, world_size: int) -> helion.Kernel:
+    """One Helion kernel per launch configuration (``block_sizes``: phase 1's tile m, n, its k step; phase 2's;
+    TMA for ``a`` and ``b`` through host-built descriptors; ``pid_type="flat"``: the recipe's grid)."""
+    return flat_kernel(gemm_reduce_scatter_fp8_body, (block_m, block_n, block_k) * 2, num_warps, num_stages,
+                       indexing=indexing(world_size), host_tensor_descriptors=True)
+
+
+def launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    parity: torch.Tensor,
+    epochs: torch.Tensor,
+    b_layout: str,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    num_blocks: int,
+    group_name: str = "",
+    launcher=host.jit_launch,
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_reduce_scatter_fp8.launch``
+    (``peers[rank]`` also goes in as ``workspace`` under its own storage: see the bf16 twin)."""
+    a = tma_a(a)
+    b, b_trans = b_operand(b, b_layout)
+    m, n = a.shape[0], out.shape[1]
+    args = (
+        a, b, scale_a.reshape(-1).expand(m), scale_b.reshape(-1).expand(n), own_storage(peers[rank]), peers, parity,
+        epochs, out, signal_pad_ptrs, num_blocks, rank, len(peers), b_trans, block_m, block_n, group_m, group_name,
+    )
+    run(compiled(block_m, block_n, block_k, num_warps, num_stages, len(peers)), args, launcher)
+    return out
+
+
+def gemm_reduce_scatter_fp8(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    **config,
+) -> torch.Tensor:
+    """This rank's [M / ws, N] rows of ``sum over ranks of _scaled_mm(a, b, scale_a, scale_b)`` (see the recipe)."""
+    ctx, launch_cfg = prepare(a, b, scale_a, scale_b, group, out_dtype, f"helion {OP}", config)
+    out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
+    return launch(a, b, scale_a, scale_b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
+                  group_name=ctx.group_name)

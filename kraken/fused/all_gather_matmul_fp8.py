@@ -1,0 +1,352 @@
+"""FP8 all-gather + matmul: ``_scaled_mm(all_gather(a), b, all_gather(scale_a), scale_b)`` in bf16.
+
+``kraken.fused.all_gather_matmul`` for ``torch.float8_e4m3fn`` operands with scales, in the layouts
+``torch._scaled_mm`` takes: ``scale_a`` per tensor (one element) or per row ([M, 1]), ``scale_b`` per
+tensor or per column ([1, N]), all float32. fp8 halves the bytes the gather moves and doubles the
+tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide the exchange under.
+
+* The gathered operand travels as fp8 *with its row scales*: each row of the symmetric gather buffer
+  (bytes, [world_size * M, K' + 16], K' = K rounded up to 16) holds the row's K fp8 values and, at byte
+  K', its fp32 scale (a per-tensor ``scale_a`` is written into every row: ranks may have different
+  ones). One contiguous copy per peer chunk moves both, on the copy engine, with the chunk's flag
+  (``kraken.comm.all_gather_with_progress``); no second gather, no second flag.
+* Staging is on the current stream, before the gather forks (two small copies: the values and the
+  scales into this rank's chunk). The GEMM's own rows therefore need no flag: they were written by
+  kernels earlier on its stream. A block waits (acquire + async-proxy fence, ``wait_async``) only at
+  its first tile of each peer's chunk.
+* The GEMM is the bf16 recipe's persistent TMA loop (own rows first, then rank + 1's, ...,
+  ``GROUP_M``-row bands), on 128-wide k steps (the same bytes per stage as bf16's 64). The
+  descriptor over the gathered values has shape [world_size * M, K] with the buffer's row stride:
+  TMA zero-fills past K, and the scale bytes are never read as values.
+* ``b``: Hopper's fp8 wgmma takes both operands K-major from shared memory. A column-major ``b``
+  (``w.t()`` of an [N, K] weight, what ``_scaled_mm`` wants) is read in place as [N, K] in
+  ``BLOCK_N x BLOCK_K`` boxes and each tile is transposed as a shared-memory view (``B_TRANS``): wgmma
+  reads the TMA-written tile as is. A row-major ``b`` [K, N] also compiles to wgmma with Triton 3.6,
+  but each k step then moves b's tile through registers into a transposed copy in shared memory
+  (sm_90 PTX at 128x256x128: 24 ``ld.shared.v4`` + 96 ``prmt`` + 128 byte-wide ``st.shared`` per k step,
+  one wgmma group in flight instead of two, 254 registers instead of 211). ``b_layout="auto"`` reads
+  either as stored (pass ``w.t()`` for the fast one), "nk" copies a row-major ``b`` to [N, K] first.
+* Epilogue: fp32 accumulator times ``scale_a[rows, None] * scale_b[None, cols]`` (the row scales
+  from the gathered rows), then bf16, stored masked to the chunk's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kraken import host
+from kraken._ptx_utils import wait_async
+from kraken.comm.all_gather_with_progress import start as start_gather
+from kraken.fused.all_gather_matmul import GROUP_M, MIN_TILES_PER_SM, RESERVED_SMS, chunk_views, progress_flags
+
+OP = "all_gather_matmul_fp8"
+FP8 = torch.float8_e4m3fn
+OUT_DTYPE = torch.bfloat16
+MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
+SCALE_BYTES = 16  # per gathered row: the fp32 scale, padded so that rows stay 16-byte aligned for TMA
+# The bf16 recipe's tiles with k steps twice as long: the same bytes per pipeline stage (fp8 wgmma's k is 32).
+TILE_CONFIGS = [
+    {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4},
+]
+# "auto": b as stored: column-major (``w.t()``) as [N, K] (K-major, what fp8 wgmma wants), row-major as [K, N];
+# anything else copied to [N, K]. "nk" / "kn": that layout, copying b if it is stored otherwise.
+B_LAYOUTS = ("auto", "nk", "kn")
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_layout": "auto"}
+
+
+@triton.jit
+def all_gather_matmul_fp8_kernel(
+    gathered_desc,  # the gathered fp8 rows [world_size * M, K] (the buffer's row stride), BLOCK_M x BLOCK_K boxes
+    b_desc,  # b [K, N] in BLOCK_K x BLOCK_N boxes, or (B_TRANS) its transpose [N, K] in BLOCK_N x BLOCK_K
+    out_ptr,  # [world_size * M, N], bf16
+    progress_ptr,  # int32 flags, 0 -> 1: [r] rank r's rows (and their scales) have landed
+    row_scales_ptr,  # fp32 scale of gathered row i at row_scales_ptr + i * scale_stride
+    scale_b_ptr,  # fp32 [N] (B_COLWISE) or [1]
+    M,
+    N,
+    K,
+    scale_stride,
+    rank,
+    world_size: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    B_TRANS: tl.constexpr,
+    B_COLWISE: tl.constexpr,
+):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    chunk_tiles = tiles_m * tiles_n
+    band_tiles = GROUP_M * tiles_n
+    num_tiles = world_size * chunk_tiles
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        step = tile // chunk_tiles  # 0: my rows, then rank + 1's, rank + 2's, ...
+        # The step of this block's previous tile (negative before its first: operands stay >= 0 for //).
+        prev_step = (tile + num_tiles - tl.num_programs(0)) // chunk_tiles - world_size
+        src = (rank + step) % world_size
+        within = tile % chunk_tiles
+        band = within // band_tiles
+        band_rows = tl.minimum(tiles_m - band * GROUP_M, GROUP_M)
+        m0 = (band * GROUP_M + within % band_tiles % band_rows) * BLOCK_M
+        n0 = within % band_tiles // band_rows * BLOCK_N
+        # A peer's rows and scales have landed (acquire), and TMA will see them (async-proxy fence): at the
+        # block's first tile of each peer's chunk. My own rows were staged by earlier kernels on this stream.
+        if (step != prev_step) & (step > 0):
+            wait_async(progress_ptr + src, 1)
+        row0 = src * M + m0
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            if B_TRANS:  # a transposed view of the [BLOCK_N, BLOCK_K] tile: wgmma reads it K-major
+                acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([n0, k0]).T, acc)
+            else:
+                acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([k0, n0]), acc)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        row_in = rows < M  # a tile at a chunk's end also read some of the next chunk's rows: discarded
+        col_in = cols < N
+        scale_a = tl.load(row_scales_ptr + (src * M + rows) * scale_stride, mask=row_in, other=0.0)
+        scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=col_in, other=0.0)
+        acc = acc * scale_a[:, None] * scale_b[None, :]
+        offsets = (src * M + rows)[:, None] * N + cols[None, :]
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+
+
+# ---------------------------------------------------------------------------
+# Host: operands, the gather buffer's layout, staging
+# ---------------------------------------------------------------------------
+
+
+def row_bytes(k: int) -> int:
+    """Bytes per gathered row: K fp8 values rounded up to 16, then the fp32 scale in its own 16 bytes."""
+    return host.round_up(k, 16) + SCALE_BYTES
+
+
+def buffer_views(gathered: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, row scales) of a gather buffer (bytes, [rows, ``row_bytes(k)``]): the fp8 [rows, K] view the
+    TMA descriptor covers (the buffer's row stride) and the fp32 [rows] view of each row's scale."""
+    values = gathered.view(FP8)[:, :k]
+    scales = gathered.view(torch.float32)[:, host.round_up(k, 16) // 4]
+    return values, scales
+
+
+def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
+    """``b`` as the kernel reads it: (tensor, transposed). [N, K] (``b.t()``, K-major) for a column-major ``b``
+    or layout "nk", [K, N] for a row-major one or "kn" (``B_LAYOUTS``). Rows that TMA cannot address (a row
+    stride not a multiple of 16 bytes, an unaligned base) or the other layout are copied into a zero-padded
+    [rows, cols rounded up to 16] buffer, read through its [rows, cols] view."""
+    column_major = b.stride(0) == 1 and b.stride(1) >= max(b.shape[0], 1)
+    row_major = b.stride(1) == 1 and b.stride(0) >= max(b.shape[1], 1)
+    trans = layout == "nk" or (layout == "auto" and (column_major or not row_major))
+    w = b.t() if trans else b
+    rows, cols = w.shape
+    if w.stride(1) == 1 and w.stride(0) % 16 == 0 and w.stride(0) >= cols and w.data_ptr() % 16 == 0:
+        return w, trans
+    padded = torch.zeros(rows, host.round_up(cols, 16), dtype=torch.uint8, device=b.device)
+    padded[:, :cols].copy_(w.view(torch.uint8))  # (bytes: copies of fp8 tensors go through their bytes)
+    return padded.view(FP8)[:, :cols], trans
+
+
+def stage(a: torch.Tensor, scale_a: torch.Tensor, own_values: torch.Tensor, own_scales: torch.Tensor) -> None:
+    """This rank's rows and their scales into its chunk of the gather buffer, on the current stream."""
+    own_values.view(torch.uint8).copy_(a.view(torch.uint8))
+    own_scales.copy_(scale_a.reshape(-1).expand(own_scales.shape[0]))
+
+
+def launch_matmul(
+    gathered: torch.Tensor,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    rank: int,
+    world_size: int,
+    k: int,
+    b_trans: bool,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    num_blocks: int,
+    launcher=host.jit_launch,
+) -> torch.Tensor:
+    """The GEMM alone, on the gather buffer (bytes, [world_size * M, ``row_bytes(k)``]) and a TMA-ready ``b``
+    (``b_operand``): the consumer of the flags in ``progress``."""
+    m, n = out.shape[0] // world_size, out.shape[1]
+    values, scales = buffer_views(gathered, k)
+    b_box = [block_n, block_k] if b_trans else [block_k, block_n]
+    launcher(
+        all_gather_matmul_fp8_kernel, (num_blocks,),
+        TensorDescriptor.from_tensor(values, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box), out,
+        progress, scales, scale_b, m, n, k, scales.stride(0), rank, world_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
+        B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    gathered: torch.Tensor,
+    own_values: torch.Tensor,
+    own_scales: torch.Tensor,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    b_layout: str,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    num_blocks: int,
+    group_name: str = "",
+    launcher=host.jit_launch,
+) -> torch.Tensor:
+    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+
+    ``gathered`` is this rank's symmetric gather buffer (bytes, [world_size * M, ``row_bytes(K)``]),
+    ``peers[r]`` rank r's own chunk of rank r's, ``own_values`` / ``own_scales`` this rank's chunk as fp8
+    values and fp32 scales (``buffer_views``); ``out`` [world_size * M, N] bf16; ``group_name`` is unused here.
+    """
+    b, b_trans = b_operand(b, b_layout)
+    stage(a, scale_a, own_values, own_scales)
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher)
+    launch_matmul(gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans, block_m, block_n,
+                  block_k, group_m, num_warps, num_stages, num_blocks, launcher)
+    started.wait()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Host: plan, checks, prepare, the public call
+# ---------------------------------------------------------------------------
+
+
+def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
+    """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows. The largest
+    of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a tile, a persistent grid of at most one
+    block per SM but ``RESERVED_SMS`` (left to the gather's barrier kernel)."""
+    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+
+    def fills(cfg: dict) -> bool:
+        return world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
+
+    tiles = next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1])
+    cfg = {**DEFAULT_CONFIG, **tiles, **config}
+    for key in ("block_m", "block_n", "block_k", "group_m"):
+        value = cfg[key]
+        least = 1 if key == "group_m" else (32 if key == "block_k" else 16)
+        if value < least or value & (value - 1):
+            raise ValueError(f"{OP}: {key} must be a power of two >= {least}, got {value}")
+    if cfg["block_k"] > 128:
+        raise ValueError(f"{OP}: block_k must be <= 128 (128 fp8 bytes: one TMA swizzle row), got {cfg['block_k']}")
+    if cfg["b_layout"] not in B_LAYOUTS:
+        raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
+    num_tiles = world_size * host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
+    sms = max(1, num_sms - RESERVED_SMS)
+    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
+    keys = ("b_layout", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+    return {**{key: cfg[key] for key in keys}, "num_blocks": min(num_tiles, max_blocks)}
+
+
+def check_scale(scale: object, name: str, rows: int, cols: int, device: torch.device, op: str) -> None:
+    """A ``torch._scaled_mm`` scale: float32 on ``device`` (a's), one element (per tensor) or [rows, cols]."""
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{op}: {name} must be float32, got {str(scale.dtype).removeprefix('torch.')}")
+    if scale.numel() != 1 and tuple(scale.shape) != (rows, cols):
+        raise ValueError(f"{op}: {name} must have one element (per tensor) or shape ({rows}, {cols}), "
+                         f"got {tuple(scale.shape)}")
+    if not scale.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (got strides {scale.stride()})")
+    if scale.device != device:
+        raise ValueError(f"{op}: {name} must be on {device} (with a), got {scale.device}")
+
+
+def check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, op: str) -> None:
+    """Argument checks that need neither a GPU nor torch.distributed: fp8 e4m3 ``a`` [M, K] (contiguous) and
+    ``b`` [K, N] (any layout), float32 scales per tensor or ``scale_a`` [M, 1], ``scale_b`` [1, N]."""
+    for name, tensor in (("a", a), ("b", b)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != FP8 or tensor.dim() != 2:
+            raise ValueError(f"{op}: {name} must be a 2-D float8_e4m3fn tensor, got "
+                             f"{str(tensor.dtype).removeprefix('torch.')} of shape {tuple(tensor.shape)}")
+    if not a.is_contiguous():
+        raise ValueError(f"{op}: a must be contiguous (got strides {a.stride()}); call .contiguous() first")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
+                         "(need a [M, K], b [K, N])")
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"{op}: empty operand (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
+    check_scale(scale_a, "scale_a", a.shape[0], 1, a.device, op)
+    check_scale(scale_b, "scale_b", 1, b.shape[1], a.device, op)
+    if a.device.type != "cuda" or b.device != a.device:
+        raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
+
+
+@host.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
+    op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
+    *config.items()))
+def prepare(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, op: str, config: dict
+) -> tuple[host.SymmContext, dict]:
+    """Validate, plan, and find the buffers: the context of the symmetric gather buffer (bytes,
+    [world_size * M, ``row_bytes(K)``], a slice of ``host.symm_workspace``), and the launch arguments but
+    the output (every rank's own chunk of it as ``peers``, this rank's as fp8 values and fp32 scales,
+    ``progress``, the config); kept per signature."""
+    # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
+    with host.agreed(op, group, a=a, b=b, scale_a=scale_a, scale_b=scale_b, config=config):
+        check_inputs(a, b, scale_a, scale_b, op)
+        (m, k), n = a.shape, b.shape[1]
+        world_size = host.world_size_of(group, op)
+        if max(world_size * m * max(row_bytes(k), n), k * n) > MAX_INDEX:
+            raise ValueError(f"{op}: the gathered a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        cfg = plan(m, n, k, world_size, config, num_sms)
+    pg = host.resolve_group(group, op)
+    width = row_bytes(k)
+    gathered = host.symm_workspace(world_size * m * width, torch.uint8, a.device, pg, op).view(world_size * m, width)
+    ctx = host.symm_context(gathered, pg, op, name="gather buffer")
+    chunks = chunk_views(ctx, m)
+    own_values, own_scales = buffer_views(chunks[ctx.rank], k)
+    return ctx, {"peers": chunks, "gathered": gathered, "own_values": own_values, "own_scales": own_scales,
+                 "progress": progress_flags(world_size, a.device), **cfg, "launcher": host.Launcher(op)}
+
+
+def all_gather_matmul_fp8(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    **config,
+) -> torch.Tensor:
+    """``(all_gather(a) * all_gather(scale_a)) @ (b * scale_b)`` as a new [world_size * M, N] bf16 tensor,
+    accumulated in fp32: what ``torch._scaled_mm`` gives on the gathered operands.
+
+    ``a`` [M, K]: this rank's rows, a contiguous ``float8_e4m3fn`` CUDA tensor, the same shape on every rank;
+    ``b`` [K, N] fp8 in any layout (column-major, ``w.t()``, is read in place); ``scale_a`` float32, one
+    element or [M, 1] (each rank its own); ``scale_b`` float32, one element or [1, N]. ``config`` overrides
+    the tiles (``block_m``, ``block_n``, ``block_k``, ``num_warps``, ``num_stages``, ``group_m``),
+    ``max_blocks`` and ``b_layout`` (see ``plan`` and ``B_LAYOUTS``).
+    """
+    ctx, cfg = prepare(a, b, scale_a, scale_b, group, OP, config)
+    out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=OUT_DTYPE, device=a.device)
+    return launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out, **cfg,
+                  group_name=ctx.group_name)
