@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmark import registry, sm90
+from benchmark import harness, registry, sm90
+from benchmark.cli import parse_args
 from benchmark.ops import moe as moe_op
 from fake_world import FakeWorld
 from kraken import host
@@ -332,7 +333,7 @@ def loads_before_first_fma(sass: list[str]) -> int:
 def test_combine_issues_every_row_load_before_its_first_multiply(ws):
     """One NVLink round trip per step: the k rows' 16-byte loads (one per rank and expert slot, masked: one of
     each rank's lands) are all issued before the first multiply, in the recipe and in the twin alike."""
-    shape = (64, 4096, 2 * ws, 2, 0)
+    shape = (64, 4096, 2 * ws, 2, moe_op.UNIFORM)
     counts = []
     for path in COMBINE:
         with sm90.capture_launches() as launches:
@@ -347,7 +348,7 @@ def test_every_rank_compiles(path):
     """Every kernel compiles for sm_90 at every rank of a 3-rank world. The registry examples launch as rank 1,
     an int Triton specialises to a constant: indexing the peers' tuple with the rank compiled there and failed
     at ranks 0 and 2 (a tuple takes constexpr indices only)."""
-    shape = (37, 129, 6, 2, 0)
+    shape = (37, 129, 6, 2, moe_op.UNIFORM)
     for rank in range(3):
         tokens, ids, handle, counts_ctx, cfg = moe_op.example_handle(path, 3, shape, rank=rank)
         with sm90.capture_launches() as launches:
@@ -365,23 +366,53 @@ def test_registry_entries():
         entry = registry.get(name)
         assert list(entry.backends) == ["nccl", "triton", "helion"]
         assert len(entry.default_shapes) == 48 and entry.shape_format == "TxHxExKxSKEW"
-        assert (4096, 4096, 8, 2, 0) in entry.default_shapes and (128, 7168, 64, 8, 1) in entry.default_shapes
+        assert (4096, 4096, 8, 2, 1) in entry.default_shapes and (128, 7168, 64, 8, 2) in entry.default_shapes
         # 4096 tokens x top-2 x 4096 x bf16 at 2 ranks: half of the 64 MiB of rows cross NVLink.
-        assert entry.nvlink_bytes((4096, 4096, 8, 2, 0), torch.bfloat16, 2) == 32 << 20
-        assert entry.floor_us((4096, 4096, 8, 2, 0), torch.bfloat16, 2) == pytest.approx((32 << 20) / 361e3 + 2.0)
-    assert registry.parse_shape("4096x7168x64x8x1", "TxHxExKxSKEW") == (4096, 7168, 64, 8, 1)
+        assert entry.nvlink_bytes((4096, 4096, 8, 2, 1), torch.bfloat16, 2) == 32 << 20
+        assert entry.floor_us((4096, 4096, 8, 2, 1), torch.bfloat16, 2) == pytest.approx((32 << 20) / 361e3 + 2.0)
+    assert registry.parse_shape("4096x7168x64x8x2", "TxHxExKxSKEW") == (4096, 7168, 64, 8, 2)
     with pytest.raises(ValueError, match="divisible by the world size 3"):
-        moe_op.dispatch_example(None, 3, shape=(8, 8, 4, 2, 0))
+        moe_op.dispatch_example(None, 3, shape=(8, 8, 4, 2, 1))
+    for skew in (0, 3):
+        with pytest.raises(ValueError, match="SKEW must be 1 .uniform. or 2 .Zipf., got"):
+            moe_op.dispatch_example(None, 2, shape=(8, 8, 4, 2, skew))
+
+
+@pytest.mark.parametrize("name", ["moe_dispatch", "moe_combine"])
+def test_every_default_shape_round_trips_through_the_harness_and_the_command_line(name, monkeypatch):
+    """The harness prints each shape as its row's text; ``--shapes`` with that text (registry.parse_shape, via the
+    command line's own parsing) gives the shape back, and the op accepts it at every world size it divides."""
+    entry = registry.get(name)
+    # The harness's own formatting: run_op over every default shape, backends that refuse (no GPU here), one rank.
+    monkeypatch.setattr(harness.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(harness, "_slowest", lambda value: value)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def refuse(inputs):
+        raise ValueError("no GPU")
+
+    fake = registry.Op(entry.name, entry.description, lambda *args: {}, {"nccl": lambda i: torch.ones(1),
+                       "triton": refuse}, entry.default_shapes, entry.shape_format, entry.nvlink_bytes,
+                       entry.floor_us)
+    rows = harness.run_op(fake, entry.default_shapes, ["triton"], torch.bfloat16, harness.Settings())
+    texts = [row.shape for row in rows]
+    assert len(texts) == len(entry.default_shapes) and all(row.status == "error (no GPU)" for row in rows)
+    assert [registry.parse_shape(t, entry.shape_format) for t in texts] == entry.default_shapes
+    assert parse_args([name, "--shapes", *texts]).shapes == entry.default_shapes
+    assert "4096x4096x8x2x1" in texts and "128x7168x64x8x2" in texts
+    for shape in entry.default_shapes:
+        for ws in (2, 4, 8):
+            moe_op.check_shape(shape, ws)
 
 
 def test_routing_draws_distinct_experts_and_skews():
-    ids = moe_op.routing(4096, 64, 8, 1, seed=3)
+    ids = moe_op.routing(4096, 64, 8, moe_op.ZIPF, seed=3)
     assert ids.shape == (4096, 8) and all(len(set(row)) == 8 for row in ids.tolist()[:100])
     load = torch.bincount(ids.flatten(), minlength=64)
     assert load[0] > 3 * load.float().mean() and load[-1] < load.float().mean()
-    uniform = torch.bincount(moe_op.routing(4096, 8, 2, 0, seed=3).flatten(), minlength=8).float()
+    uniform = torch.bincount(moe_op.routing(4096, 8, 2, moe_op.UNIFORM, seed=3).flatten(), minlength=8).float()
     assert uniform.max() < 1.2 * uniform.mean()
-    assert torch.equal(moe_op.routing(16, 8, 2, 0, seed=5), moe_op.routing(16, 8, 2, 0, seed=5))
+    assert torch.equal(moe_op.routing(16, 8, 2, 1, seed=5), moe_op.routing(16, 8, 2, 1, seed=5))
 
 
 def test_eager_path_regrouping_round_trips():
@@ -426,8 +457,8 @@ class ThreadWorld:
             return list(pool.map(as_rank, range(self.world_size)))
 
 
-@pytest.mark.parametrize("ws,shape", [(2, (37, 16, 4, 2, 0)), (3, (100, 8, 6, 3, 1)), (8, (64, 4, 64, 8, 1)),
-                                      (8, (50, 4, 8, 8, 0))])
+@pytest.mark.parametrize("ws,shape", [(2, (37, 16, 4, 2, 1)), (3, (100, 8, 6, 3, 2)), (8, (64, 4, 64, 8, 2)),
+                                      (8, (50, 4, 8, 8, 1))])
 def test_eager_baseline_matches_the_reference(ws, shape, monkeypatch):
     """The NCCL baseline (Megatron's permute + all_to_all_single + regroup, and back) gives the recipes' layout
     row for row and the reference combine: the benchmark compares them directly."""

@@ -1,9 +1,11 @@
 """moe_dispatch and moe_combine: the eager NCCL path vs the kraken recipes and their Helion twins.
 
 The shape is ``TxHxExKxSKEW``: tokens per rank, hidden size, experts (over all ranks, ``E /
-world_size`` per rank), top-k, and the routing: ``SKEW`` 0 draws each token's k distinct experts
-uniformly, 1 with Zipf weights ``1 / (e + 1)`` (expert 0 about ``E / H(E)`` times as busy as the
+world_size`` per rank), top-k, and the routing: ``SKEW`` 1 draws each token's k distinct experts
+uniformly, 2 with Zipf weights ``1 / (e + 1)`` (expert 0 about ``E / H(E)`` times as busy as the
 mean, the owner of the first experts receives the most; with 64 experts some get no token at small T).
+Every field is a positive integer, as ``registry.parse_shape`` requires (as context_parallel_attention's
+MASK field), so ``--shapes 4096x4096x8x2x1`` reads back what the tables print.
 The routing is drawn on the CPU from a seed per rank, so every rank knows every rank's routing: the
 capacity given to the recipes is the largest number of rows any rank receives (nothing is dropped),
 and each backend's output is compared row for row.
@@ -36,23 +38,31 @@ from kraken import host
 
 DISPATCH, COMBINE = "comm.moe_dispatch", "comm.moe_combine"
 SHAPE_FORMAT = "TxHxExKxSKEW"
+UNIFORM, ZIPF = 1, 2  # the SKEW field
 DEFAULT_SHAPES = [(t, h, e, k, skew) for t in (128, 1024, 4096) for h in (4096, 7168) for e in (8, 64)
-                  for k in (2, 8) for skew in (0, 1)]
+                  for k in (2, 8) for skew in (UNIFORM, ZIPF)]
 
 
 def routing(num_tokens: int, num_experts: int, top_k: int, skew: int, seed: int) -> torch.Tensor:
     """``[T, k]`` int64 distinct expert ids per token, on the CPU (every rank can draw every rank's)."""
     gen = torch.Generator().manual_seed(seed)
-    weights = torch.ones(num_experts) if not skew else 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64)
+    check_skew(skew)
+    zipf = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64)
+    weights = torch.ones(num_experts) if skew == UNIFORM else zipf
     return torch.multinomial(weights.float().expand(num_tokens, num_experts), top_k, replacement=False,
                              generator=gen)
 
 
+def check_skew(skew: int) -> None:
+    if skew not in (UNIFORM, ZIPF):
+        raise ValueError(f"moe: SKEW must be {UNIFORM} (uniform) or {ZIPF} (Zipf), got {skew}")
+
+
 def check_shape(shape, world_size: int) -> None:
     num_tokens, hidden, num_experts, top_k, skew = shape
-    if num_experts % world_size or top_k > num_experts or skew not in (0, 1):
-        raise ValueError(f"moe: shape {shape}: E must be divisible by the world size {world_size}, K <= E, "
-                         "SKEW 0 or 1")
+    check_skew(skew)
+    if num_experts % world_size or top_k > num_experts:
+        raise ValueError(f"moe: shape {shape}: E must be divisible by the world size {world_size} and K <= E")
 
 
 def dispatch_inputs(shape, dtype, seed):
@@ -168,7 +178,7 @@ def recipe_combine(package: str):
 
 
 def example_shape(world_size: int) -> tuple[int, ...]:
-    return (37, 129, 2 * world_size, 2, 0)  # odd: every tail masked, nothing 16-byte aligned
+    return (37, 129, 2 * world_size, 2, UNIFORM)  # odd: every tail masked, nothing 16-byte aligned
 
 
 def example_handle(module_path: str, world_size: int, shape, rank: int = 1):
