@@ -8,14 +8,22 @@ sequence: the r-th contiguous part, or with causal the load-balanced layout of
 its queries' output. Backends:
 
 * ``nccl``: ``dist.all_gather_into_tensor`` of k and of v, the gathered K/V put in sequence order,
-  then ``torch.nn.functional.scaled_dot_product_attention`` (flash backend first, memory-efficient
-  where flash does not apply; under causal one call per query chunk with a lower-right causal
-  mask, ``torch.nn.attention.bias.causal_lower_right``, over the keys up to that chunk's end);
+  then ``torch.nn.functional.scaled_dot_product_attention`` on its flash backend alone
+  (``sdpa_kernel([SDPBackend.FLASH_ATTENTION])``: FlashAttention-2; nothing else may run, so a layout
+  flash refused would raise rather than fall back to the memory-efficient or math kernel). GQA goes
+  through ``enable_gqa`` (flash reads the fewer K/V heads itself: no repeated copy). Under causal, one
+  call per query chunk over the keys up to that chunk's end: a square one with ``is_causal=True``, the
+  others with a lower-right causal mask (``torch.nn.attention.bias.causal_lower_right``, which calls
+  the flash kernel directly; its memory-efficient fallback is disabled by the same context);
 * ``torch_cp``: torch's own context parallelism (``torch.distributed.tensor.experimental.
-  context_parallel``, monkey-patch mode, default all-gather rotation and head-tail load balancing:
-  the same layout as ours): SDPA called on the local shards inside the context. It is a
-  prototype; where it raises, the column says why instead of a time;
-* ``sdpa``: the floor, SDPA as in ``nccl`` on K/V gathered before the timing (no communication);
+  context_parallel``, monkey-patch mode, all-gather rotation; under causal its head-tail load
+  balancing, the same layout as ours; without, no load balancing, which it refuses to combine with a
+  full mask): SDPA (flash backend alone) called on the local shards inside the context, a ring of
+  flash calls merged through their log-sum-exp. It is a prototype; where it raises, the column says
+  why instead of a time (and SDPA is un-patched again: the context manager does not restore it when
+  its body raises);
+* ``sdpa``: the floor: this rank's queries against the whole sequence's K/V, gathered before the
+  timing (no communication), with the same flash calls as ``nccl``;
 * ``triton_local``: the recipe's own attention kernel on K/V gathered before the timing
   (``attention_on_gathered``: no communication, no flag waits): the recipe minus its exchange;
 * ``triton`` / ``helion``: the kraken recipe and its Helion twin.
@@ -42,7 +50,7 @@ NONE, CAUSAL = 1, 2  # the MASK field
 # CPU compile example: batch 2, 4 heads over 2 kv heads (GQA), S_local 150 (causal chunks of 75: a query tile
 # and a key tile end inside every chunk), head_dim 128.
 EXAMPLE_SHAPE = (2, 150, 4, 2, 128)  # batch, S_local, heads, kv_heads, head_dim
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION]  # flash alone: no silent fallback (module docstring)
 
 
 def unpack(shape, world_size: int) -> tuple[int, int, int, int, int, bool]:
@@ -104,23 +112,10 @@ def make_inputs(shape, dtype, seed):
 # ---------------------------------------------------------------------------
 
 
-_gqa_native = True  # False once SDPA (flash, then memory-efficient) has refused enable_gqa: K/V heads are repeated
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """SDPA, flash backend first; with fewer K/V heads, through ``enable_gqa`` where the backend takes it, else on
-    K/V with their heads repeated (a copy, counted in the time: what a caller would have to do)."""
-    global _gqa_native
-    group = q.shape[1] // k.shape[1]
-    with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
-        if group > 1 and _gqa_native:
-            try:
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
-            except RuntimeError:
-                _gqa_native = False
-        if group > 1:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    """SDPA on its flash backend alone; fewer K/V heads through ``enable_gqa`` (flash takes them as they are)."""
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kwargs)
 
 
 def sdpa_on_sequence(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -145,26 +140,35 @@ def sdpa(i):
     return sdpa_on_sequence(i["q"], i["k_seq"], i["v_seq"], i["causal"])
 
 
-_mesh = None
+_meshes: dict = {}
 
 
 def torch_cp(i):
     """torch's context parallelism on the local shards (see the module docstring)."""
-    global _mesh
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
-    if _mesh is None:
-        _mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    q, k, v = i["q"], i["k"], i["v"]
+    q, k, v, causal = i["q"], i["k"], i["v"], i["causal"]
+    if q.device.type not in _meshes:
+        _meshes[q.device.type] = init_device_mesh(q.device.type, (dist.get_world_size(),))
+    # Head-tail load balancing (our causal layout) under causal only: with a full mask it raises.
+    cp._cp_options.enable_load_balance = causal
     # context_parallel shards its buffers in place and takes their device from the first: a small stand-in.
     stand_in = torch.zeros(2 * dist.get_world_size(), device=q.device)
+    sdpa_fn = F.scaled_dot_product_attention
     try:
-        with context_parallel(_mesh, buffers=[stand_in], buffer_seq_dims=[0], no_restore_buffers={stand_in}):
-            with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=i["causal"], enable_gqa=q.shape[1] != k.shape[1])
-    except (RuntimeError, AssertionError, AttributeError) as exc:  # a prototype: report, do not crash the run
+        with context_parallel(_meshes[q.device.type], buffers=[stand_in], buffer_seq_dims=[0],
+                              no_restore_buffers={stand_in}):
+            out = attention(q, k, v, is_causal=causal)
+    except Exception as exc:  # a prototype, whatever it raises: report it in the column, do not crash the run
         raise NotImplementedError(f"torch context_parallel: {type(exc).__name__}: {exc}"[:300]) from exc
+    finally:
+        # context_parallel is a generator context manager with no try/finally: when its body raises, SDPA stays
+        # patched (and the DTensor handlers registered), and every later SDPA call, the other columns' too, would
+        # go through context parallelism. Undo what its exit would have done.
+        if F.scaled_dot_product_attention is not sdpa_fn:
+            cp._disable_context_parallel_dispatcher_impl()
     return out.to_local() if hasattr(out, "to_local") else out
 
 
