@@ -26,7 +26,9 @@ MODULES = {
     "helion": "helion_ports.fused.all_gather_matmul_fp8",
 }
 BF16 = torch.bfloat16
-TOLERANCE = 1e-2  # bf16 output of an exact (dequantised) product: fp32 accumulation, then one bf16 rounding
+# bf16 output of an exact (dequantised) product: the tensor cores' fp32 accumulation (Triton's fp8 dot on sm_90
+# uses their reduced-precision accumulator over the whole k loop, ``max_num_imprecise_acc`` 2**30), one bf16 rounding.
+TOLERANCE = 1e-2
 # (rows per rank, N, K). Odd: one row per rank; tails everywhere; K not a multiple of 16 (b padded, the gathered
 # rows' scales at byte 80 / 144 / 528); a chunk end inside a tile. Classes: the 128x128 and 128x256 tiles.
 ODD_SHAPES = ((1, 8, 16), (37, 100, 72), (129, 257, 136), (300, 1000, 520))
@@ -105,7 +107,7 @@ def correctness(backend: str, module, fn) -> None:
             scales = torch.empty(world_size * shape[0], 1, dtype=torch.float32, device="cuda")
             dist.all_gather_into_tensor(scales, scale_a)
             baseline = torch._scaled_mm(rows.view(FP8), b, scales, scale_b, out_dtype=BF16)
-            check(out, baseline.double(), f"{what} against torch._scaled_mm", 5e-3)
+            check(out, baseline.double(), f"{what} against torch._scaled_mm")
 
 
 def stress_and_cuda_graph(backend: str, module, fn) -> None:
@@ -114,7 +116,7 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
     eager, bitwise."""
     world_size = dist.get_world_size()
     shapes = [STRESS_SHAPES[s % 2] for s in range(6)]
-    per_tensor = [s % 3 == 2 for s in range(6)]
+    per_tensor = [s in (1, 3) for s in range(6)]  # the graph below replays the row/column slots 0, 2, 4
     inputs = [operands(shape, 100 + s, per_tensor[s]) for s, shape in enumerate(shapes)]
     refs = [reference(shape, 100 + s, per_tensor[s]) for s, shape in enumerate(shapes)]
     outs = [torch.full((world_size * shape[0], shape[1]), POISON, dtype=BF16, device="cuda") for shape in shapes]

@@ -32,8 +32,10 @@ ODD_SHAPES = ((1, 8, 16), (37, 100, 72), (129, 257, 136), (500, 3000, 520))
 # Default-class shapes (each tile config of the plan, several rounds per block, short K).
 CLASS_SHAPES = ((128, 8192, 512), (256, 4096, 1024), (512, 6656, 640), (2048, 4096, 256))
 STRESS_SHAPES = ((64, 1024, 2048), (2048, 4096, 128))
-# ||out - ref|| / ||ref|| against float64: bf16 out (bf16 partials, then the final rounding); fp32 out.
-TOLERANCE = {BF16: 1e-2, FP32: 1e-5}
+# ||out - ref|| / ||ref|| against float64: bf16 out (bf16 partials, then the final rounding); fp32 out: Triton's
+# fp8 dot on sm_90 accumulates in the tensor cores' own (reduced-precision) fp32 accumulator over the whole k loop
+# (``max_num_imprecise_acc`` 2**30, like ``_scaled_mm``'s use_fast_accum=True), not bit-exact fp32 adds.
+TOLERANCE = {BF16: 1e-2, FP32: 5e-3}
 
 
 def full_shape(band_shape) -> tuple[int, int, int]:

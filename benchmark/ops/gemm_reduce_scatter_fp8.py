@@ -21,7 +21,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.ops.all_gather_matmul_fp8 import FP8_TFLOPS, OUT_DTYPE, rank_operands
+from benchmark.ops.all_gather_matmul_fp8 import FP8_TFLOPS, OUT_DTYPE, rank_operands, unsupported_as_error
 from benchmark.ops.gemm_all_reduce import HBM_GBPS
 from benchmark.registry import Op, Pair, register
 from benchmark.sm90 import FAKE_SIGNAL_PADS, H200_NUM_SMS
@@ -66,6 +66,7 @@ def nccl(i):
     return i["band"]
 
 
+@unsupported_as_error
 def torch_fused(i):
     m, n = i["a"].shape[0], i["b"].shape[1]
     return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(

@@ -26,6 +26,10 @@ tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide
   (sm_90 PTX at 128x256x128: 24 ``ld.shared.v4`` + 96 ``prmt`` + 128 byte-wide ``st.shared`` per k step,
   one wgmma group in flight instead of two, 254 registers instead of 211). ``b_layout="auto"`` reads
   either as stored (pass ``w.t()`` for the fast one), "nk" copies a row-major ``b`` to [N, K] first.
+* Accumulation: ``tl.dot`` into an fp32 accumulator. On sm_90 Triton 3.6 lets the tensor cores
+  accumulate fp8 products over the whole k loop with no promotion to exact fp32 adds
+  (``max_num_imprecise_acc`` defaults to 2**30 there): what ``_scaled_mm(..., use_fast_accum=True)``
+  does. The baselines run ``_scaled_mm``'s default (promoting); the GPU tests bound the difference.
 * Epilogue: fp32 accumulator times ``scale_a[rows, None] * scale_b[None, cols]`` (the row scales
   from the gathered rows), then bf16, stored masked to the chunk's rows.
 """

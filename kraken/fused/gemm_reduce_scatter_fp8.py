@@ -12,6 +12,8 @@ takes band-local tiles ``b, b + blocks, ...`` of every band; the peers' bands fi
 first), each tile pushed into this rank's slot of chunk ``b`` of the owner's ``host.BlockWorkspace``;
 then the own band, one epoch barrier after its first GEMM, the peers' partials added from local memory.
 
+* Accumulation as in ``kraken.fused.all_gather_matmul_fp8`` (the tensor cores' accumulator over the
+  whole k loop, like ``_scaled_mm``'s ``use_fast_accum=True``).
 * k steps are twice as long as the bf16 recipe's (up to 128: 128 fp8 bytes, one TMA swizzle row):
   the same bytes per pipeline stage, the same tile shapes (``plan``).
 * ``b``: Hopper's fp8 wgmma takes both operands K-major from shared memory, so a column-major ``b``
