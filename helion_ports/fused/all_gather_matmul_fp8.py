@@ -1,7 +1,7 @@
 """Helion twin of ``kraken.fused.all_gather_matmul_fp8``: same function, same arguments.
 
-The gather and the staging are the recipe's (host code: two copies into this rank's chunk of the
-gather buffer, then ``kraken.comm.all_gather_with_progress`` on the copy engine), and so are ``plan``,
+The staging and the gather are the recipe's (its one-kernel ``stage`` into this rank's chunk of the gather
+buffer, then ``kraken.comm.all_gather_with_progress`` on the copy engine), and so are ``plan``,
 ``prepare``, ``b_operand`` and ``buffer_views``. The GEMM mirrors the recipe's kernel one to one, as the
 bf16 twin (``helion_ports.fused.all_gather_matmul``) does:
 
@@ -159,7 +159,7 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul_fp8.launch``."""
     b, b_trans = b_operand(b, b_layout)
-    stage(a, scale_a, own_values, own_scales)
+    stage(a, scale_a, own_values, own_scales, launcher)
     started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher)
     launch_matmul(gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans, block_m, block_n,
                   block_k, group_m, num_warps, num_stages, num_blocks, launcher)

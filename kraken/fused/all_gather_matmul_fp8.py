@@ -10,8 +10,8 @@ tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide
   K', its fp32 scale (a per-tensor ``scale_a`` is written into every row: ranks may have different
   ones). One contiguous copy per peer chunk moves both, on the copy engine, with the chunk's flag
   (``kraken.comm.all_gather_with_progress``); no second gather, no second flag.
-* Staging is on the current stream, before the gather forks (two small copies: the values and the
-  scales into this rank's chunk). The GEMM's own rows therefore need no flag: they were written by
+* Staging is on the current stream, before the gather forks (``stage``: one kernel writes this rank's
+  values and scales into its chunk). The GEMM's own rows therefore need no flag: they were written by
   kernels earlier on its stream. A block waits (acquire + async-proxy fence, ``wait_async``) only at
   its first tile of each peer's chunk.
 * The GEMM is the bf16 recipe's persistent TMA loop (own rows first, then rank + 1's, ...,
@@ -156,10 +156,43 @@ def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
     return padded.view(FP8)[:, :cols], trans
 
 
-def stage(a: torch.Tensor, scale_a: torch.Tensor, own_values: torch.Tensor, own_scales: torch.Tensor) -> None:
-    """This rank's rows and their scales into its chunk of the gather buffer, on the current stream."""
-    own_values.view(torch.uint8).copy_(a.view(torch.uint8))
-    own_scales.copy_(scale_a.reshape(-1).expand(own_scales.shape[0]))
+@triton.jit
+def stage_kernel(
+    a_ptr,  # this rank's rows [M, K], as bytes
+    scale_ptr,  # fp32 [M] (SCALE_ROWWISE) or [1]
+    values_ptr,  # this rank's chunk of the gather buffer, as bytes: row i at values_ptr + i * row_stride
+    scales_ptr,  # fp32: row i's scale at scales_ptr + i * scale_stride
+    M,
+    K,
+    row_stride,
+    scale_stride,
+    SCALE_ROWWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = rows < M
+    for k0 in tl.range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        inside = row_in[:, None] & (cols < K)[None, :]
+        values = tl.load(a_ptr + rows[:, None] * K + cols[None, :], mask=inside)
+        tl.store(values_ptr + rows[:, None] * row_stride + cols[None, :], values, mask=inside)
+    scale = tl.load(scale_ptr + rows * SCALE_ROWWISE, mask=row_in)
+    tl.store(scales_ptr + rows * scale_stride, scale, mask=row_in)
+
+
+STAGE_BLOCK_M, STAGE_BLOCK_K, STAGE_WARPS = 8, 512, 4  # 8 x 512 bytes per step: 32 bytes a thread
+
+
+def stage(a: torch.Tensor, scale_a: torch.Tensor, own_values: torch.Tensor, own_scales: torch.Tensor,
+          launcher=host.jit_launch) -> None:
+    """This rank's rows and their scales (a per-tensor scale into every row) into its chunk of the gather
+    buffer (``buffer_views``), on the current stream: one kernel."""
+    m, k = a.shape
+    launcher(stage_kernel, (host.cdiv(m, STAGE_BLOCK_M),), a.view(torch.uint8), scale_a,
+             own_values.view(torch.uint8), own_scales, m, k, own_values.stride(0), own_scales.stride(0),
+             SCALE_ROWWISE=int(scale_a.numel() > 1), BLOCK_M=STAGE_BLOCK_M, BLOCK_K=STAGE_BLOCK_K,
+             num_warps=STAGE_WARPS)
 
 
 def launch_matmul(
@@ -227,7 +260,7 @@ def launch(
     values and fp32 scales (``buffer_views``); ``out`` [world_size * M, N] bf16; ``group_name`` is unused here.
     """
     b, b_trans = b_operand(b, b_layout)
-    stage(a, scale_a, own_values, own_scales)
+    stage(a, scale_a, own_values, own_scales, launcher)
     started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher)
     launch_matmul(gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans, block_m, block_n,
                   block_k, group_m, num_warps, num_stages, num_blocks, launcher)
