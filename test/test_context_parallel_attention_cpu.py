@@ -18,6 +18,7 @@ import torch
 from benchmark import sm90
 from benchmark.ops import context_parallel_attention as op
 from fake_world import FakeWorld
+from test_fast_path_cpu import launches, symmetric_world  # noqa: F401 (launches: a fixture)
 
 RECIPE = "kraken.fused.context_parallel_attention"
 TWIN = "helion_ports.fused.context_parallel_attention"
@@ -178,9 +179,9 @@ def test_bad_input_on_one_rank_raises_on_every_rank(monkeypatch):
 def compile_stats(module, world_size: int, causal: bool, head_dim: int) -> dict:
     batch, s_local, heads, kv_heads, _ = op.EXAMPLE_SHAPE
     shape = (batch, s_local * world_size, heads, kv_heads, head_dim, op.CAUSAL if causal else op.NONE)
-    with sm90.capture_launches() as launches:
+    with sm90.capture_launches() as captured:
         op.example(module, world_size, shape=shape)
-    (launch,) = launches
+    (launch,) = captured
     return sm90.kernel_stats(launch)
 
 
@@ -376,3 +377,86 @@ def test_torch_cp_failure_leaves_sdpa_unpatched_and_the_sdpa_baseline_is_right(o
     out = op.sdpa_on_sequence(q, k, v, causal)  # one rank: the whole sequence, chunks 0 and 1 under causal
     err = ((out.double() - reference_attention(q, k, v, causal)).norm() / out.double().norm()).item()
     assert err < 1e-2, err
+
+
+# ---------------------------------------------------------------------------
+# The host fast path: warm calls plan nothing, agree on nothing, and launch through the compiled kernels
+# ---------------------------------------------------------------------------
+
+WARM_CALLS = 5
+
+
+class FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_device(monkeypatch) -> list:
+    """CPU stand-ins for the streams of the K/V exchange and the device's SM count; returns the flags written."""
+    import contextlib
+    import types
+
+    flags: list = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(multi_processor_count=sm90.H200_NUM_SMS))
+    monkeypatch.setattr(recipe, "copy_stream", lambda device: FakeStream())
+    monkeypatch.setattr(recipe, "set_flag", lambda progress, index, value=1: flags.append(index))
+    return flags
+
+
+def example_qkv():
+    batch, s_local, heads, kv_heads, head_dim = op.EXAMPLE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, heads, s_local, head_dim, generator=gen).to(BF16),
+            torch.randn(batch, kv_heads, s_local, head_dim, generator=gen).to(BF16),
+            torch.randn(batch, kv_heads, s_local, head_dim, generator=gen).to(BF16))
+
+
+@pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
+def test_warm_calls_do_no_per_call_work(monkeypatch, launches, fake_device, module):
+    """A fake two-rank world (this process rank 1 of the buffers): after the first call, the next calls of the same
+    signature exchange nothing, plan nothing, find no symmetric buffer, and launch the barrier kernels and the
+    attention kernel through the compiled kernels (the fake JIT's "fast" launches); every call still runs the whole
+    exchange (every peer piece flagged) into a new output. A new signature is checked and agreed again."""
+    counts = symmetric_world(monkeypatch, RECIPE)
+    if module is twin:
+        # Helion compiles a kernel as a distributed one where an argument is symmetric. torch 2.11 has no
+        # ``is_symm_mem_tensor`` to say so, and Helion then assumes it wherever a group is initialized (here the fake
+        # one, with no WORLD group to name) or asks rendezvous: say the CPU stand-ins are ordinary tensors.
+        import torch.distributed._symmetric_memory as symm_mem
+
+        monkeypatch.setattr(symm_mem, "is_symm_mem_tensor", lambda tensor: False, raising=False)
+    q, k, v = example_qkv()
+    outs = [module.context_parallel_attention(q, k, v, causal=True) for _ in range(WARM_CALLS)]
+    assert counts["world"].exchanges == 1 and counts["plan"] == 1 and counts["symm_context"] == 1, counts
+    kinds = [entry[0] for entry in launches]
+    # Per call: the side stream's two barriers (queued first), then the attention kernel. The barrier kernel and the
+    # attention kernel bind through the JIT once (a Helion twin's attention kernel first compiles with its plain
+    # call, then binds once more through the launcher).
+    first = ["jit", "fast", "jit"] + (["fast", "fast", "jit"] if module is twin else [])
+    assert kinds == first + ["fast"] * (3 * WARM_CALLS - len(first)), kinds
+    kernels = [entry[1] for entry in launches if entry[0] == "jit"]
+    barrier_kernel = importlib.import_module("kraken.comm.all_gather_with_progress").shard_barrier_kernel
+    assert kernels[0] is barrier_kernel and all(kernel is not barrier_kernel for kernel in kernels[1:])
+    pieces = recipe.plan(*op.EXAMPLE_SHAPE[:1], *op.EXAMPLE_SHAPE[2:4], op.EXAMPLE_SHAPE[1], op.EXAMPLE_SHAPE[4], 2,
+                         True, {}, sm90.H200_NUM_SMS)["pieces"]
+    assert fake_device == [0 * pieces + p for p in range(pieces)] * WARM_CALLS  # the peer (rank 0): every piece
+    assert all(out is not outs[0] for out in outs[1:]), "every call returns a new tensor"
+    with pytest.raises(TypeError, match="unknown config keys"):
+        module.context_parallel_attention(q, k, v, causal=True, bogus=1)
+    assert counts["world"].exchanges == 2
+
+
+def test_warm_attention_on_gathered_plans_once(monkeypatch, launches, fake_device):
+    counts = symmetric_world(monkeypatch, RECIPE)
+    q, k, v = example_qkv()
+    gathered = torch.zeros(2, 2, k.shape[0] * k.shape[1], *k.shape[2:], dtype=BF16)
+    for _ in range(WARM_CALLS):
+        recipe.attention_on_gathered(q, k, v, gathered, 1, causal=True)
+    assert counts["plan"] == 1 and counts["world"].exchanges == 0
+    assert [entry[0] for entry in launches] == ["jit"] + ["fast"] * (WARM_CALLS - 1)
+    with pytest.raises(ValueError, match=r"rank 2 is not in 0 \.\. 1"):
+        recipe.attention_on_gathered(q, k, v, gathered, 2, causal=True)  # a new signature: checked again

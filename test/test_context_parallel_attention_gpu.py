@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from benchmark.ops import context_parallel_attention as op
 from benchmark.registry import REGISTRY
 from benchmark.launch import spawn
-from gpu_utils import POISON, TOLERANCE, heartbeat, needs_gpus, rel_err, run_on_gpus
+from gpu_utils import POISON, assert_close, heartbeat, needs_gpus, rel_err, run_on_gpus
 
 pytestmark = needs_gpus
 
@@ -91,24 +91,16 @@ def reference(shape, dtype, seed: int, scale: float | None = None) -> torch.Tens
     return out
 
 
-def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert not torch.isnan(out).any(), f"{what}: NaN in the output (an element was never written, or leaked)"
-    err = rel_err(out, ref)
-    assert err <= TOLERANCE[out.dtype], f"{what}: relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e}"
-
-
 def launch_into(module, q, k, v, out: torch.Tensor, causal: bool, scale=None, poison_buffer: bool = False,
                 **config) -> torch.Tensor:
     """The public call's own prepare/launch, but into a caller-owned (poisoned) output; optionally with this
     rank's whole gather buffer poisoned first (no peer reads it between calls: each call ends with a barrier
     after every copy, and the current stream joins it)."""
-    ctx, cfg = module.prepare(q, k, v, None, "test", causal, scale, config)
-    cfg["out"] = out
+    ctx, cfg = module.prepare(q, k, v, None, "test", causal, scale, config)  # (kept per signature: not modified)
     if poison_buffer:
         cfg["gathered"].fill_(POISON)
-    return module.launch(q, k, v, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal, scale=scale,
-                         **cfg, group_name=ctx.group_name)
+    return module.launch(q, k, v, out=out, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
+                         scale=scale, **cfg, group_name=ctx.group_name)
 
 
 def correctness(backend: str, module) -> None:
@@ -128,7 +120,7 @@ def correctness(backend: str, module) -> None:
         launch_into(module, q, k, v, out, causal, scale, poison_buffer=True, **config)
         public = fn(q, k, v, causal=causal, scale=scale, **config)
         torch.cuda.synchronize()
-        check(out, ref, what)
+        assert_close(out, ref, what)
         assert torch.equal(public, out), f"{what}: the public call and launch() disagree"
         if backend == "triton":  # (the benchmark's triton_local column; the twin's is the same kernel, not timed)
             # The kernel with every rank's K/V here already (gathered by NCCL): no communication.
@@ -136,7 +128,7 @@ def correctness(backend: str, module) -> None:
             gathered[rank].fill_(POISON)  # my own K/V come from k and v
             local = module.attention_on_gathered(q, k, v, gathered, rank, causal=causal, scale=scale, **config)
             torch.cuda.synchronize()
-            check(local, ref, f"{what} (attention_on_gathered)")
+            assert_close(local, ref, f"{what} (attention_on_gathered)")
 
 
 def stress_and_cuda_graph(backend: str, module) -> None:
@@ -156,7 +148,7 @@ def stress_and_cuda_graph(backend: str, module) -> None:
             heartbeat(f"{backend} launch {i + 1}")
             torch.cuda.synchronize()
             for s in range(6):
-                check(outs[s], refs[s], f"{backend} after {i + 1} launches (slot {s}, {shapes[s]})")
+                assert_close(outs[s], refs[s], f"{backend} after {i + 1} launches (slot {s}, {shapes[s]})")
                 outs[s].fill_(POISON)
 
     for causal, slots in ((True, [0, 3]), (False, [1, 4])):  # slots of one shape each (STRESS[0], STRESS[1])
@@ -203,7 +195,7 @@ def bad_input(backend: str, module) -> None:
     # The group still works after all that.
     out = fn(q, k, v, causal=True)
     torch.cuda.synchronize()
-    check(out, reference(shape, BF16, 7), f"{backend} after bad input")
+    assert_close(out, reference(shape, BF16, 7), f"{backend} after bad input")
     heartbeat(f"{backend} bad input done")
 
 
@@ -230,7 +222,7 @@ def baseline_worker() -> None:
             if name != "torch_cp":
                 out = backend(op.make_inputs(shape, BF16, seed))
                 torch.cuda.synchronize()
-                check(out, ref, f"baseline {name} {shape}")
+                assert_close(out, ref, f"baseline {name} {shape}")
                 continue
             # torch's prototype: informational (the benchmark reports an error or a FAIL in its column the same way),
             # but a failure must leave SDPA unpatched for the next case's baselines.

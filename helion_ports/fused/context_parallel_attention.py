@@ -1,8 +1,9 @@
 """Helion twin of ``kraken.fused.context_parallel_attention``: same function, same arguments.
 
 The K/V exchange is the recipe's (``start_kv_gather``: copy-engine copies, stream memory operations and
-two one-block barrier kernels, all host code), and so are ``plan``, ``prepare``, the sequence layout
-helpers and the host side of ``launch``. The attention kernel mirrors the recipe's one to one:
+two one-block barrier kernels, all host code), and so are ``plan``, ``prepare`` (kept per signature, with
+its ``host.Launcher``), the sequence layout helpers and the host side of ``launch`` (the recipe's, with this
+kernel; it launches through ``helion_ports.run``). The attention kernel mirrors the recipe's one to one:
 
 * ``hl.grid(num_blocks)`` is the persistent grid; block ``b`` takes query tiles ``b, b + num_blocks, ...``
   (``hl.grid(rounds)``; a round past the last tile does nothing), (batch, head)-major, under ``causal``
@@ -33,19 +34,18 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, run
+from kraken import host
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with the recipe)
     OP,
-    check_gathered,
-    check_inputs,
-    check_sizes,
+    attend_to_sequence,
+    launch as recipe_launch,
+    on_gathered,
     plan,
     prepare,
-    progress_flags,
     shard_sequence,
     softmax_scale,
-    start_kv_gather,
     unshard_sequence,
 )
 
@@ -199,32 +199,31 @@ def compiled(causal: bool, block_m: int, block_n: int, num_warps: int, num_stage
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
-                     num_blocks: int) -> torch.Tensor:
+                     num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
     """The attention kernel alone; mirrors the recipe's ``launch_attention``."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
     chunk = s_local // 2 if causal else s_local
     tiles_per_chunk = -(-chunk // block_m)
     rows = gathered.view(-1, head_dim)
-    compiled(causal, block_m, block_n, num_warps, num_stages)(
+    args = (
         q.view(-1, head_dim), k.view(-1, head_dim), v.view(-1, head_dim), rows, rows[batch * kv_heads * s_local:],
         out.view(-1, head_dim), progress, heads // kv_heads, batch * kv_heads, s_local, chunk, chunk // block_n * block_n,
         tiles_per_chunk, (2 if causal else 1) * tiles_per_chunk * (heads // kv_heads) * piece_rows, pieces,
         softmax_scale(scale, head_dim), num_blocks, rank, world_size, causal, wait, block_m, block_n,
     )
+    run(compiled(causal, block_m, block_n, num_warps, num_stages), args, launcher)
     return out
 
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
            block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
-           num_blocks: int, group_name: str = "") -> torch.Tensor:
-    """Launch on prepared arguments (no checks); mirrors the recipe's ``launch`` (the same K/V exchange on the
-    copy engine, then this kernel)."""
-    started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces)
-    launch_attention(q, k, v, gathered, out, progress, rank, len(peers), causal, scale, True, block_m, block_n,
-                     num_warps, num_stages, piece_rows, pieces, num_blocks)
-    started.wait()
-    return out
+           num_blocks: int, group_name: str = "", launcher=host.jit_launch, attention=None) -> torch.Tensor:
+    """Launch on prepared arguments (no checks): the recipe's ``launch`` (the same K/V exchange on the copy engine)
+    with this kernel (``attention`` None)."""
+    return recipe_launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs, rank, causal, scale, block_m,
+                         block_n, num_warps, num_stages, piece_rows, pieces, num_blocks, group_name, launcher,
+                         attention or launch_attention)
 
 
 def context_parallel_attention(
@@ -237,21 +236,10 @@ def context_parallel_attention(
     **config,
 ) -> torch.Tensor:
     """This rank's output of attention over the whole sequence; see the kraken recipe."""
-    ctx, cfg = prepare(q, k, v, group, f"helion {OP}", causal, scale, config)
-    return launch(q, k, v, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal, scale=scale, **cfg,
-                  group_name=ctx.group_name)
+    return attend_to_sequence(q, k, v, group, causal, scale, config, f"helion {OP}", launch_attention)
 
 
 def attention_on_gathered(q, k, v, gathered, rank: int, causal: bool = False, scale: float | None = None,
                           **config) -> torch.Tensor:
     """This twin's kernel with every rank's K/V here already (no communication); see the recipe's."""
-    check_inputs(q, k, v, causal, scale, f"helion {OP}")
-    check_gathered(gathered, k, rank, f"helion {OP}")
-    world_size = gathered.shape[0]
-    check_sizes(q, k, world_size, f"helion {OP}")
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    batch, heads, s_local, head_dim = q.shape
-    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
-    out = torch.empty_like(q)
-    return launch_attention(q, k, v, gathered, out, progress_flags(1, q.device), rank, world_size, causal, scale,
-                            False, **cfg)
+    return on_gathered(q, k, v, gathered, rank, causal, scale, config, f"helion {OP}", launch_attention)

@@ -33,6 +33,10 @@ chunk ``cq`` and a key chunk ``ck``, keys are all visible if ``ck < cq``, causal
 ``ck == cq`` and skipped if ``ck > cq``. Without ``causal``, rank r holds the r-th contiguous
 ``1 / world_size`` of the sequence.
 
+Host: ``prepare`` (checks, agreement across ranks, plan, the gather buffer's context and flags, a ``host.Launcher``)
+is kept per call signature (``host.per_signature``; docs/design.md, "The host fast path"); a warm call allocates
+its output, queues the exchange and launches the barrier kernels and the attention kernel through the launcher.
+
 GQA: ``k``, ``v`` may have fewer heads than ``q`` (a divisor); query head ``h`` reads kv head
 ``h // (heads // kv_heads)``. ``attention_on_gathered`` runs the same kernel on K/V that are all
 here already (no communication, no flags): the comparison that shows what the exchange costs.
@@ -353,13 +357,14 @@ def descriptors(q, k, v, gathered, block_m: int, block_n: int):
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
-                     num_blocks: int) -> torch.Tensor:
+                     num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
     """The attention kernel alone: my K/V from ``k``, ``v``, every other rank's from ``gathered`` [world_size, 2,
     batch * kv_heads, S_local, head_dim], waiting on ``progress`` if ``wait``."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
     q_desc, k_desc, v_desc, kv_desc = descriptors(q, k, v, gathered, block_m, block_n)
-    context_parallel_attention_kernel[(num_blocks,)](
+    launcher(
+        context_parallel_attention_kernel, (num_blocks,),
         q_desc, k_desc, v_desc, kv_desc, out, progress, heads, kv_heads, batch * kv_heads, s_local, piece_rows,
         pieces, softmax_scale(scale, head_dim), rank, world_size, CAUSAL=causal, WAIT=wait, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
@@ -368,10 +373,11 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
 
 
 def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank: int, piece_rows: int,
-                    pieces: int) -> GatherInProgress:
+                    pieces: int, launcher=host.jit_launch) -> GatherInProgress:
     """Stage my ``k``, ``v`` into my chunk of the symmetric ``gathered`` and copy every peer's K/V into
     ``gathered`` on the copy engine, piece by piece, flagging each (see the module docstring). ``peers[r]``:
-    rank r's own chunk [2, batch * kv_heads, S_local, head_dim] of rank r's gather buffer."""
+    rank r's own chunk [2, batch * kv_heads, S_local, head_dim] of rank r's gather buffer. ``launcher`` launches
+    the two barrier kernels."""
     world_size = len(peers)
     kv_rows = peers[rank].shape[1]
     current = torch.cuda.current_stream(k.device)
@@ -382,38 +388,27 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
     with torch.cuda.stream(side):
         peers[rank][0].copy_(k.view(peers[rank][0].shape))
         peers[rank][1].copy_(v.view(peers[rank][1].shape))
-        barrier(signal_pad_ptrs, rank, world_size)  # every rank's K/V is staged
+        barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's K/V is staged
         for piece in range(pieces):
             begin, end = piece * piece_rows, min((piece + 1) * piece_rows, kv_rows)
             for src in order[1:]:
                 for kv in (0, 1):  # two contiguous copies: the copy engine, not a strided copy kernel
                     gathered[src, kv, begin:end].copy_(peers[src][kv, begin:end])
                 set_flag(progress, src * pieces + piece, LANDED)
-        barrier(signal_pad_ptrs, rank, world_size)  # done reading: peers may stage into their buffers again
+        barrier(signal_pad_ptrs, rank, world_size, launcher)  # done reading: peers may stage into their buffers again
     return GatherInProgress(gathered, progress, side, order)
 
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
            block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
-           num_blocks: int, group_name: str = "") -> torch.Tensor:
-    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
-    ``group_name`` is unused here."""
-    started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces)
-    launch_attention(q, k, v, gathered, out, progress, rank, len(peers), causal, scale, True, block_m, block_n,
-                     num_warps, num_stages, piece_rows, pieces, num_blocks)
+           num_blocks: int, group_name: str = "", launcher=host.jit_launch, attention=None) -> torch.Tensor:
+    """Launch on prepared arguments (no checks): the K/V exchange, then the attention kernel, ``attention`` (this
+    recipe's ``launch_attention`` by default; the Helion twin passes its own). ``group_name`` is unused here."""
+    started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces, launcher)
+    (attention or launch_attention)(q, k, v, gathered, out, progress, rank, len(peers), causal, scale, True, block_m,
+                                    block_n, num_warps, num_stages, piece_rows, pieces, num_blocks, launcher)
     started.wait()
     return out
-
-
-_chunks: dict[tuple, tuple[torch.Tensor, ...]] = {}
-
-
-def chunk_views(ctx: host.SymmContext) -> tuple[torch.Tensor, ...]:
-    """Rank r's own chunk of rank r's gather buffer, for every r (cached)."""
-    key = tuple(p.data_ptr() for p in ctx.peers) + tuple(ctx.peers[0].shape)
-    if key not in _chunks:
-        _chunks[key] = tuple(p[r] for r, p in enumerate(ctx.peers))
-    return _chunks[key]
 
 
 _flags: dict[tuple, torch.Tensor] = {}
@@ -427,15 +422,24 @@ def progress_flags(count: int, device: torch.device) -> torch.Tensor:
     return _flags[key]
 
 
+def scalar_key(value: object) -> tuple:
+    """A flag's or a scale's part of a prepared call's key: its type too (``True == 1``, but only a bool is a valid
+    ``causal``, and a bool is not a valid ``scale``)."""
+    return value, type(value)
+
+
+@host.per_signature(lambda q, k, v, group, op, causal, scale, config: (
+    op, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), scalar_key(causal), scalar_key(scale),
+    *config.items()))
 def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple[host.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer (a slice of
-    ``host.symm_workspace``) and the launch arguments."""
+    ``host.symm_workspace``) and the launch arguments but the output (every rank's own chunk of the buffer as
+    ``peers``, ``gathered``, ``progress``, the plan, the ``launcher``); kept per signature."""
+    # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
     with host.agreed(op, group, q=q, k=k, v=v, causal=causal, scale=scale, config=config):
-        check_inputs(q, k, v, causal, scale, op)
+        check_inputs(q, k, v, causal, scale, op)  # (the device last: a CUDA tensor from here on)
         world_size = host.world_size_of(group, op)
         check_sizes(q, k, world_size, op)
-        if q.device.type != "cuda":
-            raise ValueError(f"{op}: q must be on a CUDA device, got {q.device}")
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         batch, heads, s_local, head_dim = q.shape
         cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
@@ -443,9 +447,18 @@ def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple
     shape = (world_size, 2, k.shape[0] * k.shape[1], k.shape[2], k.shape[3])
     gathered = host.symm_workspace(math.prod(shape), k.dtype, k.device, pg, op).view(shape)
     ctx = host.symm_context(gathered, pg, op, name="K/V gather buffer")
-    out = torch.empty_like(q)
     progress = progress_flags(world_size * cfg["pieces"], q.device)
-    return ctx, {"peers": chunk_views(ctx), "gathered": gathered, "out": out, "progress": progress, **cfg}
+    peers = tuple(p[r] for r, p in enumerate(ctx.peers))  # rank r's own chunk of rank r's buffer
+    return ctx, {"peers": peers, "gathered": gathered, "progress": progress, **cfg,
+                 "launcher": host.Launcher(op)}
+
+
+def attend_to_sequence(q, k, v, group, causal: bool, scale, config: dict, op: str = OP, attention=None) -> torch.Tensor:
+    """``context_parallel_attention`` of the recipe (``attention`` None) or of the Helion twin (its op name and its
+    ``launch_attention``): the prepared call, a new output, the launch."""
+    ctx, cfg = prepare(q, k, v, group, op, causal, scale, config)
+    return launch(q, k, v, out=torch.empty_like(q), signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
+                  scale=scale, **cfg, group_name=ctx.group_name, attention=attention)
 
 
 def context_parallel_attention(
@@ -465,9 +478,7 @@ def context_parallel_attention(
     ``scale`` defaults to 1 / sqrt(head_dim). ``config`` overrides ``block_m``, ``block_n``, ``num_warps``,
     ``num_stages``, ``pieces`` and ``max_blocks`` (see ``plan``).
     """
-    ctx, cfg = prepare(q, k, v, group, OP, causal, scale, config)
-    return launch(q, k, v, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal, scale=scale, **cfg,
-                  group_name=ctx.group_name)
+    return attend_to_sequence(q, k, v, group, causal, scale, config)
 
 
 def check_gathered(gathered, k, rank: int, op: str) -> None:
@@ -482,6 +493,30 @@ def check_gathered(gathered, k, rank: int, op: str) -> None:
     host.check_tensor(gathered, "gathered", op, (k.dtype,), ndim=5)
     if gathered.device != k.device:
         raise ValueError(f"{op}: gathered must be on {k.device}, got {gathered.device}")
+
+
+@host.per_signature(lambda q, k, v, gathered, rank, op, causal, scale, config: (
+    op, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.tensor_key(gathered), rank,
+    scalar_key(causal), scalar_key(scale), *config.items()))
+def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, scale,
+                        config: dict) -> tuple[dict, torch.Tensor, host.Launcher]:
+    """``attention_on_gathered``'s checks and plan, its (never read) flags and its launcher; kept per signature."""
+    check_inputs(q, k, v, causal, scale, op)
+    check_gathered(gathered, k, rank, op)
+    world_size = gathered.shape[0]
+    check_sizes(q, k, world_size, op)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    batch, heads, s_local, head_dim = q.shape
+    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
+    return cfg, progress_flags(1, q.device), host.Launcher(op)
+
+
+def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict, op: str = OP,
+                attention=None) -> torch.Tensor:
+    """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
+    cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config)
+    return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
+                                           causal, scale, False, **cfg, launcher=launcher)
 
 
 def attention_on_gathered(
@@ -500,13 +535,4 @@ def attention_on_gathered(
     ``[r, 1]`` (any memory; ``[rank]`` is not read: my K/V come from ``k`` and ``v``). Also attention on one GPU
     (world size 1: ``gathered`` [1, ...], the whole sequence in order, causal or not). No process group.
     """
-    check_inputs(q, k, v, causal, scale, OP)
-    check_gathered(gathered, k, rank, OP)
-    world_size = gathered.shape[0]
-    check_sizes(q, k, world_size, OP)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    batch, heads, s_local, head_dim = q.shape
-    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
-    out = torch.empty_like(q)
-    progress = progress_flags(1, q.device)  # never read (wait=False)
-    return launch_attention(q, k, v, gathered, out, progress, rank, world_size, causal, scale, False, **cfg)
+    return on_gathered(q, k, v, gathered, rank, causal, scale, config)
