@@ -1,8 +1,11 @@
 """MoE dispatch and combine without a GPU: the plans fit the signal pad and cover every pair and token once,
 the plain-torch reference has the documented layout and capacity rule, the four dispatch kernels and the
 combine kernel, the recipes' and the Helion twins' alike, run end to end under the Triton interpreter (fake
-peers, barriers as no-ops) and agree with the reference exactly, the NCCL baseline gives the same layout, bad input raises on every rank before any launch (a fake two-rank world),
-and the combine's machine code issues every peer load of a step before its first multiply-add."""
+peers, barriers as no-ops) and agree with the reference exactly, the NCCL baseline gives the same layout,
+bad input raises on every rank before any launch (a fake two-rank world), warm calls take the host fast path
+(no agreement, plan or buffer lookup; launches through the compiled kernels), every default benchmark shape
+round-trips through the harness and the command line, and the combine's machine code issues every peer load
+of a step before its first multiply-add."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from benchmark.cli import parse_args
 from benchmark.ops import moe as moe_op
 from fake_world import FakeWorld
 from kraken import host
+from test_fast_path_cpu import WARM_CALLS, symmetric_world
+from test_fast_path_cpu import launches as fast_path_launches  # noqa: F401 (a fixture, used by its name)
 
 DISPATCH = ("kraken.comm.moe_dispatch", "helion_ports.comm.moe_dispatch")
 COMBINE = ("kraken.comm.moe_combine", "helion_ports.comm.moe_combine")
@@ -255,7 +260,6 @@ def test_dispatch_bad_input_raises_on_every_rank_before_any_launch(path, monkeyp
     monkeypatch.setattr(host, "check_tensor", every_check_but_the_device(host.check_tensor))
     launches = []
     monkeypatch.setattr(mod, "launch", lambda *args, **kwargs: launches.append(args))
-    monkeypatch.setattr(mod, "prepare", mod.prepare)
     tokens, ids = torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.int64)
     cases = [
         ((tokens.int(), ids, 4), ValueError, "tokens has dtype int32"),
@@ -308,6 +312,78 @@ def test_combine_checks(monkeypatch):
             fn(recv, handle, torch.zeros(6, 3))
         with pytest.raises(ValueError, match="weights has dtype int64"):
             fn(recv, handle, torch.zeros(6, 2, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------
+# The host fast path: warm calls look up their prepared call and launch through the compiled kernels
+# ---------------------------------------------------------------------------
+
+
+def launch_args(entry) -> tuple:
+    """The kernel's own arguments of a logged launch (test_fast_path_cpu's ``launches``): as the JIT was called,
+    or as the compiled kernel's launch function got them (after grid, stream, function, metadata and hooks)."""
+    return entry[2] if entry[0] == "jit" else entry[1][9:]
+
+
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches):
+    """After the first dispatch + combine of a signature: no agreement, no plan, no symmetric buffer lookup, the
+    routing scratch reused, a new handle and output per call, and every kernel (three routing kernels and the
+    copy, then the combine) launched through its compiled kernel with the argument types the JIT bound. A new
+    signature is checked and agreed again."""
+    launches = fast_path_launches
+    counts = symmetric_world(monkeypatch, DISPATCH[0])  # a fake 2-rank world; this process's peers are zeros
+    monkeypatch.setattr(host, "symm_empty", lambda shape, dtype, device, group: torch.zeros(shape, dtype=dtype))
+    monkeypatch.setattr(D, "_buffers", {})
+    combine_plans = []
+    real_plan = C.plan
+    monkeypatch.setattr(C, "plan", lambda *args: combine_plans.append(args) or real_plan(*args))
+    dispatch = module(f"{package}.comm.moe_dispatch").moe_dispatch
+    combine = module(f"{package}.comm.moe_combine").moe_combine
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    ids, weights = torch.randint(0, 4, (37, 2), generator=gen), torch.rand(37, 2, generator=gen)
+    handles, outs = [], []
+    try:
+        for _ in range(WARM_CALLS):
+            recv, recv_counts, handle = dispatch(tokens, ids, 4)
+            assert recv_counts is handle.recv_counts and recv is handle.recv
+            outs.append(combine(recv, handle, weights))
+            handles.append(handle)
+        world = counts["world"]
+        assert world.exchanges == 2, "the ranks agreed on a signature more than once"
+        assert counts["plan"] == 1 and len(combine_plans) == 1, (counts, combine_plans)
+        assert counts["symm_context"] == 2, "recv and counts are found once"
+        per_round = 5  # histogram, exchange, slots, copy; combine
+        assert len(launches) == per_round * WARM_CALLS, [entry[0] for entry in launches]
+        rounds = [launches[r * per_round:(r + 1) * per_round] for r in range(WARM_CALLS)]
+        for i in range(per_round):
+            kinds = [rnd[i][0] for rnd in rounds]
+            # A Triton kernel binds once through the JIT; a Helion twin's kernel compiles with its plain call, then
+            # binds once more through the prepared call's launcher.
+            jit_calls = 2 if package == "helion_ports" and i >= 3 else 1
+            assert kinds == ["jit"] * jit_calls + ["fast"] * (WARM_CALLS - jit_calls), (i, kinds)
+            bound = launch_args(rounds[jit_calls - 1][i])
+            for rnd in rounds[jit_calls:]:
+                fast = launch_args(rnd[i])
+                assert len(fast) >= len(bound) and all(type(a) is type(b) for a, b in zip(fast, bound)), i
+        for r, rnd in enumerate(rounds):
+            histogram, exchange, slots_launch = (launch_args(entry) for entry in rnd[:3])
+            assert histogram[1] is launch_args(rounds[0][0])[1], "the routing scratch is made once per signature"
+            assert slots_launch[3] is handles[r].slots and exchange[5] is handles[r].recv_counts
+        assert len({id(h.slots) for h in handles}) == WARM_CALLS and len({id(o) for o in outs}) == WARM_CALLS
+        assert handles[0].slots.shape == (37, 2) and handles[0].status.shape == (2,)
+        assert handles[0].recv_counts.shape == handles[0].recv_offsets.shape == (2,)
+
+        with pytest.raises(TypeError, match="unknown config keys"):
+            dispatch(tokens, ids, 4, not_a_key=1)  # a new signature: checked (and agreed) again
+        with pytest.raises(TypeError, match="unknown config keys"):
+            combine(recv, handle, weights, not_a_key=1)
+        assert world.exchanges == 4
+        combine(recv, handle, weights, max_blocks=3)
+        assert len(combine_plans) == 3 and world.exchanges == 5  # the bad config raised in its plan
+    finally:
+        host.forget_prepared_calls()  # nothing prepared in this fake world serves another test
 
 
 # ---------------------------------------------------------------------------

@@ -17,9 +17,10 @@ import helion
 import helion.language as hl
 import torch
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, run
+from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.moe_combine import plan, prepare  # shared with the Triton recipe
+from kraken.comm.moe_combine import combine  # shared with the Triton recipe
 from kraken.comm.moe_dispatch import MoEHandle
 
 # The barriers: "peers' expert outputs are written" (acquire) and "done reading peers" (release).
@@ -89,6 +90,7 @@ def launch(
     num_blocks: int,
     tokens_per_block: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.moe_combine.launch``."""
     ctx = handle.recv_context
@@ -99,10 +101,9 @@ def launch(
         slots = torch.cat([slots, torch.full_like(slots, -1)])
         weights = torch.cat([weights, torch.zeros_like(weights)])
         target = out.new_empty((2, out.shape[1]))
-    compiled(tokens, block_h, num_warps)(
-        target, weights, slots, ctx.peers, ctx.signal_pad_ptrs, num_blocks, tokens_per_block, handle.capacity,
-        rank, len(ctx.peers), group_name,
-    )
+    args = (target, weights, slots, ctx.peers, ctx.signal_pad_ptrs, num_blocks, tokens_per_block, handle.capacity,
+            rank, len(ctx.peers), group_name)
+    run(compiled(tokens, block_h, num_warps), args, launcher)
     if target is not out:
         out.copy_(target[:1])
     return out
@@ -110,8 +111,4 @@ def launch(
 
 def moe_combine(expert_out: torch.Tensor, handle: MoEHandle, weights: torch.Tensor, **config) -> torch.Tensor:
     """``[T, H]``: every token's expert outputs, weighted and summed in fp32, in token order (see the recipe)."""
-    cfg = prepare(expert_out, handle, weights, "helion moe_combine", config)
-    if expert_out.data_ptr() != handle.recv.data_ptr():
-        handle.recv.copy_(expert_out)
-    out = expert_out.new_empty((weights.shape[0], expert_out.shape[1]))
-    return launch(out, weights, handle, handle.recv_context.rank, **cfg, group_name=handle.group_name)
+    return combine(launch, "helion moe_combine", expert_out, handle, weights, config)

@@ -2,12 +2,14 @@
 
 The routing bookkeeping (count histogram, the on-device count exchange with its barrier and the
 prefix sums, each pair's destination slot) is the recipe's own three small Triton kernels, shared
-as ``plan`` and ``prepare`` are: it is index arithmetic on a few kilobytes, and the twin's subject
-is the data movement. The token copy is ported: ``hl.grid(num_blocks)`` is the persistent grid and
-the barrier's block id, block ``b`` copies its contiguous range of (token, k) pairs, whole rows, as
-``[rows, block_h]`` tiles gathered from the local tokens and stored into the owner's receive buffer
-(one masked ``hl.store`` per rank, unrolled with ``hl.static_range``; exactly one of them stores),
-then the kraken barrier (release + acquire) through ``hl.inline_triton``.
+as its host code is (``kraken.comm.moe_dispatch.dispatch``: the prepared call, the handle): it is
+index arithmetic on a few kilobytes, and the twin's subject is the data movement. The token copy is
+ported: ``hl.grid(num_blocks)`` is the persistent grid and the barrier's block id, block ``b``
+copies its contiguous range of (token, k) pairs, whole rows, as ``[rows, block_h]`` tiles gathered
+from the local tokens and stored into the owner's receive buffer (one masked ``hl.store`` per rank,
+unrolled with ``hl.static_range``; exactly one of them stores), then the kraken barrier (release +
+acquire) through ``hl.inline_triton``. Warm calls launch through the prepared call's launcher
+(``helion_ports.run``).
 
 Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
 """
@@ -21,12 +23,10 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel
+from helion_ports import flat_kernel, run
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.moe_dispatch import (  # shared with the Triton recipe
-    MoEHandle, check, new_handle, plan, prepare, route,
-)
+from kraken.comm.moe_dispatch import MoEHandle, dispatch, route  # shared with the Triton recipe
 
 # "My rows are visible to their owners; the peers' rows for me have landed."
 SYNC_END = SYMM_MEM_SYNC[(True, True)]
@@ -80,23 +80,21 @@ def launch(
     handle: MoEHandle,
     counts_ctx: host.SymmContext,
     rank: int,
-    num_chunks: int,
-    e_pad: int,
-    ws_pad: int,
     rows: int,
     block_h: int,
     num_warps: int,
     num_blocks: int,
     pairs_per_block: int,
     group_name: str = "",
+    launcher=host.jit_launch,
+    **routing,
 ) -> MoEHandle:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.moe_dispatch.launch``."""
-    route(expert_ids, handle, counts_ctx, rank, num_chunks, e_pad, ws_pad)
+    route(expert_ids, handle, counts_ctx, rank, launcher=launcher, **routing)
     ctx = handle.recv_context
-    compiled(rows, block_h, num_warps)(
-        tokens, handle.slots.view(-1), ctx.peers, ctx.signal_pad_ptrs, num_blocks, pairs_per_block, handle.capacity,
-        expert_ids.shape[1], rank, len(ctx.peers), group_name,
-    )
+    args = (tokens, handle.slots.view(-1), ctx.peers, ctx.signal_pad_ptrs, num_blocks, pairs_per_block,
+            handle.capacity, expert_ids.shape[1], rank, len(ctx.peers), group_name)
+    run(compiled(rows, block_h, num_warps), args, launcher)
     return handle
 
 
@@ -110,10 +108,5 @@ def moe_dispatch(
     **config,
 ) -> tuple[torch.Tensor, torch.Tensor, MoEHandle]:
     """Send each token to its top-k experts' ranks: ``(recv, recv_counts, handle)`` (see the kraken recipe)."""
-    recv, recv_ctx, counts_ctx, capacity, cfg = prepare(tokens, expert_ids, num_experts, group, capacity,
-                                                        "helion moe_dispatch", config)
-    handle = new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity)
-    launch(tokens, expert_ids, handle, counts_ctx, recv_ctx.rank, **cfg, group_name=recv_ctx.group_name)
-    if check_status:
-        check(handle)
-    return recv, handle.recv_counts, handle
+    return dispatch(launch, "helion moe_dispatch", tokens, expert_ids, num_experts, group, capacity, check_status,
+                    config)

@@ -94,14 +94,15 @@ def launch(
     num_blocks: int,
     tokens_per_block: int,
     group_name: str = "",
+    launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks; the expert outputs are in ``handle.recv``); the same
-    signature as the Helion port's ``launch``."""
+    signature as the Helion port's ``launch``. ``launcher``: the prepared call's ``host.Launcher``, or Triton's."""
     ctx = handle.recv_context
-    combine_kernel[(num_blocks,)](
-        out, weights, handle.slots, ctx.peers, ctx.signal_pad_ptrs, out.shape[0], out.shape[1], handle.capacity,
-        tokens_per_block, rank, len(ctx.peers), TOP_K=weights.shape[1], TOKENS=tokens, BLOCK_H=block_h,
-        num_warps=num_warps,
+    launcher(
+        combine_kernel, (num_blocks,), out, weights, handle.slots, ctx.peers, ctx.signal_pad_ptrs, out.shape[0],
+        out.shape[1], handle.capacity, tokens_per_block, rank, len(ctx.peers), TOP_K=weights.shape[1],
+        TOKENS=tokens, BLOCK_H=block_h, num_warps=num_warps,
     )
     return out
 
@@ -134,7 +135,19 @@ def check_inputs(expert_out, handle, weights, op: str) -> None:
                          f"dispatch's device {recv.device}")
 
 
+def combine_key(expert_out, handle, weights, op: str, config: dict) -> tuple:
+    """``prepare``'s cache key: everything it reads (the handle's group, its slots' and receive buffer's shape,
+    dtype, device and alignment). A handle of another type is not cached (``prepare`` says what is wrong)."""
+    if not isinstance(handle, MoEHandle):
+        raise TypeError("not a MoEHandle")  # host.per_signature: skip the cache
+    return (op, handle.group_name, host.tensor_key(expert_out), host.tensor_key(weights),
+            host.tensor_key(handle.slots), host.tensor_key(handle.recv), *config.items())
+
+
+@host.per_signature(combine_key)
 def prepare(expert_out, handle, weights, op: str, config: dict) -> dict:
+    """Validate and agree (first call of a signature), plan; ``launch``'s keyword arguments with the prepared
+    call's ``host.Launcher``, kept per signature."""
     group = handle.group_name if isinstance(handle, MoEHandle) else None
     with host.agreed(op, group, expert_out=expert_out, weights=weights, config=config,
                      handle=handle.slots if isinstance(handle, MoEHandle) else handle):
@@ -142,7 +155,18 @@ def prepare(expert_out, handle, weights, op: str, config: dict) -> dict:
         world_size = host.world_size_of(group, op)
         cfg = plan(weights.shape[0], expert_out.shape[1], world_size, config)
         host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
-    return cfg
+    return {**cfg, "group_name": handle.group_name, "launcher": host.Launcher(op)}
+
+
+def combine(launch, op: str, expert_out: torch.Tensor, handle: MoEHandle, weights: torch.Tensor,
+            config: dict) -> torch.Tensor:
+    """``moe_combine`` with a given ``launch`` (the recipe's or its twin's) under the name ``op``: the prepared
+    call (a dictionary lookup once warm), the copy into ``recv`` when ``expert_out`` is not it, a new output."""
+    cfg = prepare(expert_out, handle, weights, op, config)
+    if expert_out.data_ptr() != handle.recv.data_ptr():
+        handle.recv.copy_(expert_out)
+    out = expert_out.new_empty((weights.shape[0], expert_out.shape[1]))
+    return launch(out, weights, handle, handle.recv_context.rank, **cfg)
 
 
 def moe_combine(expert_out: torch.Tensor, handle: MoEHandle, weights: torch.Tensor, **config) -> torch.Tensor:
@@ -150,11 +174,7 @@ def moe_combine(expert_out: torch.Tensor, handle: MoEHandle, weights: torch.Tens
     the original token order on its home rank. ``expert_out [capacity, H]`` in the dispatch's row order;
     zero-copy when it is the dispatch's ``recv`` (see the module docstring). ``config`` overrides
     ``DEFAULT_CONFIG``."""
-    cfg = prepare(expert_out, handle, weights, "moe_combine", config)
-    if expert_out.data_ptr() != handle.recv.data_ptr():
-        handle.recv.copy_(expert_out)
-    out = expert_out.new_empty((weights.shape[0], expert_out.shape[1]))
-    return launch(out, weights, handle, handle.recv_context.rank, **cfg, group_name=handle.group_name)
+    return combine(launch, "moe_combine", expert_out, handle, weights, config)
 
 
 def reference_combine(all_expert_out: list[torch.Tensor], all_slots: list[torch.Tensor], weights: torch.Tensor,

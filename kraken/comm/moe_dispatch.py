@@ -14,7 +14,7 @@ permute + ``all_to_all_single`` + ``sort_chunks_by_idxs`` produce. Each (token, 
 Capacity: ``recv`` has ``capacity`` rows on every rank (symmetric memory, allocated once per
 shape). The default is ``2 * T * k``, twice the rows an evenly routed rank receives; the worst case
 is ``world_size * T * k``. Rows past ``capacity`` are *dropped*: never written, counted on the
-sending rank in ``handle.status[0]`` (a device tensor; ``check(handle)`` or ``check=True`` raises on
+sending rank in ``handle.status[0]`` (a device tensor; ``check(handle)`` or ``check_status=True`` raises on
 every rank), and ``recv_counts`` counts only the rows that fit. Which rows drop is deterministic:
 the rows whose place in the expert-major order is ``>= capacity``. Ids outside ``[-1,
 num_experts)`` are skipped and counted in ``handle.status[1]`` (the ids live on the device: checking
@@ -41,6 +41,12 @@ CUDA graphs: the barriers reset themselves and every launch size depends on shap
 caveat of the buffer reuse (as in DeepEP's low-latency mode): ``recv`` is overwritten by the next
 dispatch of the same shape, so finish with one (combine it) before dispatching the next.
 Steps 1 and 3 and the bookkeeping of 2 are shared with the Helion twin, which ports step 4.
+
+The host fast path (docs/design.md): the first call of a signature checks and agrees, plans, finds
+the buffers and makes the routing scratch (``prepare``, kept by ``host.per_signature``); a warm call
+looks that up, allocates its handle (one allocation) and launches the four kernels through the
+prepared call's ``host.Launcher``. The scratch is consumed within a call, in stream order, as the
+symmetric ``counts`` and ``recv`` of the shape are shared by its calls.
 """
 
 from __future__ import annotations
@@ -304,8 +310,32 @@ def buffers(capacity: int, hidden: int, dtype: torch.dtype, e_pad: int, device: 
     return _buffers[key]
 
 
-def prepare(tokens, expert_ids, num_experts, group, capacity, op: str, config: dict):
-    """Validate (``host.agreed``: bad input on any rank raises on every rank), plan, find the buffers."""
+def routing_scratch(num_pairs: int, num_chunks: int, e_pad: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The routing kernels' local scratch: per chunk its count per expert and its first row per expert, per pair
+    its place in its chunk. Consumed within one call (stream order), so a prepared call keeps one set."""
+    hist = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)
+    chunk_base = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)
+    return hist, chunk_base, torch.empty(num_pairs, dtype=torch.int32, device=device)
+
+
+@dataclass(frozen=True)
+class PreparedDispatch:
+    """A dispatch signature's prepared call (``prepare``): the buffers, the capacity, and ``launch``'s keyword
+    arguments (the plan, the routing scratch, the ``host.Launcher``)."""
+
+    recv: torch.Tensor
+    recv_context: host.SymmContext
+    counts_context: host.SymmContext
+    capacity: int
+    launch_cfg: dict
+
+
+@host.per_signature(lambda tokens, expert_ids, num_experts, group, capacity, op, config: (
+    op, group, host.tensor_key(tokens), host.tensor_key(expert_ids), type(num_experts), num_experts,
+    type(capacity), capacity, *config.items()))
+def prepare(tokens, expert_ids, num_experts, group, capacity, op: str, config: dict) -> PreparedDispatch:
+    """Validate (``host.agreed``: bad input on any rank raises on every rank), plan, find the buffers, make the
+    routing scratch and the launcher; kept per signature (``host.per_signature``)."""
     with host.agreed(op, group, tokens=tokens, expert_ids=expert_ids, num_experts=num_experts, capacity=capacity,
                      config=config):
         world_size = host.world_size_of(group, op)
@@ -314,44 +344,43 @@ def prepare(tokens, expert_ids, num_experts, group, capacity, op: str, config: d
         cfg = plan(num_tokens, expert_ids.shape[1], hidden, num_experts, world_size, config, tokens.element_size())
         host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
     recv, recv_ctx, counts_ctx = buffers(capacity, hidden, tokens.dtype, cfg["e_pad"], tokens.device, group, op)
-    return recv, recv_ctx, counts_ctx, capacity, cfg
+    scratch = routing_scratch(expert_ids.numel(), cfg["num_chunks"], cfg["e_pad"], tokens.device)
+    launch_cfg = {**cfg, "scratch": scratch, "group_name": recv_ctx.group_name, "launcher": host.Launcher(op)}
+    return PreparedDispatch(recv, recv_ctx, counts_ctx, capacity, launch_cfg)
 
 
 def new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity) -> MoEHandle:
-    """A handle with fresh (uninitialised) per-call tensors: two dispatches never share one."""
-    experts_per_rank = num_experts // recv_ctx.world_size
-    device = tokens.device
-    return MoEHandle(
-        slots=torch.empty(expert_ids.shape, dtype=torch.int32, device=device),
-        recv_counts=torch.empty(experts_per_rank, dtype=torch.int32, device=device),
-        recv_offsets=torch.empty(experts_per_rank, dtype=torch.int32, device=device),
-        status=torch.empty(2, dtype=torch.int32, device=device),
-        recv=recv, recv_context=recv_ctx, num_experts=num_experts, capacity=capacity,
-        group_name=recv_ctx.group_name,
-    )
+    """A handle with fresh (uninitialised) per-call tensors: two dispatches never share one. One allocation:
+    ``status`` (padded to 16 bytes), then ``slots``, ``recv_counts``, ``recv_offsets``."""
+    per_rank = num_experts // recv_ctx.world_size
+    num_pairs = expert_ids.numel()
+    status, slots, recv_counts, recv_offsets = torch.empty(
+        4 + num_pairs + 2 * per_rank, dtype=torch.int32, device=tokens.device).split_with_sizes(
+        (4, num_pairs, per_rank, per_rank))
+    return MoEHandle(slots.view(expert_ids.shape), recv_counts, recv_offsets, status[:2], recv, recv_ctx,
+                     num_experts, capacity, recv_ctx.group_name)
 
 
 def route(expert_ids: torch.Tensor, handle: MoEHandle, counts_ctx: host.SymmContext, rank: int, num_chunks: int,
-          e_pad: int, ws_pad: int, **_) -> None:
+          e_pad: int, ws_pad: int, scratch: tuple[torch.Tensor, ...] | None = None, launcher=host.jit_launch,
+          **_) -> None:
     """Steps 1-3 (histogram, count exchange + prefix sums, slots): fills the handle's slots, recv counts and
-    offsets and status. Shared by the recipe and its twin."""
+    offsets and status. Shared by the recipe and its twin. ``scratch``: ``routing_scratch``'s tensors (made here
+    when not given); ``launcher``: the prepared call's ``host.Launcher``, or Triton's own launch."""
     world_size = len(counts_ctx.peers)
     num_pairs = expert_ids.numel()
-    device = expert_ids.device
-    hist = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)
-    chunk_base = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)
-    place = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    hist, chunk_base, place = scratch or routing_scratch(num_pairs, num_chunks, e_pad, expert_ids.device)
     num_experts, capacity = handle.num_experts, handle.capacity
-    histogram_kernel[(num_chunks,)](expert_ids, hist, place, num_pairs, num_experts, CHUNK=CHUNK, E_PAD=e_pad,
-                                    num_warps=4)
-    exchange_kernel[(1,)](
-        hist, chunk_base, counts_ctx.peers, counts_ctx.peers[rank], counts_ctx.signal_pad_ptrs, handle.recv_counts,
-        handle.recv_offsets,
-        handle.status, num_chunks, num_experts, num_experts // world_size, capacity, rank, world_size,
-        E_PAD=e_pad, WS_PAD=ws_pad, CHUNK_TILE=32, num_warps=4,
+    per_rank = num_experts // world_size
+    launcher(histogram_kernel, (num_chunks,), expert_ids, hist, place, num_pairs, num_experts, CHUNK=CHUNK,
+             E_PAD=e_pad, num_warps=4)
+    launcher(
+        exchange_kernel, (1,), hist, chunk_base, counts_ctx.peers, counts_ctx.peers[rank], counts_ctx.signal_pad_ptrs,
+        handle.recv_counts, handle.recv_offsets, handle.status, num_chunks, num_experts, per_rank, capacity, rank,
+        world_size, E_PAD=e_pad, WS_PAD=ws_pad, CHUNK_TILE=32, num_warps=4,
     )
-    slots_kernel[(num_chunks,)](expert_ids, place, chunk_base, handle.slots, handle.status, num_pairs, num_experts,
-                                num_experts // world_size, capacity, CHUNK=CHUNK, E_PAD=e_pad, num_warps=4)
+    launcher(slots_kernel, (num_chunks,), expert_ids, place, chunk_base, handle.slots, handle.status, num_pairs,
+             num_experts, per_rank, capacity, CHUNK=CHUNK, E_PAD=e_pad, num_warps=4)
 
 
 def launch(
@@ -360,25 +389,38 @@ def launch(
     handle: MoEHandle,
     counts_ctx: host.SymmContext,
     rank: int,
-    num_chunks: int,
-    e_pad: int,
-    ws_pad: int,
     rows: int,
     block_h: int,
     num_warps: int,
     num_blocks: int,
     pairs_per_block: int,
     group_name: str = "",
+    launcher=host.jit_launch,
+    **routing,
 ) -> MoEHandle:
-    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``."""
-    route(expert_ids, handle, counts_ctx, rank, num_chunks, e_pad, ws_pad)
+    """Launch on prepared arguments (no checks): ``route`` (``routing``: its keyword arguments, the plan's
+    ``num_chunks``, ``e_pad``, ``ws_pad`` and the prepared call's ``scratch``), then the copy. The same signature
+    as the Helion port's ``launch`` (which takes ``group_name`` as its ``hl.ProcessGroupName``)."""
+    route(expert_ids, handle, counts_ctx, rank, launcher=launcher, **routing)
     recv_ctx = handle.recv_context
-    dispatch_kernel[(num_blocks,)](
-        tokens, handle.slots, recv_ctx.peers, recv_ctx.signal_pad_ptrs, expert_ids.numel(), tokens.shape[1],
-        handle.capacity, pairs_per_block, rank, len(recv_ctx.peers), TOP_K=expert_ids.shape[1], ROWS=rows,
-        BLOCK_H=block_h, num_warps=num_warps,
+    launcher(
+        dispatch_kernel, (num_blocks,), tokens, handle.slots, recv_ctx.peers, recv_ctx.signal_pad_ptrs,
+        expert_ids.numel(), tokens.shape[1], handle.capacity, pairs_per_block, rank, len(recv_ctx.peers),
+        TOP_K=expert_ids.shape[1], ROWS=rows, BLOCK_H=block_h, num_warps=num_warps,
     )
     return handle
+
+
+def dispatch(launch, op: str, tokens, expert_ids, num_experts, group, capacity, check_status: bool,
+             config: dict) -> tuple[torch.Tensor, torch.Tensor, MoEHandle]:
+    """``moe_dispatch`` with a given ``launch`` (the recipe's or its twin's) under the name ``op``: the prepared
+    call (a dictionary lookup once warm), a new handle, the launches through the prepared call's launcher."""
+    call = prepare(tokens, expert_ids, num_experts, group, capacity, op, config)
+    handle = new_handle(tokens, expert_ids, num_experts, call.recv, call.recv_context, call.capacity)
+    launch(tokens, expert_ids, handle, call.counts_context, call.recv_context.rank, **call.launch_cfg)
+    if check_status:
+        check(handle)
+    return call.recv, handle.recv_counts, handle
 
 
 def check(handle: MoEHandle) -> None:
@@ -415,13 +457,7 @@ def moe_dispatch(
     (a host synchronisation) before returning. ``config`` overrides ``DEFAULT_CONFIG``. See the module
     docstring for the capacity and what happens past it.
     """
-    recv, recv_ctx, counts_ctx, capacity, cfg = prepare(tokens, expert_ids, num_experts, group, capacity,
-                                                        "moe_dispatch", config)
-    handle = new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity)
-    launch(tokens, expert_ids, handle, counts_ctx, recv_ctx.rank, **cfg, group_name=recv_ctx.group_name)
-    if check_status:
-        check(handle)
-    return recv, handle.recv_counts, handle
+    return dispatch(launch, "moe_dispatch", tokens, expert_ids, num_experts, group, capacity, check_status, config)
 
 
 # ---------------------------------------------------------------------------
