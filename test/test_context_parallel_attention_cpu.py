@@ -375,6 +375,9 @@ def test_torch_cp_failure_leaves_sdpa_unpatched_and_the_sdpa_baseline_is_right(o
         op.torch_cp({"q": q, "k": k, "v": v, "causal": causal})
     assert F.scaled_dot_product_attention is sdpa_fn
     out = op.sdpa_on_sequence(q, k, v, causal)  # one rank: the whole sequence, chunks 0 and 1 under causal
+    # The flash backend alone (on the CPU, its CPU kernel; the GPU test checks the CUDA one).
+    ran = op.attention_ops(lambda: op.sdpa_on_sequence(q, k, v, causal))
+    assert ran and all("flash" in name for name in ran), ran
     err = ((out.double() - reference_attention(q, k, v, causal)).norm() / out.double().norm()).item()
     assert err < 1e-2, err
 

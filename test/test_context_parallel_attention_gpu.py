@@ -220,9 +220,13 @@ def baseline_worker() -> None:
             heartbeat(f"baseline {name} {shape}")
             backend = REGISTRY["context_parallel_attention"].backends[name]
             if name != "torch_cp":
-                out = backend(op.make_inputs(shape, BF16, seed))
+                inputs = op.make_inputs(shape, BF16, seed)
+                out = backend(inputs)
                 torch.cuda.synchronize()
                 assert_close(out, ref, f"baseline {name} {shape}")
+                if name in ("nccl", "sdpa"):  # SDPA's flash backend and nothing else (no efficient/math fallback)
+                    ran = op.attention_ops(lambda: (backend(inputs), torch.cuda.synchronize()))
+                    assert ran and all("flash" in op_name for op_name in ran), f"{name} {shape}: SDPA ran {ran}"
                 continue
             # torch's prototype: informational (the benchmark reports an error or a FAIL in its column the same way),
             # but a failure must leave SDPA unpatched for the next case's baselines.

@@ -14,7 +14,8 @@ its queries' output. Backends:
   through ``enable_gqa`` (flash reads the fewer K/V heads itself: no repeated copy). Under causal, one
   call per query chunk over the keys up to that chunk's end: a square one with ``is_causal=True``, the
   others with a lower-right causal mask (``torch.nn.attention.bias.causal_lower_right``, which calls
-  the flash kernel directly; its memory-efficient fallback is disabled by the same context);
+  the flash kernel directly; its memory-efficient fallback is disabled by the same context). The GPU
+  baseline test checks from the profiler (``attention_ops``) that only flash ops ran;
 * ``torch_cp``: torch's own context parallelism (``torch.distributed.tensor.experimental.
   context_parallel``, monkey-patch mode, all-gather rotation; under causal its head-tail load
   balancing, the same layout as ours; without, no load balancing, which it refuses to combine with a
@@ -116,6 +117,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> to
     """SDPA on its flash backend alone; fewer K/V heads through ``enable_gqa`` (flash takes them as they are)."""
     with sdpa_kernel(SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kwargs)
+
+
+def attention_ops(fn) -> set[str]:
+    """The aten attention ops (``aten::_scaled_dot_product_*``, ``aten::_flash_attention_forward``,
+    ``aten::_efficient_attention_forward``) that ``fn()`` runs, from the profiler: which SDPA backend really ran."""
+    from torch.profiler import profile
+
+    with profile(acc_events=True) as prof:  # (one cycle: keep its events, without the profiler's warning)
+        fn()
+    return {e.key for e in prof.key_averages()
+            if e.key.startswith(("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention"))}
 
 
 def sdpa_on_sequence(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, causal: bool) -> torch.Tensor:
