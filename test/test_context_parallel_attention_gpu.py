@@ -119,9 +119,11 @@ def correctness(backend: str, module) -> None:
         out = torch.full_like(q, POISON)
         launch_into(module, q, k, v, out, causal, scale, poison_buffer=True, **config)
         public = fn(q, k, v, causal=causal, scale=scale, **config)
+        warm = fn(q, k, v, causal=causal, scale=scale, **config)  # prepared: launched through the compiled kernels
         torch.cuda.synchronize()
         assert_close(out, ref, what)
         assert torch.equal(public, out), f"{what}: the public call and launch() disagree"
+        assert torch.equal(warm, public), f"{what}: the warm call differs from the first"
         if backend == "triton":  # (the benchmark's triton_local column; the twin's is the same kernel, not timed)
             # The kernel with every rank's K/V here already (gathered by NCCL): no communication.
             gathered = op.gather_kv(k, v)
