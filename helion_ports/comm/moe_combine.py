@@ -44,11 +44,8 @@ def combine_body(
     num_tokens, hidden = out.size(0), out.size(1)
     top_k = hl.specialize(weights.size(1))
     for block in hl.grid(num_blocks):
-        hl.inline_triton(
-            SYNC_START,
-            args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size},
-            output_like=None,
-        )
+        barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
+        hl.inline_triton(SYNC_START, args=barrier, output_like=None)
         start = block * tokens_per_block
         for tile_t, tile_h in hl.tile([start, 0], [min(start + tokens_per_block, num_tokens), hidden]):
             acc = hl.zeros([tile_t, tile_h], dtype=torch.float32)
@@ -65,11 +62,7 @@ def combine_body(
                     value = torch.where(mask, hl.load(recv_peers[r], [row, tile_h], extra_mask=mask), value)
                 acc = acc + weight[:, None] * value.to(torch.float32)
             out[tile_t, tile_h] = acc.to(out.dtype)
-        hl.inline_triton(
-            SYNC_END,
-            args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size},
-            output_like=None,
-        )
+        hl.inline_triton(SYNC_END, args=barrier, output_like=None)
     return out
 
 
