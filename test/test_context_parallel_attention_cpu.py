@@ -463,3 +463,24 @@ def test_warm_attention_on_gathered_plans_once(monkeypatch, launches, fake_devic
     assert [entry[0] for entry in launches] == ["jit"] + ["fast"] * (WARM_CALLS - 1)
     with pytest.raises(ValueError, match=r"rank 2 is not in 0 \.\. 1"):
         recipe.attention_on_gathered(q, k, v, gathered, 2, causal=True)  # a new signature: checked again
+
+
+def test_the_exchange_stages_mine_copies_every_peer_piece_and_flags_it(fake_device):
+    """``start_kv_gather`` at rank 1 of 3 on CPU buffers: my K/V staged into my chunk, every peer's chunk copied into
+    my buffer, the flags written piece-major with rank + 1 first, the barrier launched before and after; twice (the
+    second time through the kept views)."""
+    world_size, rank, kv_rows, s_local, head_dim = 3, 1, 5, 4, 8
+    buffers = [torch.randn(world_size, 2, kv_rows, s_local, head_dim) for _ in range(world_size)]  # rank r's buffer
+    peers = tuple(buffers[r][r] for r in range(world_size))  # rank r's own chunk of its buffer
+    barriers: list = []
+    for call in range(2):
+        k, v = (torch.randn(1, kv_rows, s_local, head_dim) for _ in range(2))
+        progress = torch.zeros(world_size * 2, dtype=torch.int32)
+        fake_device.clear()
+        recipe.start_kv_gather(k, v, peers, buffers[rank], progress, sm90.FAKE_SIGNAL_PADS, rank, 3, 2,
+                               lambda kernel, grid, *args, **meta: barriers.append(kernel))
+        assert torch.equal(buffers[rank][rank], torch.stack([k[0], v[0]]))
+        for src in (0, 2):
+            assert torch.equal(buffers[rank][src], buffers[src][src]), (call, src)
+        assert fake_device == [2 * 2 + 0, 0 * 2 + 0, 2 * 2 + 1, 0 * 2 + 1]  # (rank, piece): piece-major, rank 2 first
+    assert len(barriers) == 4

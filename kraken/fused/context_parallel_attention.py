@@ -372,6 +372,30 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     return out
 
 
+_exchange_plans: dict = {}
+
+
+def exchange_plan(peers, gathered, rank: int, piece_rows: int, pieces: int) -> tuple:
+    """(the order of ranks, my K and V chunks, and per (piece, peer), piece-major and rank + 1 first, its flag's index
+    and its two (destination, source) copies: K, then V, each contiguous, for the copy engine rather than a strided
+    copy kernel). Views of the prepared call's buffers, kept per (``peers``, ``gathered``, ...) as
+    ``helion_ports.views`` keeps its views (the objects are kept with them, so their ids stay theirs): each view costs
+    about a microsecond, and a call makes four per piece and peer."""
+    key = (id(peers), id(gathered), rank, piece_rows, pieces)
+    hit = _exchange_plans.get(key)
+    if hit is None or hit[0] is not peers or hit[1] is not gathered:
+        world_size, kv_rows = len(peers), peers[rank].shape[1]
+        order = tuple((rank + step) % world_size for step in range(world_size))
+        rows = [(p * piece_rows, min((p + 1) * piece_rows, kv_rows)) for p in range(pieces)]
+        copies = tuple((src * pieces + p, tuple((gathered[src, kv, begin:end], peers[src][kv, begin:end])
+                                                for kv in (0, 1)))
+                       for p, (begin, end) in enumerate(rows) for src in order[1:])
+        if len(_exchange_plans) >= host.MAX_PREPARED:  # as many as the prepared calls it serves (a bound)
+            _exchange_plans.clear()
+        hit = _exchange_plans[key] = (peers, gathered, (order, peers[rank][0], peers[rank][1], copies))
+    return hit[2]
+
+
 def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank: int, piece_rows: int,
                     pieces: int, launcher=host.jit_launch) -> GatherInProgress:
     """Stage my ``k``, ``v`` into my chunk of the symmetric ``gathered`` and copy every peer's K/V into
@@ -379,22 +403,19 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
     rank r's own chunk [2, batch * kv_heads, S_local, head_dim] of rank r's gather buffer. ``launcher`` launches
     the two barrier kernels."""
     world_size = len(peers)
-    kv_rows = peers[rank].shape[1]
+    order, my_k, my_v, copies = exchange_plan(peers, gathered, rank, piece_rows, pieces)
     current = torch.cuda.current_stream(k.device)
     side = copy_stream(k.device)
     progress.zero_()  # before the fork: no flag of the previous call survives into this one
     side.wait_stream(current)  # k and v are written; the previous call's closing barrier is behind us
-    order = tuple((rank + step) % world_size for step in range(world_size))
     with torch.cuda.stream(side):
-        peers[rank][0].copy_(k.view(peers[rank][0].shape))
-        peers[rank][1].copy_(v.view(peers[rank][1].shape))
+        my_k.copy_(k.view(my_k.shape))
+        my_v.copy_(v.view(my_v.shape))
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's K/V is staged
-        for piece in range(pieces):
-            begin, end = piece * piece_rows, min((piece + 1) * piece_rows, kv_rows)
-            for src in order[1:]:
-                for kv in (0, 1):  # two contiguous copies: the copy engine, not a strided copy kernel
-                    gathered[src, kv, begin:end].copy_(peers[src][kv, begin:end])
-                set_flag(progress, src * pieces + piece, LANDED)
+        for flag, piece in copies:  # piece by piece; within a piece rank + 1 first
+            for dst, src in piece:
+                dst.copy_(src)
+            set_flag(progress, flag, LANDED)
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # done reading: peers may stage into their buffers again
     return GatherInProgress(gathered, progress, side, order)
 
