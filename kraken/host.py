@@ -551,9 +551,20 @@ def tensor_key(tensor: object, address: bool = False) -> object:
     return (*key, tensor.data_ptr()) if address else key
 
 
+def scalar_key(value: object) -> tuple:
+    """A scalar argument in a key, with its type: ``1``, ``1.0`` and ``True`` are equal and hash alike in
+    Python, but a check may accept one and refuse another (``eps=True`` is refused)."""
+    return (type(value), value)
+
+
+def config_key(config: dict) -> tuple:
+    """A ``**config`` in a key: each item with its value's type (see ``scalar_key``)."""
+    return tuple((name, type(value), value) for name, value in config.items())
+
+
 def symmetric_key(tensor: torch.Tensor, group, op: str, config: dict) -> tuple:
     """``per_signature``'s key for a ``prepare(tensor, group, op, config)`` of one symmetric tensor."""
-    return (op, group, tensor_key(tensor, address=True), *config.items())
+    return (op, group, tensor_key(tensor, address=True), config_key(config))
 
 
 def per_signature(key: Callable[..., tuple]) -> Callable:

@@ -188,3 +188,15 @@ def test_cached_prepare_is_per_signature(monkeypatch, launches):
         fn(large)
         fn(large, max_blocks=8)
     assert counts["plan"] == 3 and counts["world"].exchanges == 3
+
+
+def test_a_scalar_of_another_type_is_another_signature(monkeypatch, launches):
+    """``eps=1.0`` then ``eps=True``: equal in Python, but the second is refused, so it must not hit the first's
+    prepared call; nor may a config value ``True`` stand in for ``1``."""
+    symmetric_world(monkeypatch, "kraken.fused.one_shot_all_reduce_bias_rms_norm")
+    fn = importlib.import_module("kraken.fused.one_shot_all_reduce_bias_rms_norm").one_shot_all_reduce_bias_rms_norm
+    x, vector = torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16)
+    fn(x, vector, vector, eps=1.0)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        fn(x, vector, vector, eps=True)
+    assert host.config_key({"max_blocks": 1}) != host.config_key({"max_blocks": True})

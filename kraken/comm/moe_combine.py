@@ -141,7 +141,7 @@ def combine_key(expert_out, handle, weights, op: str, config: dict) -> tuple:
     if not isinstance(handle, MoEHandle):
         raise TypeError("not a MoEHandle")  # host.per_signature: skip the cache
     return (op, handle.group_name, host.tensor_key(expert_out), host.tensor_key(weights),
-            host.tensor_key(handle.slots), host.tensor_key(handle.recv), *config.items())
+            host.tensor_key(handle.slots), host.tensor_key(handle.recv), host.config_key(config))
 
 
 @host.per_signature(combine_key)

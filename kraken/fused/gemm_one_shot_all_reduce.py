@@ -371,7 +371,7 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: s
 
 
 @host.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, *config.items()))
+    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, host.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
 ) -> tuple[host.SymmContext, dict]:

@@ -145,8 +145,8 @@ def prepare_staged(
 
 
 @host.per_signature(lambda op, x, vectors, eps, group, config, plan, copies: (
-    op, group, host.tensor_key(x), *map(host.tensor_key, vectors.values()), eps, plan, copies,
-    *config.items()))
+    op, group, host.tensor_key(x), *map(host.tensor_key, vectors.values()), host.scalar_key(eps), plan, copies,
+    host.config_key(config)))
 def staged_signature(op, x, vectors, eps, group, config, plan, copies) -> tuple[int, host.SymmContext, dict]:
     """``prepare_staged``'s work that depends only on the signature: checks, agreement, plan, workspace."""
     with host.agreed(op, group, x=x, eps=eps, config=config, **vectors):  # every rank raises if any rank's input is bad

@@ -135,8 +135,8 @@ def prepare(x: torch.Tensor, weight: torch.Tensor, eps: float, op: str, config: 
     return (x if x.dim() == 2 else x.view(-1, hidden)), launch_cfg  # a view costs ~1 us
 
 
-@host.per_signature(lambda x, weight, eps, op, config: (op, host.tensor_key(x), host.tensor_key(weight), eps,
-                                                        *config.items()))
+@host.per_signature(lambda x, weight, eps, op, config: (
+    op, host.tensor_key(x), host.tensor_key(weight), host.scalar_key(eps), host.config_key(config)))
 def checked_plan(x: torch.Tensor, weight: torch.Tensor, eps: float, op: str, config: dict) -> tuple[int, dict]:
     hidden = check_inputs(op, x, {"weight": weight}, eps)
     return hidden, {**plan(x.numel() // hidden, hidden, config), "launcher": host.Launcher(op)}
