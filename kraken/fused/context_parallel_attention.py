@@ -443,15 +443,9 @@ def progress_flags(count: int, device: torch.device) -> torch.Tensor:
     return _flags[key]
 
 
-def scalar_key(value: object) -> tuple:
-    """A flag's or a scale's part of a prepared call's key: its type too (``True == 1``, but only a bool is a valid
-    ``causal``, and a bool is not a valid ``scale``)."""
-    return value, type(value)
-
-
 @host.per_signature(lambda q, k, v, group, op, causal, scale, config: (
-    op, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), scalar_key(causal), scalar_key(scale),
-    *config.items()))
+    op, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.scalar_key(causal),
+    host.scalar_key(scale), host.config_key(config)))
 def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple[host.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer (a slice of
     ``host.symm_workspace``) and the launch arguments but the output (every rank's own chunk of the buffer as
@@ -518,7 +512,7 @@ def check_gathered(gathered, k, rank: int, op: str) -> None:
 
 @host.per_signature(lambda q, k, v, gathered, rank, op, causal, scale, config: (
     op, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.tensor_key(gathered), rank,
-    scalar_key(causal), scalar_key(scale), *config.items()))
+    host.scalar_key(causal), host.scalar_key(scale), host.config_key(config)))
 def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, scale,
                         config: dict) -> tuple[dict, torch.Tensor, host.Launcher]:
     """``attention_on_gathered``'s checks and plan, its (never read) flags and its launcher; kept per signature."""
