@@ -41,4 +41,30 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert err <= TOLERANCE[out.dtype], f"{what}: relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e}"
 
 
-__all__ = ["DTYPES", "GPU_COUNT", "POISON", "assert_close", "heartbeat", "needs_gpus", "rel_err", "run_on_gpus"]
+def check_graph_replays(backend: str, fn, inputs: list, slots, **kwargs) -> None:
+    """CUDA-graph capture of ``fn(*static, **kwargs)`` on clones of ``inputs[slots[0]]`` (a column-major clone
+    keeps its strides), then 20 replays, each on the next slot's inputs copied in (fp8 through its bytes),
+    bitwise against eager calls on the same inputs."""
+    eager = {k: fn(*inputs[k], **kwargs) for k in slots}
+    static = [t.clone() for t in inputs[slots[0]]]
+    fn(*static, **kwargs)  # warm-up before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn(*static, **kwargs)
+    for i in range(20):
+        k = slots[i % len(slots)]
+        for tensor, value in zip(static, inputs[k]):
+            if tensor.dtype == torch.float8_e4m3fn:
+                tensor.view(torch.uint8).copy_(value.view(torch.uint8))
+            else:
+                tensor.copy_(value)
+        static_out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager[k]), f"{backend} graph replay {i} differs from eager"
+    heartbeat(f"{backend} graph replays done")
+
+
+__all__ = ["DTYPES", "GPU_COUNT", "POISON", "assert_close", "check_graph_replays", "heartbeat", "needs_gpus",
+           "rel_err", "run_on_gpus"]

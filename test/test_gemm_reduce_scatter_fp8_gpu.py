@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmark.ops.all_gather_matmul_fp8 import FP8, dequantized
+from benchmark.ops.all_gather_matmul_fp8 import dequantized
 from benchmark.ops.gemm_reduce_scatter_fp8 import operands
-from gpu_utils import POISON, heartbeat, needs_gpus, rel_err, run_on_gpus
+from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
 
 pytestmark = needs_gpus
 
@@ -115,26 +115,7 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
                 check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k}, {shapes[k]})")
                 outs[k].fill_(POISON)
 
-    slots = range(0, 10, 2)  # the graph replays one shape, row/column scales
-    eager = {k: fn(*inputs[k]) for k in slots}
-    static = [t.clone() for t in inputs[0]]  # b: a column-major clone keeps its strides
-    fn(*static)  # warm-up before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fn(*static)
-    for i in range(20):
-        k = slots[i % len(slots)]
-        for tensor, value in zip(static, inputs[k]):
-            if tensor.dtype == FP8:
-                tensor.view(torch.uint8).copy_(value.view(torch.uint8))
-            else:
-                tensor.copy_(value)
-        static_out.fill_(POISON)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, eager[k]), f"{backend} graph replay {i} differs from eager"
-    heartbeat(f"{backend} graph replays done")
+    check_graph_replays(backend, fn, inputs, range(0, 10, 2))  # one shape, row/column scales
 
 
 def bad_input(backend: str, module, fn) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from benchmark.ops.gemm_all_reduce import rank_operands
-from gpu_utils import POISON, heartbeat, needs_gpus, rel_err, run_on_gpus
+from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
 
 pytestmark = needs_gpus
 
@@ -104,23 +104,7 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
                 check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k}, {shapes[k]})")
                 outs[k].fill_(POISON)
 
-    slots = range(0, 10, 2)  # the graph replays one shape
-    eager = {k: fn(*inputs[k], out_dtype=out_dtype) for k in slots}
-    static_a, static_b = (t.clone() for t in inputs[0])
-    fn(static_a, static_b, out_dtype=out_dtype)  # warm-up before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fn(static_a, static_b, out_dtype=out_dtype)
-    for i in range(20):
-        k = slots[i % len(slots)]
-        static_a.copy_(inputs[k][0])
-        static_b.copy_(inputs[k][1])
-        static_out.fill_(POISON)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, eager[k]), f"{backend} graph replay {i} differs from eager"
-    heartbeat(f"{backend} graph replays done")
+    check_graph_replays(backend, fn, inputs, range(0, 10, 2), out_dtype=out_dtype)  # one shape
 
 
 def bad_input(backend: str, module, fn) -> None:

@@ -27,6 +27,7 @@ RECIPE = "fused.all_gather_matmul"
 # Rows per rank, N and K not multiples of the tiles (N and K multiples of 8: TMA-aligned, no padding copy),
 # every TMA box inside its tensor (Helion loads a box larger than its tensor through pointers).
 EXAMPLE_SHAPE = (100, 200, 72)  # rows per rank, N, K
+DEFAULT_SHAPES = [(1024, 6656, 5120), (2048, 14336, 8192), (8192, 14336, 8192), (256, 8192, 8192), (512, 8192, 8192)]
 
 
 # ---------------------------------------------------------------------------
@@ -127,8 +128,7 @@ register(
         make_inputs=make_inputs,
         backends={"nccl": nccl, "torch_fused": torch_fused, "matmul": matmul, "triton": fused("kraken"),
                   "helion": fused("helion_ports")},
-        default_shapes=[(1024, 6656, 5120), (2048, 14336, 8192), (8192, 14336, 8192), (256, 8192, 8192),
-                        (512, 8192, 8192)],
+        default_shapes=DEFAULT_SHAPES,
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,
         floor_us=floor_us,

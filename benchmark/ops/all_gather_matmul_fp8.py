@@ -23,6 +23,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from benchmark.ops.all_gather_matmul import DEFAULT_SHAPES
 from benchmark.registry import Op, Pair, register
 from benchmark.sm90 import H200_NUM_SMS
 
@@ -182,8 +183,7 @@ register(
         make_inputs=make_inputs,
         backends={"nccl": nccl, "torch_fused": torch_fused, "scaled_mm": scaled_mm, "triton": fused("kraken"),
                   "helion": fused("helion_ports")},
-        default_shapes=[(1024, 6656, 5120), (2048, 14336, 8192), (8192, 14336, 8192), (256, 8192, 8192),
-                        (512, 8192, 8192)],
+        default_shapes=list(DEFAULT_SHAPES),  # the bf16 op's
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,
         floor_us=floor_us,

@@ -33,6 +33,7 @@ OUT_DTYPE = torch.bfloat16
 # Odd N and K (unaligned: TMA operands padded), band rows not a multiple of the tile: every tail masked.
 # M is picked per world size (``example_shape``): 24 bands of 5 rows plus a tail make M = 120 + ...
 EXAMPLE_N, EXAMPLE_K = 200, 72
+DEFAULT_SHAPES = [(1024, 6656, 2560), (2048, 14336, 4096), (8192, 14336, 4096), (256, 8192, 4096), (512, 8192, 4096)]
 
 
 def example_shape(world_size: int) -> tuple[int, int, int]:
@@ -88,12 +89,18 @@ def example(module, world_size: int, shape=None, dtype=torch.bfloat16, out_dtype
     m, n, k = shape or example_shape(world_size)
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     cfg = module.plan(m, n, k, world_size, config or {}, H200_NUM_SMS)
+    module.launch(a, b, *stand_ins(module, m, n, world_size, cfg, out_dtype, rank), **cfg)
+
+
+def stand_ins(module, m: int, n: int, world_size: int, cfg: dict, out_dtype, rank: int) -> tuple:
+    """CPU stand-ins for ``launch``'s (peers, out, signal_pad_ptrs, rank, parity, epochs): every rank's
+    workspace as ``prepare`` views it (``module.rounds_of``, ``module.chunk_tile``), this rank's band."""
     rounds = module.rounds_of(m, n, world_size, cfg)
     tile = module.chunk_tile(cfg, world_size)
     peers = tuple(torch.empty(2, H200_NUM_SMS, rounds, *tile, dtype=out_dtype) for _ in range(world_size))
     parity, epochs = torch.zeros(H200_NUM_SMS, dtype=torch.int32), torch.zeros(H200_NUM_SMS, dtype=torch.int32)
     out = torch.empty(m // world_size, n, dtype=out_dtype)
-    module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, rank, parity, epochs, **cfg)
+    return peers, out, FAKE_SIGNAL_PADS, rank, parity, epochs
 
 
 # ---------------------------------------------------------------------------
@@ -120,8 +127,7 @@ register(
         make_inputs=make_inputs,
         backends={"nccl": nccl, "torch_fused": torch_fused, "matmul": matmul, "triton": fused("kraken"),
                   "helion": fused("helion_ports")},
-        default_shapes=[(1024, 6656, 2560), (2048, 14336, 4096), (8192, 14336, 4096), (256, 8192, 4096),
-                        (512, 8192, 4096)],
+        default_shapes=DEFAULT_SHAPES,
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,
         floor_us=floor_us,

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from benchmark.ops.all_gather_matmul_fp8 import FP8_TFLOPS, OUT_DTYPE, rank_operands, unsupported_as_error
 from benchmark.ops.gemm_all_reduce import HBM_GBPS
+from benchmark.ops.gemm_reduce_scatter import DEFAULT_SHAPES, stand_ins
 from benchmark.registry import Op, Pair, register
-from benchmark.sm90 import FAKE_SIGNAL_PADS, H200_NUM_SMS
+from benchmark.sm90 import H200_NUM_SMS
 
 RECIPE = "fused.gemm_reduce_scatter_fp8"
 # Odd N and K (K not a multiple of 16: a padded for TMA), band rows not a multiple of the tile: every tail
@@ -96,12 +97,7 @@ def example(module, world_size: int, shape=None, out_dtype=OUT_DTYPE, rank: int 
     a, b = torch.randn(m, k).to(torch.float8_e4m3fn), torch.randn(n, k).to(torch.float8_e4m3fn).t()
     scale_a, scale_b = (torch.ones(()), torch.ones(())) if per_tensor else (torch.ones(m, 1), torch.ones(1, n))
     cfg = module.plan(m, n, k, world_size, config or {}, H200_NUM_SMS)
-    rounds = module.rounds_of(m, n, world_size, cfg)
-    tile = module.chunk_tile(cfg, world_size)
-    peers = tuple(torch.empty(2, H200_NUM_SMS, rounds, *tile, dtype=out_dtype) for _ in range(world_size))
-    parity, epochs = torch.zeros(H200_NUM_SMS, dtype=torch.int32), torch.zeros(H200_NUM_SMS, dtype=torch.int32)
-    out = torch.empty(m // world_size, n, dtype=out_dtype)
-    module.launch(a, b, scale_a, scale_b, peers, out, FAKE_SIGNAL_PADS, rank, parity, epochs, **cfg)
+    module.launch(a, b, scale_a, scale_b, *stand_ins(module, m, n, world_size, cfg, out_dtype, rank), **cfg)
 
 
 # ---------------------------------------------------------------------------
@@ -129,8 +125,7 @@ register(
         make_inputs=make_inputs,
         backends={"nccl": nccl, "torch_fused": torch_fused, "scaled_mm": scaled_mm, "triton": fused("kraken"),
                   "helion": fused("helion_ports")},
-        default_shapes=[(1024, 6656, 2560), (2048, 14336, 4096), (8192, 14336, 4096), (256, 8192, 4096),
-                        (512, 8192, 4096)],
+        default_shapes=list(DEFAULT_SHAPES),  # the bf16 op's
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,
         floor_us=floor_us,

@@ -26,14 +26,13 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, run
+from helion_ports.fused.all_gather_matmul import WAIT_FLAG  # the bf16 twin's flag wait
 from kraken import host
-from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul_fp8 import (  # noqa: F401 (shared with the recipe)
     OP, OUT_DTYPE, b_operand, buffer_views, plan, prepare, row_bytes, stage,
 )
 
-WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
 # Per load/store, in program order: the gathered rows and b through TMA; the row and column scales and the
 # store to out through pointers.
 INDEXING = ("tensor_descriptor", "tensor_descriptor", "pointer", "pointer", "pointer")

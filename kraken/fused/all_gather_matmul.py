@@ -35,6 +35,9 @@ stream rejoins after the GEMM: every call (and every CUDA-graph replay) runs the
 protocol, with no host round trip. Rank r's rows of the output are ``r * M ...``, where
 ``all_gather(a) @ b`` has them. With ``return_a=True`` the gathered ``a`` is returned too
 (a fresh copy, made on the side stream while the GEMM runs).
+
+The kernel and ``tile_plan`` also serve ``kraken.fused.all_gather_matmul_fp8``: the kernel's constexpr
+switches (``OWN_STAGED``, ``SCALED``) and scale arguments stay at their defaults here, and compile away.
 """
 
 from __future__ import annotations
@@ -80,11 +83,14 @@ def all_gather_matmul_kernel(
     b_desc,  # b [K, N] in BLOCK_K x BLOCK_N boxes, or (B_TRANS) its transpose [N, K] in BLOCK_N x BLOCK_K
     out_ptr,  # [world_size * M, N]
     progress_ptr,  # int32 flags, 0 -> 1: [r] rank r's rows, [world_size + p] piece p of my own (staged) rows
+    row_scales_ptr,  # SCALED: fp32 scale of gathered row i at row_scales_ptr + i * scale_stride; None here
+    scale_b_ptr,  # SCALED: fp32 [N] (B_COLWISE) or [1]; None here
     M,
     N,
     K,
-    piece_rows,  # rows per staged piece of my own rows (a multiple of BLOCK_M)
-    piecewise,  # 1 if my own rows land in several pieces, else 0
+    piece_rows,  # rows per staged piece of my own rows (a multiple of BLOCK_M); None with OWN_STAGED
+    piecewise,  # 1 if my own rows land in several pieces, else 0; None with OWN_STAGED
+    scale_stride,  # SCALED; None here
     rank,
     world_size: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -92,6 +98,10 @@ def all_gather_matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     B_TRANS: tl.constexpr,
+    # The fp8 recipe's (``kraken.fused.all_gather_matmul_fp8``); this one leaves them at their defaults.
+    OWN_STAGED: tl.constexpr = False,  # my rows were written by earlier kernels on this stream: no flag to wait on
+    SCALED: tl.constexpr = False,  # the epilogue multiplies by the gathered rows' scales and b's column scales
+    B_COLWISE: tl.constexpr = 0,
 ):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -110,22 +120,37 @@ def all_gather_matmul_kernel(
         n0 = within % band_tiles // band_rows * BLOCK_N
         # These rows have landed (acquire), and TMA will see them (async-proxy fence). A block waits at its
         # first tile of each chunk, and at every own tile while my rows land piece by piece ("copy_engine").
-        own = 1 - tl.minimum(step, 1)
-        if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
-            wait_async(progress_ptr + src + own * (world_size + m0 // piece_rows - src), 1)
+        if OWN_STAGED:  # only at the first tile of each peer's chunk
+            if (step != prev_step) & (step > 0):
+                wait_async(progress_ptr + src, 1)
+        else:
+            own = 1 - tl.minimum(step, 1)
+            if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
+                wait_async(progress_ptr + src + own * (world_size + m0 // piece_rows - src), 1)
         row0 = src * M + m0
         # TMA fills rows and columns past the tensors' ends with zeros: no masks in the k loop.
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K):
-            if B_TRANS:
+            if B_TRANS:  # a transposed view of the [BLOCK_N, BLOCK_K] tile (fp8: wgmma reads it K-major)
                 acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([n0, k0]).T, acc)
             else:
                 acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([k0, n0]), acc)
         # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
+        if SCALED:  # the fp8 epilogue: times the gathered rows' scales and b's column scales
+            row_in = rows < M
+            col_in = cols < N
+            scale_a = tl.load(row_scales_ptr + (src * M + rows) * scale_stride, mask=row_in, other=0.0)
+            scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=col_in, other=0.0)
+            acc = acc * scale_a[:, None] * scale_b[None, :]
         offsets = (src * M + rows)[:, None] * N + cols[None, :]
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        # The same mask both ways; the fp8 kernel reuses the scale loads' predicates (ptxas gives it 10 to 58
+        # registers fewer so), and the bf16 one keeps the form it was measured with.
+        if SCALED:
+            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+        else:
+            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
@@ -174,7 +199,7 @@ def launch_matmul(
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
         TensorDescriptor.from_tensor(gathered, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box), out,
-        progress, m, n, k, piece_rows, int(piece_rows < m), rank, world_size,
+        progress, None, None, m, n, k, piece_rows, int(piece_rows < m), None, rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -219,35 +244,45 @@ def launch(
     return out
 
 
-def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
-    """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows.
-
-    The grid is persistent: at most one block per SM but ``RESERVED_SMS`` (the GEMM waits on flags in local
-    memory and uses no signal pad), never more blocks than tiles. ``piece_rows``: the rows of each flagged
-    piece of this rank's staged rows (all of them with ``stage="sm"``).
-    """
-    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-
+def tile_plan(m: int, n: int, world_size: int, config: dict, num_sms: int, tile_configs: list, defaults: dict,
+              op: str, least_block_k: int = 16) -> tuple[dict, int]:
+    """What both GEMMs' plans share: the largest of ``tile_configs`` that gives ``MIN_TILES_PER_SM`` of the SMs a
+    tile, under the ``config``; tile sizes powers of two (at least 16, ``block_k`` at least ``least_block_k``);
+    and the grid: at most one block per SM but ``RESERVED_SMS`` (the GEMM waits on flags in local memory and
+    uses no signal pad), never more blocks than tiles. (cfg, num_blocks)."""
     def fills(cfg: dict) -> bool:
         return world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
 
-    tiles = next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1])
-    cfg = {**DEFAULT_CONFIG, **tiles, **config}
+    tiles = next((cfg for cfg in tile_configs if fills(cfg)), tile_configs[-1])
+    cfg = {**defaults, **tiles, **config}
     for key in ("block_m", "block_n", "block_k", "group_m"):
         value = cfg[key]
-        if value < (1 if key == "group_m" else 16) or value & (value - 1):
-            raise ValueError(f"{OP}: {key} must be a power of two{' >= 16' if key != 'group_m' else ''}, got {value}")
+        least = 1 if key == "group_m" else (least_block_k if key == "block_k" else 16)
+        if value < least or value & (value - 1):
+            raise ValueError(f"{op}: {key} must be a power of two{f' >= {least}' if key != 'group_m' else ''}, "
+                             f"got {value}")
+    num_tiles = world_size * host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
+    sms = max(1, num_sms - RESERVED_SMS)
+    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
+    return cfg, min(num_tiles, max_blocks)
+
+
+def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
+    """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows.
+
+    The tiles and the persistent grid of ``tile_plan``. ``piece_rows``: the rows of each flagged
+    piece of this rank's staged rows (all of them with ``stage="sm"``).
+    """
+    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    cfg, num_blocks = tile_plan(m, n, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP)
     if cfg["b_layout"] not in B_LAYOUTS:
         raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
     if cfg["stage"] not in STAGES:
         raise ValueError(f"{OP}: stage must be one of {STAGES}, got {cfg['stage']!r}")
-    num_tiles = world_size * host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
-    sms = max(1, num_sms - RESERVED_SMS)
-    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
     keys = ("b_layout", "stage", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
     pieces = STAGE_PIECES if cfg["stage"] == "copy_engine" else 1
     piece_rows = host.round_up(host.cdiv(max(m, 1), pieces), cfg["block_m"])
-    return {**{key: cfg[key] for key in keys}, "piece_rows": piece_rows, "num_blocks": min(num_tiles, max_blocks)}
+    return {**{key: cfg[key] for key in keys}, "piece_rows": piece_rows, "num_blocks": num_blocks}
 
 
 def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:

@@ -14,8 +14,9 @@ tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide
   values and scales into its chunk). The GEMM's own rows therefore need no flag: they were written by
   kernels earlier on its stream. A block waits (acquire + async-proxy fence, ``wait_async``) only at
   its first tile of each peer's chunk.
-* The GEMM is the bf16 recipe's persistent TMA loop (own rows first, then rank + 1's, ...,
-  ``GROUP_M``-row bands), on 128-wide k steps (the same bytes per stage as bf16's 64). The
+* The GEMM is the bf16 recipe's kernel (``all_gather_matmul_kernel`` with ``OWN_STAGED`` and ``SCALED``:
+  own rows first, then rank + 1's, ..., ``GROUP_M``-row bands), on 128-wide k steps (the same bytes per
+  stage as bf16's 64), planned by its ``tile_plan`` over this recipe's ``TILE_CONFIGS``. The
   descriptor over the gathered values has shape [world_size * M, K] with the buffer's row stride:
   TMA zero-fills past K, and the scale bytes are never read as values.
 * ``b``: Hopper's fp8 wgmma takes both operands K-major from shared memory. A column-major ``b``
@@ -43,9 +44,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
-from kraken._ptx_utils import wait_async
 from kraken.comm.all_gather_with_progress import start as start_gather
-from kraken.fused.all_gather_matmul import GROUP_M, MIN_TILES_PER_SM, RESERVED_SMS, chunk_views, progress_flags
+from kraken.fused.all_gather_matmul import (  # noqa: F401 (RESERVED_SMS: the plan's, used by tests)
+    GROUP_M, RESERVED_SMS, all_gather_matmul_kernel, chunk_views, progress_flags, tile_plan,
+)
 
 OP = "all_gather_matmul_fp8"
 FP8 = torch.float8_e4m3fn
@@ -61,64 +63,6 @@ TILE_CONFIGS = [
 # anything else copied to [N, K]. "nk" / "kn": that layout, copying b if it is stored otherwise.
 B_LAYOUTS = ("auto", "nk", "kn")
 DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_layout": "auto"}
-
-
-@triton.jit
-def all_gather_matmul_fp8_kernel(
-    gathered_desc,  # the gathered fp8 rows [world_size * M, K] (the buffer's row stride), BLOCK_M x BLOCK_K boxes
-    b_desc,  # b [K, N] in BLOCK_K x BLOCK_N boxes, or (B_TRANS) its transpose [N, K] in BLOCK_N x BLOCK_K
-    out_ptr,  # [world_size * M, N], bf16
-    progress_ptr,  # int32 flags, 0 -> 1: [r] rank r's rows (and their scales) have landed
-    row_scales_ptr,  # fp32 scale of gathered row i at row_scales_ptr + i * scale_stride
-    scale_b_ptr,  # fp32 [N] (B_COLWISE) or [1]
-    M,
-    N,
-    K,
-    scale_stride,
-    rank,
-    world_size: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    B_TRANS: tl.constexpr,
-    B_COLWISE: tl.constexpr,
-):
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    chunk_tiles = tiles_m * tiles_n
-    band_tiles = GROUP_M * tiles_n
-    num_tiles = world_size * chunk_tiles
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        step = tile // chunk_tiles  # 0: my rows, then rank + 1's, rank + 2's, ...
-        # The step of this block's previous tile (negative before its first: operands stay >= 0 for //).
-        prev_step = (tile + num_tiles - tl.num_programs(0)) // chunk_tiles - world_size
-        src = (rank + step) % world_size
-        within = tile % chunk_tiles
-        band = within // band_tiles
-        band_rows = tl.minimum(tiles_m - band * GROUP_M, GROUP_M)
-        m0 = (band * GROUP_M + within % band_tiles % band_rows) * BLOCK_M
-        n0 = within % band_tiles // band_rows * BLOCK_N
-        # A peer's rows and scales have landed (acquire), and TMA will see them (async-proxy fence): at the
-        # block's first tile of each peer's chunk. My own rows were staged by earlier kernels on this stream.
-        if (step != prev_step) & (step > 0):
-            wait_async(progress_ptr + src, 1)
-        row0 = src * M + m0
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            if B_TRANS:  # a transposed view of the [BLOCK_N, BLOCK_K] tile: wgmma reads it K-major
-                acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([n0, k0]).T, acc)
-            else:
-                acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([k0, n0]), acc)
-        rows = m0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        row_in = rows < M  # a tile at a chunk's end also read some of the next chunk's rows: discarded
-        col_in = cols < N
-        scale_a = tl.load(row_scales_ptr + (src * M + rows) * scale_stride, mask=row_in, other=0.0)
-        scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=col_in, other=0.0)
-        acc = acc * scale_a[:, None] * scale_b[None, :]
-        offsets = (src * M + rows)[:, None] * N + cols[None, :]
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
 # ---------------------------------------------------------------------------
@@ -220,11 +164,11 @@ def launch_matmul(
     values, scales = buffer_views(gathered, k)
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
-        all_gather_matmul_fp8_kernel, (num_blocks,),
+        all_gather_matmul_kernel, (num_blocks,),
         TensorDescriptor.from_tensor(values, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box), out,
-        progress, scales, scale_b, m, n, k, scales.stride(0), rank, world_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
-        B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps, num_stages=num_stages,
+        progress, scales, scale_b, m, n, k, None, None, scales.stride(0), rank, world_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans, OWN_STAGED=True,
+        SCALED=True, B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -274,30 +218,17 @@ def launch(
 
 
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
-    """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows. The largest
-    of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a tile, a persistent grid of at most one
-    block per SM but ``RESERVED_SMS`` (left to the gather's barrier kernel)."""
+    """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows. The bf16
+    recipe's ``tile_plan`` over this recipe's ``TILE_CONFIGS``: the largest that gives ``MIN_TILES_PER_SM`` of
+    the SMs a tile, a persistent grid of at most one block per SM but ``RESERVED_SMS``."""
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-
-    def fills(cfg: dict) -> bool:
-        return world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
-
-    tiles = next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1])
-    cfg = {**DEFAULT_CONFIG, **tiles, **config}
-    for key in ("block_m", "block_n", "block_k", "group_m"):
-        value = cfg[key]
-        least = 1 if key == "group_m" else (32 if key == "block_k" else 16)
-        if value < least or value & (value - 1):
-            raise ValueError(f"{OP}: {key} must be a power of two >= {least}, got {value}")
+    cfg, num_blocks = tile_plan(m, n, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP, least_block_k=32)
     if cfg["block_k"] > 128:
         raise ValueError(f"{OP}: block_k must be <= 128 (128 fp8 bytes: one TMA swizzle row), got {cfg['block_k']}")
     if cfg["b_layout"] not in B_LAYOUTS:
         raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
-    num_tiles = world_size * host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
-    sms = max(1, num_sms - RESERVED_SMS)
-    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
     keys = ("b_layout", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
-    return {**{key: cfg[key] for key in keys}, "num_blocks": min(num_tiles, max_blocks)}
+    return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
 
 
 def check_scale(scale: object, name: str, rows: int, cols: int, device: torch.device, op: str) -> None:

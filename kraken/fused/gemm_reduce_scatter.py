@@ -25,6 +25,9 @@ Rows past a band's end (``M / ws`` not a multiple of ``BLOCK_M``) are the next b
 rows, or TMA's zeros past M: computed and pushed, never stored to ``out``.
 No barrier at the end: the workspace is double-buffered per block (``BlockWorkspace``),
 its parity and epoch count advance on the device, and CUDA graphs replay it as is.
+
+The kernel also serves ``kraken.fused.gemm_reduce_scatter_fp8``: its constexpr switches (``B_TRANS``,
+``SCALED``) and scale pointers stay at their defaults here, and compile away.
 """
 
 from __future__ import annotations
@@ -68,9 +71,23 @@ def tile_coords(j, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           A_ROWWISE: tl.constexpr, B_COLWISE: tl.constexpr):
+    """``acc * scale_a[rows, None] * scale_b[None, cols]`` for the tile at (m0, n0) (rows past M and columns
+    past N, zeros from TMA, get scale 0): the fp8 recipe's epilogue."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    scale_a = tl.load(scale_a_ptr + rows * A_ROWWISE, mask=rows < M, other=0.0)
+    scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=cols < N, other=0.0)
+    return acc * scale_a[:, None] * scale_b[None, :]
+
+
+@triton.jit
 def gemm_reduce_scatter_kernel(
     a_desc,  # TMA descriptor of a [M, K], BLOCK_M x BLOCK_K boxes
-    b_desc,  # TMA descriptor of b [K, N], BLOCK_K x BLOCK_N boxes
+    b_desc,  # b [K, N] in BLOCK_K x BLOCK_N boxes, or (B_TRANS) its transpose [N, K] in BLOCK_N x BLOCK_K
+    scale_a_ptr,  # SCALED: fp32 [M] (A_ROWWISE) or [1]; None here
+    scale_b_ptr,  # SCALED: fp32 [N] (B_COLWISE) or [1]; None here
     workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N], out_dtype
     peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
     parity_ptr,  # int32[chunks]: the half of the workspace block b writes in this launch
@@ -89,6 +106,12 @@ def gemm_reduce_scatter_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    # The fp8 recipe's (``kraken.fused.gemm_reduce_scatter_fp8``): b read as [N, K], each partial times its
+    # scales (``scaled``) before it leaves the SM. This recipe leaves them at their defaults.
+    B_TRANS: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
+    A_ROWWISE: tl.constexpr = 0,
+    B_COLWISE: tl.constexpr = 0,
 ):
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLOTS: tl.constexpr = world_size - 1  # a slot per sending peer in each round of a chunk
@@ -111,7 +134,13 @@ def gemm_reduce_scatter_kernel(
         # TMA fills rows and columns past M, N and K with zeros: no masks in the GEMM.
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+            if B_TRANS:  # a transposed view of the [BLOCK_N, BLOCK_K] tile: wgmma reads it K-major
+                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
+            else:
+                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+        if SCALED:
+            acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
+                         B_COLWISE)
         destination = peers[0]
         for r in tl.static_range(1, world_size):
             destination = tl.where(owner == r, peers[r], destination)
@@ -121,9 +150,17 @@ def gemm_reduce_scatter_kernel(
     # 2. My band: GEMM, meet the peers once (after the first tile), add their partials, store.
     for rnd in tl.range(0, rounds):
         tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
+        m0 = rank * band_m + tile_m * BLOCK_M
+        n0 = tile_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([rank * band_m + tile_m * BLOCK_M, k0]), b_desc.load([k0, tile_n * BLOCK_N]), acc)
+            if B_TRANS:
+                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
+            else:
+                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+        if SCALED:
+            acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
+                         B_COLWISE)
         if rnd == 0:
             # My pushes are visible to block b of every peer, theirs (to my band) to me.
             epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
@@ -131,7 +168,7 @@ def gemm_reduce_scatter_kernel(
         for q in tl.range(0, SLOTS, num_stages=1):
             acc += tl.load(workspace_ptr + chunk + (rnd * SLOTS + q) * TILE + in_tile).to(tl.float32)
         rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = n0 + tl.arange(0, BLOCK_N)
         tl.store(out_ptr + (rows[:, None] * N + cols[None, :]), acc.to(out_ptr.dtype.element_ty),
                  mask=(rows[:, None] < band_m) & (cols[None, :] < N))
     # The next launch writes the other half: no "done reading" barrier (host.BlockWorkspace).
@@ -169,7 +206,7 @@ def launch(
     launcher(
         gemm_reduce_scatter_kernel, (num_blocks,),
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
-        workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
+        None, None, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages,
@@ -194,8 +231,25 @@ def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dic
     return cfg
 
 
-def _power_of_two(value: int) -> bool:
-    return value >= 1 and value & (value - 1) == 0
+LAUNCH_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+
+
+def check_tiles(cfg: dict, op: str, least_block_k: int = 16) -> None:
+    """Tile sizes powers of two, at least 16 (``block_k`` at least ``least_block_k``), ``group_m`` >= 1."""
+    for key in ("block_m", "block_n", "block_k"):
+        least = least_block_k if key == "block_k" else 16
+        if cfg[key] < least or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"{op}: {key} must be a power of two >= {least}, got {cfg[key]}")
+    if cfg["group_m"] < 1:
+        raise ValueError(f"{op}: group_m must be >= 1, got {cfg['group_m']}")
+
+
+def with_grid(cfg: dict, m: int, n: int, world_size: int, num_sms: int, keys=LAUNCH_KEYS) -> dict:
+    """``cfg``'s ``keys`` and a persistent grid of at most one block per band tile, per SM and per the signal
+    pad's budget."""
+    band_tiles = host.cdiv(max(m // world_size, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
+    max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
+    return {**{key: cfg[key] for key in keys}, "num_blocks": host.persistent_grid(band_tiles, max_blocks, world_size)}
 
 
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
@@ -204,15 +258,8 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     chosen = {key: value for key, value in config.items() if value is not None}
     cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms, world_size), **chosen}
-    for key in ("block_m", "block_n", "block_k"):
-        if cfg[key] < 16 or not _power_of_two(cfg[key]):
-            raise ValueError(f"{OP}: {key} must be a power of two >= 16, got {cfg[key]}")
-    if cfg["group_m"] < 1:
-        raise ValueError(f"{OP}: group_m must be >= 1, got {cfg['group_m']}")
-    band_tiles = host.cdiv(max(m // world_size, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
-    max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
-    keys = (*TILE_KEYS[:3], "group_m", *TILE_KEYS[3:])
-    return {**{key: cfg[key] for key in keys}, "num_blocks": host.persistent_grid(band_tiles, max_blocks, world_size)}
+    check_tiles(cfg, OP)
+    return with_grid(cfg, m, n, world_size, num_sms)
 
 
 def rounds_of(m: int, n: int, world_size: int, cfg: dict) -> int:
@@ -227,6 +274,30 @@ def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
     return (world_size - 1, cfg["block_m"], cfg["block_n"])
 
 
+def planned(a: torch.Tensor, b: torch.Tensor, group, config: dict, op: str, plan=plan) -> tuple[int, dict]:
+    """The checks after the argument checks, inside ``host.agreed``: M splits over the ranks, ``plan``, and
+    the grid fits the signal pad. (world_size, launch config)."""
+    (m, k), n = a.shape, b.shape[1]
+    world_size = host.world_size_of(group, op)
+    if m % world_size:
+        raise ValueError(f"{op}: M = {m} rows do not split evenly over {world_size} ranks (a is {tuple(a.shape)})")
+    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    cfg = plan(m, n, k, world_size, config, num_sms)
+    host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
+    return world_size, cfg
+
+
+def with_workspace(a: torch.Tensor, n: int, world_size: int, cfg: dict, out_dtype: torch.dtype, group,
+                   op: str) -> tuple[host.SymmContext, dict]:
+    """The context of every rank's ``host.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1,
+    BLOCK_M, BLOCK_N] of ``out_dtype``, and the launch arguments but the tensors."""
+    tile = chunk_tile(cfg, world_size)
+    chunk_bytes = rounds_of(a.shape[0], n, world_size, cfg) * math.prod(tile) * out_dtype.itemsize
+    workspace = host.block_workspace(chunk_bytes, a.device, group, op)
+    ctx = workspace.context(out_dtype, tile)
+    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg, "launcher": host.Launcher(op)}
+
+
 @host.per_signature(lambda a, b, group, out_dtype, op, config: (
     op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, *config.items()))
 def prepare(
@@ -237,18 +308,8 @@ def prepare(
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
     with host.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
         check_inputs(a, b, out_dtype, op)
-        (m, k), n = a.shape, b.shape[1]
-        world_size = host.world_size_of(group, op)
-        if m % world_size:
-            raise ValueError(f"{op}: M = {m} rows do not split evenly over {world_size} ranks (a is {tuple(a.shape)})")
-        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        cfg = plan(m, n, k, world_size, config, num_sms)
-        host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
-    tile = chunk_tile(cfg, world_size)
-    chunk_bytes = rounds_of(m, n, world_size, cfg) * math.prod(tile) * out_dtype.itemsize
-    workspace = host.block_workspace(chunk_bytes, a.device, group, op)
-    ctx = workspace.context(out_dtype, tile)
-    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg, "launcher": host.Launcher(op)}
+        world_size, cfg = planned(a, b, group, config, op)
+    return with_workspace(a, b.shape[1], world_size, cfg, out_dtype, group, op)
 
 
 def gemm_reduce_scatter(

@@ -7,7 +7,10 @@ leaves the SM (``acc * scale_a[rows, None] * scale_b[None, cols]``, fp32), so th
 differ; the partials cross NVLink in ``out_dtype`` (bf16 by default, as the bf16 recipe's) and are
 summed in fp32. fp8 doubles the tensor cores' rate: the exchange has half the GEMM time to hide under.
 
-The protocol is the bf16 recipe's, unchanged (its docstring tells it): a persistent grid, block ``b``
+The kernel is the bf16 recipe's ``gemm_reduce_scatter_kernel`` (its docstring tells the protocol) with
+``SCALED`` and the scale pointers set, and ``B_TRANS`` for a column-major ``b``; the host code shares its
+checks, grid, workspace and tiles (``check_tiles``, ``with_grid``, ``planned``, ``with_workspace``,
+``default_config``). In short: a persistent grid, block ``b``
 takes band-local tiles ``b, b + blocks, ...`` of every band; the peers' bands first (owner ``rank + 1``
 first), each tile pushed into this rank's slot of chunk ``b`` of the owner's ``host.BlockWorkspace``;
 then the own band, one epoch barrier after its first GEMM, the peers' partials added from local memory.
@@ -24,19 +27,17 @@ then the own band, one epoch barrier after its first GEMM, the peers' partials a
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
-from kraken._ptx_utils import epoch_sync
 from kraken.fused.all_gather_matmul_fp8 import B_LAYOUTS, FP8, b_operand, check_inputs as check_fp8_inputs
 from kraken.fused.gemm_one_shot_all_reduce import MAX_INDEX, OUT_DTYPES, TMA_ALIGN
-from kraken.fused.gemm_reduce_scatter import GROUP_M, TILE_KEYS, chunk_tile, default_config, rounds_of, tile_coords
+from kraken.fused.gemm_reduce_scatter import (
+    GROUP_M, LAUNCH_KEYS, check_tiles, chunk_tile, default_config, gemm_reduce_scatter_kernel, planned, rounds_of,
+    with_grid, with_workspace,
+)
 
 OP = "gemm_reduce_scatter_fp8"
 MAX_BLOCK_K = 128  # fp8 bytes per TMA box row: one 128-byte swizzle row
@@ -44,107 +45,6 @@ DEFAULT_CONFIG = {"block_m": None, "block_n": None, "block_k": None, "group_m": 
                   "num_stages": None, "max_blocks": None, "b_layout": "auto"}
 
 __all__ = ["chunk_tile", "gemm_reduce_scatter_fp8", "launch", "plan", "prepare", "rounds_of"]
-
-
-@triton.jit
-def gemm_reduce_scatter_fp8_kernel(
-    a_desc,  # TMA descriptor of a [M, K] fp8, BLOCK_M x BLOCK_K boxes
-    b_desc,  # b [K, N] in BLOCK_K x BLOCK_N boxes, or (B_TRANS) its transpose [N, K] in BLOCK_N x BLOCK_K
-    scale_a_ptr,  # fp32 [M] (A_ROWWISE) or [1]
-    scale_b_ptr,  # fp32 [N] (B_COLWISE) or [1]
-    workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N], out_dtype
-    peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
-    parity_ptr,  # int32[chunks]: the half of the workspace block b writes in this launch
-    epochs_ptr,  # int32[chunks]: the barrier rounds block b has completed
-    out_ptr,  # [M / world_size, N]: this rank's band
-    signal_pad_ptrs,  # the workspace's own pads (epoch_sync)
-    band_m,  # M / world_size
-    N,
-    K,
-    half_stride,  # workspace strides, in elements
-    chunk_stride,
-    num_blocks,
-    rank,
-    world_size: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    B_TRANS: tl.constexpr,
-    A_ROWWISE: tl.constexpr,
-    B_COLWISE: tl.constexpr,
-):
-    TILE: tl.constexpr = BLOCK_M * BLOCK_N
-    SLOTS: tl.constexpr = world_size - 1  # a slot per sending peer in each round of a chunk
-    block = tl.program_id(0)
-    parity = tl.load(parity_ptr + block)
-    epoch = tl.load(epochs_ptr + block)
-    chunk = parity.to(tl.int64) * half_stride + block * chunk_stride
-    tiles_m = tl.cdiv(band_m, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    rounds = tl.cdiv(tiles_m * tiles_n - block, num_blocks)  # this block's tiles per band, >= 1
-    in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-
-    # 1. Every peer's band, starting with the next rank's: GEMM, scale, push to the owner.
-    for i in tl.range(0, (world_size - 1) * rounds):
-        owner = (rank + 1 + i // rounds) % world_size
-        rnd = i % rounds
-        tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
-        m0 = owner * band_m + tile_m * BLOCK_M
-        n0 = tile_n * BLOCK_N
-        # TMA fills rows and columns past M, N and K with zeros: no masks in the GEMM.
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            if B_TRANS:  # a transposed view of the [BLOCK_N, BLOCK_K] tile: wgmma reads it K-major
-                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
-            else:
-                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
-        acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
-                     B_COLWISE)
-        destination = peers[0]
-        for r in tl.static_range(1, world_size):
-            destination = tl.where(owner == r, peers[r], destination)
-        slot = (rank - owner - 1 + world_size) % world_size  # the owner's slot q holds sender owner + 1 + q
-        tl.store(destination + chunk + (rnd * SLOTS + slot) * TILE + in_tile, acc.to(workspace_ptr.dtype.element_ty))
-
-    # 2. My band: GEMM, scale, meet the peers once (after the first tile), add their partials, store.
-    for rnd in tl.range(0, rounds):
-        tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
-        m0 = rank * band_m + tile_m * BLOCK_M
-        n0 = tile_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            if B_TRANS:
-                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
-            else:
-                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
-        acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
-                     B_COLWISE)
-        if rnd == 0:
-            # My pushes are visible to block b of every peer, theirs (to my band) to me.
-            epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
-        # One slot at a time (a loop, not unrolled): a whole tile per slot in flight spills at 8 ranks.
-        for q in tl.range(0, SLOTS, num_stages=1):
-            acc += tl.load(workspace_ptr + chunk + (rnd * SLOTS + q) * TILE + in_tile).to(tl.float32)
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + (rows[:, None] * N + cols[None, :]), acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < band_m) & (cols[None, :] < N))
-    # The next launch writes the other half: no "done reading" barrier (host.BlockWorkspace).
-    tl.store(parity_ptr + block, 1 - parity)
-    tl.store(epochs_ptr + block, epoch + 1)
-
-
-@triton.jit
-def scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           A_ROWWISE: tl.constexpr, B_COLWISE: tl.constexpr):
-    """``acc * scale_a[rows, None] * scale_b[None, cols]`` for the tile at (m0, n0) (rows past M and columns
-    past N, zeros from TMA, get scale 0)."""
-    rows = m0 + tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    scale_a = tl.load(scale_a_ptr + rows * A_ROWWISE, mask=rows < M, other=0.0)
-    scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=cols < N, other=0.0)
-    return acc * scale_a[:, None] * scale_b[None, :]
 
 
 def launch(
@@ -180,12 +80,13 @@ def launch(
     workspace = peers[rank]
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
-        gemm_reduce_scatter_fp8_kernel, (num_blocks,),
+        gemm_reduce_scatter_kernel, (num_blocks,),
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box),
         scale_a, scale_b, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
-        A_ROWWISE=int(scale_a.numel() > 1), B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans, SCALED=True,
+        A_ROWWISE=int(scale_a.numel() > 1), B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -204,26 +105,18 @@ def tma_a(a: torch.Tensor) -> torch.Tensor:
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
     """Resolve the launch configuration (shared with the Helion port): the bf16 recipe's tiles for the band
     (``gemm_reduce_scatter.default_config``) with k steps twice as long, up to ``MAX_BLOCK_K`` (the same
-    bytes per stage), and a persistent grid of at most one block per band tile, per SM and per the pad."""
+    bytes per stage), and its persistent grid (``with_grid``)."""
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     chosen = {key: value for key, value in config.items() if value is not None}
     tiles = default_config(m, n, k, num_sms, world_size)
     tiles["block_k"] = min(2 * tiles["block_k"], MAX_BLOCK_K)
     cfg = {**DEFAULT_CONFIG, **tiles, **chosen}
-    for key in ("block_m", "block_n", "block_k"):
-        least = 32 if key == "block_k" else 16
-        if cfg[key] < least or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"{OP}: {key} must be a power of two >= {least}, got {cfg[key]}")
+    check_tiles(cfg, OP, least_block_k=32)
     if cfg["block_k"] > MAX_BLOCK_K:
         raise ValueError(f"{OP}: block_k must be <= {MAX_BLOCK_K} (one TMA swizzle row of fp8), got {cfg['block_k']}")
-    if cfg["group_m"] < 1:
-        raise ValueError(f"{OP}: group_m must be >= 1, got {cfg['group_m']}")
     if cfg["b_layout"] not in B_LAYOUTS:
         raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
-    band_tiles = host.cdiv(max(m // world_size, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
-    max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
-    keys = ("b_layout", *TILE_KEYS[:3], "group_m", *TILE_KEYS[3:])
-    return {**{key: cfg[key] for key in keys}, "num_blocks": host.persistent_grid(band_tiles, max_blocks, world_size)}
+    return with_grid(cfg, m, n, world_size, num_sms, ("b_layout", *LAUNCH_KEYS))
 
 
 def check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -250,18 +143,8 @@ def prepare(
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
     with host.agreed(op, group, a=a, b=b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, config=config):
         check_inputs(a, b, scale_a, scale_b, out_dtype, op)
-        (m, k), n = a.shape, b.shape[1]
-        world_size = host.world_size_of(group, op)
-        if m % world_size:
-            raise ValueError(f"{op}: M = {m} rows do not split evenly over {world_size} ranks (a is {tuple(a.shape)})")
-        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        cfg = plan(m, n, k, world_size, config, num_sms)
-        host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
-    tile = chunk_tile(cfg, world_size)
-    chunk_bytes = rounds_of(m, n, world_size, cfg) * math.prod(tile) * out_dtype.itemsize
-    workspace = host.block_workspace(chunk_bytes, a.device, group, op)
-    ctx = workspace.context(out_dtype, tile)
-    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg, "launcher": host.Launcher(op)}
+        world_size, cfg = planned(a, b, group, config, op, plan)
+    return with_workspace(a, b.shape[1], world_size, cfg, out_dtype, group, op)
 
 
 def gemm_reduce_scatter_fp8(
