@@ -571,8 +571,8 @@ def per_signature(key: Callable[..., tuple]) -> Callable:
     """Decorate a recipe's ``prepare``: its result is kept per ``key(*args)`` and returned by later calls
     with the same key, with no check, collective or plan (the first call of each key ran them all, and a
     call that raised is not kept). ``key`` must hold everything ``prepare`` reads (``tensor_key`` of each
-    tensor, the group, the op, the config's items); a key that cannot be hashed (say, a list in the
-    config) just skips the cache. ``prepare.cache`` is the dictionary, ``prepare.uncached`` the original."""
+    tensor, ``scalar_key`` of each scalar, ``config_key`` of the config, the group, the op); a key that cannot
+    be hashed (say, a list in the config) just skips the cache. ``prepare.cache`` is the dictionary, ``prepare.uncached`` the original."""
 
     def decorate(prepare: Callable) -> Callable:
         cache: dict = {}
