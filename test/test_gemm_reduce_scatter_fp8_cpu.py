@@ -206,7 +206,7 @@ def no_barrier(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch)
     pass  # the inline-PTX barrier cannot run here: every rank runs twice instead (below)
 
 importlib.import_module("kraken.fused.gemm_reduce_scatter").epoch_sync = no_barrier  # where the shared kernel is
-twin.EPOCH_SYNC = "tl.debug_barrier()"
+importlib.import_module("helion_ports.fused.gemm_reduce_scatter").EPOCH_SYNC = "tl.debug_barrier()"  # the body's module
 
 # (rows per band, N, K, world size, per-tensor scales, out dtype, config, module)
 cases = [

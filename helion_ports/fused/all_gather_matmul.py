@@ -19,8 +19,9 @@ one to one:
   A transposed ``b`` arrives as its [N, K] transpose and each tile is transposed in
   registers (``b_trans``), as the recipe.
 
-The config is explicit: ``block_sizes`` follow the loops (the tile's m and n, its k step), from
-the recipe's ``plan``. Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
+The body also serves the fp8 twin (``own_staged``, ``scaled`` and the scales; off and None here, and
+absent from the generated kernel). The config is explicit: ``block_sizes`` follow the loops (the tile's m
+and n, its k step), from the recipe's ``plan``. Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ INDEXING = ("tensor_descriptor", "tensor_descriptor", "pointer")
 def all_gather_matmul_body(
     gathered: torch.Tensor,
     b: torch.Tensor,
+    row_scales: torch.Tensor | None,  # scaled: fp32 [world_size * M], each gathered row's scale; None here
+    scale_b: torch.Tensor | None,  # scaled: fp32 [N] (stride 0 for a per-tensor scale); None here
     out: torch.Tensor,
     progress: torch.Tensor,
     num_blocks: int,
@@ -57,6 +60,8 @@ def all_gather_matmul_body(
     rank: int,
     world_size: hl.constexpr,
     b_trans: hl.constexpr,
+    own_staged: hl.constexpr,  # the fp8 twin's: my rows were written by earlier kernels on this stream
+    scaled: hl.constexpr,  # the fp8 twin's: the epilogue multiplies by the rows' and columns' scales
     block_m: hl.constexpr,
     block_n: hl.constexpr,
     group_m: hl.constexpr,
@@ -85,10 +90,14 @@ def all_gather_matmul_body(
                 n0 = within % band_tiles // band_rows * block_n
                 # The copy engine has landed these rows (acquire), and TMA will see them (async-proxy fence): at a
                 # block's first tile of each chunk, and at every own tile while my rows land piece by piece.
-                own = 1 - min(step, 1)  # (Helion 1.5 has no dynamic conditional expression)
-                if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
-                    flag = src + own * (world_size + m0 // piece_rows - src)
-                    hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": flag, "value": 1}, output_like=None)
+                if own_staged:  # only at the first tile of each peer's chunk
+                    if step != prev_step and step > 0:
+                        hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src, "value": 1}, output_like=None)
+                else:
+                    own = 1 - min(step, 1)  # (Helion 1.5 has no dynamic conditional expression)
+                    if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
+                        flag = src + own * (world_size + m0 // piece_rows - src)
+                        hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": flag, "value": 1}, output_like=None)
                 row0 = src * m + m0
                 for tile_g, tile_n in hl.tile([row0, n0], [row0 + block_m, n0 + block_n]):
                     acc = hl.zeros([tile_g, tile_n], dtype=torch.float32)
@@ -98,8 +107,16 @@ def all_gather_matmul_body(
                         else:
                             acc = hl.dot(gathered[tile_g, tile_k], b[tile_k, tile_n], acc=acc)
                     # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
-                    inside = (tile_g.index < src * m + m)[:, None] & (tile_n.index < n)[None, :]
-                    hl.store(out, [tile_g, tile_n], acc.to(out.dtype), extra_mask=inside)
+                    if scaled:
+                        row_in = tile_g.index < src * m + m
+                        col_in = tile_n.index < n
+                        scale_rows = hl.load(row_scales, [tile_g], extra_mask=row_in)
+                        scale_cols = hl.load(scale_b, [tile_n], extra_mask=col_in)
+                        acc = acc * scale_rows[:, None] * scale_cols[None, :]
+                        hl.store(out, [tile_g, tile_n], acc.to(out.dtype), extra_mask=row_in[:, None] & col_in[None, :])
+                    else:
+                        inside = (tile_g.index < src * m + m)[:, None] & (tile_n.index < n)[None, :]
+                        hl.store(out, [tile_g, tile_n], acc.to(out.dtype), extra_mask=inside)
     return out
 
 
@@ -132,8 +149,8 @@ def launch_matmul(
 ) -> torch.Tensor:
     """The GEMM alone, on TMA-ready operands; mirrors the recipe's ``launch_matmul``."""
     args = (
-        gathered, b, out, progress, num_blocks, piece_rows, int(piece_rows < out.shape[0] // world_size), rank,
-        world_size, b_trans, block_m, block_n, group_m,
+        gathered, b, None, None, out, progress, num_blocks, piece_rows, int(piece_rows < out.shape[0] // world_size),
+        rank, world_size, b_trans, False, False, block_m, block_n, group_m,
     )
     run(compiled(block_m, block_n, block_k, num_warps, num_stages), args, launcher)
     return out

@@ -2,8 +2,9 @@
 
 The staging and the gather are the recipe's (its one-kernel ``stage`` into this rank's chunk of the gather
 buffer, then ``kraken.comm.all_gather_with_progress`` on the copy engine), and so are ``plan``,
-``prepare``, ``b_operand`` and ``buffer_views``. The GEMM mirrors the recipe's kernel one to one, as the
-bf16 twin (``helion_ports.fused.all_gather_matmul``) does:
+``prepare``, ``b_operand`` and ``buffer_views``. The GEMM is the bf16 twin's body
+(``helion_ports.fused.all_gather_matmul``) with ``own_staged`` and ``scaled`` on, mirroring the recipe's
+kernel one to one:
 
 * ``hl.grid(num_blocks)`` is the persistent grid, tiles ``b, b + num_blocks, ...`` chunk by chunk (own
   rows first), ``group_m``-row bands;
@@ -21,12 +22,11 @@ from __future__ import annotations
 import functools
 
 import helion
-import helion.language as hl
 import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, run
-from helion_ports.fused.all_gather_matmul import WAIT_FLAG  # the bf16 twin's flag wait
+from helion_ports.fused.all_gather_matmul import all_gather_matmul_body  # the bf16 twin's, scaled
 from kraken import host
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul_fp8 import (  # noqa: F401 (shared with the recipe)
@@ -38,68 +38,11 @@ from kraken.fused.all_gather_matmul_fp8 import (  # noqa: F401 (shared with the 
 INDEXING = ("tensor_descriptor", "tensor_descriptor", "pointer", "pointer", "pointer")
 
 
-def all_gather_matmul_fp8_body(
-    values: torch.Tensor,
-    b: torch.Tensor,
-    row_scales: torch.Tensor,
-    scale_b: torch.Tensor,
-    out: torch.Tensor,
-    progress: torch.Tensor,
-    num_blocks: int,
-    rank: int,
-    world_size: hl.constexpr,
-    b_trans: hl.constexpr,
-    block_m: hl.constexpr,
-    block_n: hl.constexpr,
-    group_m: hl.constexpr,
-) -> torch.Tensor:
-    k = values.size(1)
-    m = out.size(0) // world_size
-    n = out.size(1)
-    tiles_m = (m + block_m - 1) // block_m
-    tiles_n = (n + block_n - 1) // block_n
-    chunk_tiles = tiles_m * tiles_n
-    band_tiles = group_m * tiles_n
-    num_tiles = world_size * chunk_tiles
-    rounds = (num_tiles + num_blocks - 1) // num_blocks
-    for block in hl.grid(num_blocks):
-        for rnd in hl.grid(rounds):
-            tile = block + rnd * num_blocks
-            if tile < num_tiles:
-                step = tile // chunk_tiles  # 0: my rows, then rank + 1's, rank + 2's, ...
-                prev_step = (tile + num_tiles - num_blocks) // chunk_tiles - world_size
-                src = (rank + step) % world_size
-                within = tile % chunk_tiles
-                band = within // band_tiles
-                band_rows = min(tiles_m - band * group_m, group_m)
-                m0 = (band * group_m + within % band_tiles % band_rows) * block_m
-                n0 = within % band_tiles // band_rows * block_n
-                # A peer's rows and scales have landed (acquire; async-proxy fence for TMA): at the block's first
-                # tile of each peer's chunk. My own rows were staged by earlier kernels on this stream.
-                if step != prev_step and step > 0:
-                    hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src, "value": 1}, output_like=None)
-                row0 = src * m + m0
-                for tile_g, tile_n in hl.tile([row0, n0], [row0 + block_m, n0 + block_n]):
-                    acc = hl.zeros([tile_g, tile_n], dtype=torch.float32)
-                    for tile_k in hl.tile(0, k):
-                        if b_trans:
-                            acc = hl.dot(values[tile_g, tile_k], b[tile_n, tile_k].T, acc=acc)
-                        else:
-                            acc = hl.dot(values[tile_g, tile_k], b[tile_k, tile_n], acc=acc)
-                    row_in = tile_g.index < src * m + m  # the chunk's rows only
-                    col_in = tile_n.index < n
-                    scale_rows = hl.load(row_scales, [tile_g], extra_mask=row_in)
-                    scale_cols = hl.load(scale_b, [tile_n], extra_mask=col_in)
-                    acc = acc * scale_rows[:, None] * scale_cols[None, :]
-                    hl.store(out, [tile_g, tile_n], acc.to(out.dtype), extra_mask=row_in[:, None] & col_in[None, :])
-    return out
-
-
 @functools.cache
 def compiled(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> helion.Kernel:
     """One Helion kernel per tile config (``block_sizes``: the tile's m, n and k step; TMA through host-built
     descriptors for the values and b; ``pid_type="flat"``: the recipe's grid)."""
-    return flat_kernel(all_gather_matmul_fp8_body, (block_m, block_n, block_k), num_warps, num_stages,
+    return flat_kernel(all_gather_matmul_body, (block_m, block_n, block_k), num_warps, num_stages,
                        indexing=INDEXING, host_tensor_descriptors=True)
 
 
@@ -125,8 +68,8 @@ def launch_matmul(
     """The GEMM alone; mirrors the recipe's ``launch_matmul``."""
     values, row_scales = buffer_views(gathered, k)
     args = (
-        values, b, row_scales, scale_b.reshape(-1).expand(out.shape[1]), out, progress, num_blocks, rank,
-        world_size, b_trans, block_m, block_n, group_m,
+        values, b, row_scales, scale_b.reshape(-1).expand(out.shape[1]), out, progress, num_blocks, 0, 0, rank,
+        world_size, b_trans, True, True, block_m, block_n, group_m,
     )
     run(compiled(block_m, block_n, block_k, num_warps, num_stages), args, launcher)
     return out

@@ -17,8 +17,9 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
 * the block's parity flips and its epoch count advances at the end (``host.BlockWorkspace``: no
   trailing barrier).
 
-The config is explicit: ``block_sizes`` follow the loops (phase 1's tile m, n and k step, then
-phase 2's), from the recipe's ``plan``. Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
+The body also serves the fp8 twin (``b_trans``, ``scaled`` and the scales; off and None here, and
+absent from the generated kernel). The config is explicit: ``block_sizes`` follow the loops (phase 1's
+tile m, n and k step, then phase 2's), from the recipe's ``plan``. Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def indexing(world_size: int) -> tuple[str, ...]:
 def gemm_reduce_scatter_body(
     a: torch.Tensor,
     b: torch.Tensor,
+    scale_a: torch.Tensor | None,  # scaled: [M] (stride 0 for a per-tensor scale); None here
+    scale_b: torch.Tensor | None,  # scaled: [N]; None here
     workspace: torch.Tensor,
     peers: tuple[torch.Tensor, ...],
     parity: torch.Tensor,
@@ -58,6 +61,8 @@ def gemm_reduce_scatter_body(
     num_blocks: int,
     rank: int,
     world_size: hl.constexpr,
+    b_trans: hl.constexpr,  # the fp8 twin's: b as [N, K], its tiles transposed for hl.dot
+    scaled: hl.constexpr,  # the fp8 twin's: each partial times its scales before it leaves the SM
     block_m: hl.constexpr,
     block_n: hl.constexpr,
     group_m: hl.constexpr,
@@ -65,6 +70,7 @@ def gemm_reduce_scatter_body(
 ) -> torch.Tensor:
     band_m, n = out.size()  # a and b may be zero-padded in k and n for TMA (``tma_operands``)
     k = a.size(1)
+    m = band_m * world_size
     tiles_m = (band_m + block_m - 1) // block_m
     tiles_n = (n + block_n - 1) // block_n
     width = group_m * tiles_n
@@ -86,7 +92,14 @@ def gemm_reduce_scatter_body(
             for tile_m, tile_n in hl.tile([m0, n0], [m0 + block_m, n0 + block_n]):
                 acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                 for tile_k in hl.tile(k):
-                    acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
+                    if b_trans:
+                        acc = hl.dot(a[tile_m, tile_k], b[tile_n, tile_k].T, acc=acc)
+                    else:
+                        acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
+                if scaled:
+                    scale_rows = hl.load(scale_a, [tile_m], extra_mask=tile_m.index < m)
+                    scale_cols = hl.load(scale_b, [tile_n], extra_mask=tile_n.index < n)
+                    acc = acc * scale_rows[:, None] * scale_cols[None, :]
                 partial = acc.to(workspace.dtype)
                 for r in hl.static_range(world_size):
                     if owner == r:
@@ -101,7 +114,14 @@ def gemm_reduce_scatter_body(
             for tile_m, tile_n in hl.tile([m0, n0], [m0 + block_m, n0 + block_n]):
                 acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                 for tile_k in hl.tile(k):
-                    acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
+                    if b_trans:
+                        acc = hl.dot(a[tile_m, tile_k], b[tile_n, tile_k].T, acc=acc)
+                    else:
+                        acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
+                if scaled:
+                    scale_rows = hl.load(scale_a, [tile_m], extra_mask=tile_m.index < m)
+                    scale_cols = hl.load(scale_b, [tile_n], extra_mask=tile_n.index < n)
+                    acc = acc * scale_rows[:, None] * scale_cols[None, :]
                 if rnd == 0:
                     hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
                 for q in hl.grid(world_size - 1):  # a loop, as in the recipe (unrolled, it spills at 8 ranks)
@@ -151,8 +171,8 @@ def launch(
     """
     a, b = tma_operands(a, b)
     args = (
-        a, b, own_storage(peers[rank]), peers, parity, epochs, out, signal_pad_ptrs, num_blocks, rank, len(peers),
-        block_m, block_n, group_m, group_name,
+        a, b, None, None, own_storage(peers[rank]), peers, parity, epochs, out, signal_pad_ptrs, num_blocks, rank,
+        len(peers), False, False, block_m, block_n, group_m, group_name,
     )
     run(compiled(block_m, block_n, block_k, num_warps, num_stages, len(peers)), args, launcher)
     return out

@@ -1,7 +1,8 @@
 """Helion twin of ``kraken.fused.gemm_reduce_scatter_fp8``: same function, same arguments.
 
 The bf16 twin (``helion_ports.fused.gemm_reduce_scatter``) with fp8 operands and the scales applied in
-the epilogue of both phases, as the recipe (``plan`` and ``prepare`` are shared):
+the epilogue of both phases, as the recipe (``plan`` and ``prepare`` are shared). Its body is the bf16
+twin's ``gemm_reduce_scatter_body`` with ``b_trans`` and ``scaled`` on and the scales passed in:
 
 * ``hl.grid(num_blocks)`` is the persistent grid, the barrier's block id and the workspace chunk;
 * phase 1: the peers' bands, owner ``rank + 1`` first; ``a`` and ``b`` (as [N, K], its tiles transposed
@@ -19,13 +20,12 @@ from __future__ import annotations
 import functools
 
 import helion
-import helion.language as hl
 import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run
+from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter_body  # the bf16 twin's, scaled
 from kraken import host
-from kraken._ptx_utils.inline_source import EPOCH_SYNC
 from kraken.fused.all_gather_matmul_fp8 import b_operand
 from kraken.fused.gemm_reduce_scatter_fp8 import OP, chunk_tile, plan, prepare, rounds_of, tma_a  # shared
 
@@ -40,93 +40,11 @@ def indexing(world_size: int) -> tuple[str, ...]:
     return ("pointer",) * 2 + tma + ("pointer",) * (2 + world_size) + tma + ("pointer",) * 6
 
 
-def gemm_reduce_scatter_fp8_body(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    workspace: torch.Tensor,
-    peers: tuple[torch.Tensor, ...],
-    parity: torch.Tensor,
-    epochs: torch.Tensor,
-    out: torch.Tensor,
-    signal_pad_ptrs: int,
-    num_blocks: int,
-    rank: int,
-    world_size: hl.constexpr,
-    b_trans: hl.constexpr,
-    block_m: hl.constexpr,
-    block_n: hl.constexpr,
-    group_m: hl.constexpr,
-    group_name: hl.ProcessGroupName,
-) -> torch.Tensor:
-    band_m, n = out.size()  # a and b may be zero-padded in k for TMA
-    k = a.size(1)
-    m = band_m * world_size
-    tiles_m = (band_m + block_m - 1) // block_m
-    tiles_n = (n + block_n - 1) // block_n
-    width = group_m * tiles_n
-    for block in hl.grid(num_blocks):
-        half = parity[block]
-        epoch = epochs[block]
-        rounds = (tiles_m * tiles_n - block + num_blocks - 1) // num_blocks
-        for i in hl.grid((world_size - 1) * rounds):
-            owner = (rank + 1 + i // rounds) % world_size
-            rnd = i % rounds
-            j = block + rnd * num_blocks
-            first_m = j // width * group_m
-            group_rows = min(tiles_m - first_m, group_m)
-            m0 = owner * band_m + (first_m + j % width % group_rows) * block_m
-            n0 = j % width // group_rows * block_n
-            # The owner's slot q holds sender owner + 1 + q (no comparison of runtime ints: see the bf16 twin).
-            slot = (rank - owner - 1 + world_size) % world_size
-            for tile_m, tile_n in hl.tile([m0, n0], [m0 + block_m, n0 + block_n]):
-                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-                for tile_k in hl.tile(k):
-                    if b_trans:
-                        acc = hl.dot(a[tile_m, tile_k], b[tile_n, tile_k].T, acc=acc)
-                    else:
-                        acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
-                scale_rows = hl.load(scale_a, [tile_m], extra_mask=tile_m.index < m)
-                scale_cols = hl.load(scale_b, [tile_n], extra_mask=tile_n.index < n)
-                partial = (acc * scale_rows[:, None] * scale_cols[None, :]).to(workspace.dtype)
-                for r in hl.static_range(world_size):
-                    if owner == r:
-                        hl.store(peers[r], [half, block, rnd, slot, tile_m.index - m0, tile_n.index - n0], partial)
-        for rnd in hl.grid(rounds):
-            j = block + rnd * num_blocks
-            first_m = j // width * group_m
-            group_rows = min(tiles_m - first_m, group_m)
-            r0 = (first_m + j % width % group_rows) * block_m
-            m0 = rank * band_m + r0
-            n0 = j % width // group_rows * block_n
-            for tile_m, tile_n in hl.tile([m0, n0], [m0 + block_m, n0 + block_n]):
-                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-                for tile_k in hl.tile(k):
-                    if b_trans:
-                        acc = hl.dot(a[tile_m, tile_k], b[tile_n, tile_k].T, acc=acc)
-                    else:
-                        acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
-                scale_rows = hl.load(scale_a, [tile_m], extra_mask=tile_m.index < m)
-                scale_cols = hl.load(scale_b, [tile_n], extra_mask=tile_n.index < n)
-                acc = acc * scale_rows[:, None] * scale_cols[None, :]
-                if rnd == 0:
-                    hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
-                for q in hl.grid(world_size - 1):  # a loop, as in the recipe (unrolled, it spills at 8 ranks)
-                    acc = acc + workspace[half, block, rnd, q, tile_m.index - m0, tile_n.index - n0].to(torch.float32)
-                rows = tile_m.index - rank * band_m
-                inside = (rows < band_m)[:, None] & (tile_n.index < n)[None, :]
-                hl.store(out, [rows, tile_n], acc.to(out.dtype), extra_mask=inside)
-        parity[block] = 1 - half
-        epochs[block] = epoch + 1
-    return out
-
-
 @functools.cache
 def compiled(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, world_size: int) -> helion.Kernel:
     """One Helion kernel per launch configuration (``block_sizes``: phase 1's tile m, n, its k step; phase 2's;
     TMA for ``a`` and ``b`` through host-built descriptors; ``pid_type="flat"``: the recipe's grid)."""
-    return flat_kernel(gemm_reduce_scatter_fp8_body, (block_m, block_n, block_k) * 2, num_warps, num_stages,
+    return flat_kernel(gemm_reduce_scatter_body, (block_m, block_n, block_k) * 2, num_warps, num_stages,
                        indexing=indexing(world_size), host_tensor_descriptors=True)
 
 
@@ -159,7 +77,7 @@ def launch(
     m, n = a.shape[0], out.shape[1]
     args = (
         a, b, scale_a.reshape(-1).expand(m), scale_b.reshape(-1).expand(n), own_storage(peers[rank]), peers, parity,
-        epochs, out, signal_pad_ptrs, num_blocks, rank, len(peers), b_trans, block_m, block_n, group_m, group_name,
+        epochs, out, signal_pad_ptrs, num_blocks, rank, len(peers), b_trans, True, block_m, block_n, group_m, group_name,
     )
     run(compiled(block_m, block_n, block_k, num_warps, num_stages, len(peers)), args, launcher)
     return out
