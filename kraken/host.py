@@ -573,7 +573,7 @@ def per_signature(key: Callable[..., tuple]) -> Callable:
     call that raised is not kept). ``key`` must hold everything ``prepare`` reads (``tensor_key`` of each
     tensor, ``scalar_key`` of each scalar, ``config_key`` of the config, the group, the op); a key that cannot
     be hashed (say, a list in the config) just skips the cache. The result is shared by every later call:
-    treat it as read-only (pass a changed launch argument as a keyword, ``launch(**cfg, out=mine)``).
+    treat it as read-only (change a launch argument in a copy: ``launch(**{**cfg, "out": mine})``).
     ``prepare.cache`` is the dictionary, ``prepare.uncached`` the original."""
 
     def decorate(prepare: Callable) -> Callable:
