@@ -331,8 +331,8 @@ class PreparedDispatch:
 
 
 @host.per_signature(lambda tokens, expert_ids, num_experts, group, capacity, op, config: (
-    op, group, host.tensor_key(tokens), host.tensor_key(expert_ids), type(num_experts), num_experts,
-    type(capacity), capacity, host.config_key(config)))
+    op, group, host.tensor_key(tokens), host.tensor_key(expert_ids), host.scalar_key(num_experts),
+    host.scalar_key(capacity), host.config_key(config)))
 def prepare(tokens, expert_ids, num_experts, group, capacity, op: str, config: dict) -> PreparedDispatch:
     """Validate (``host.agreed``: bad input on any rank raises on every rank), plan, find the buffers, make the
     routing scratch and the launcher; kept per signature (``host.per_signature``)."""

@@ -306,7 +306,8 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
 
 
 @host.per_signature(lambda a, b, group, op, config, return_a: (
-    op, group, host.tensor_key(a), host.tensor_key(b), return_a, *config.items()))
+    op, group, host.tensor_key(a), host.tensor_key(b), host.scalar_key(return_a),
+    host.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool
 ) -> tuple[host.SymmContext, dict]:

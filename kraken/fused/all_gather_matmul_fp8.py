@@ -270,7 +270,7 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
 
 @host.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
     op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
-    *config.items()))
+    host.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, op: str, config: dict
 ) -> tuple[host.SymmContext, dict]:

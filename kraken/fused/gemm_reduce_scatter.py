@@ -299,7 +299,7 @@ def with_workspace(a: torch.Tensor, n: int, world_size: int, cfg: dict, out_dtyp
 
 
 @host.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, *config.items()))
+    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, host.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
 ) -> tuple[host.SymmContext, dict]:

@@ -133,7 +133,7 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
 
 @host.per_signature(lambda a, b, scale_a, scale_b, group, out_dtype, op, config: (
     op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
-    out_dtype, *config.items()))
+    out_dtype, host.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, out_dtype: torch.dtype,
     op: str, config: dict,
