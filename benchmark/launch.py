@@ -8,6 +8,11 @@ without one (a barrier that never completes, say) every rank is killed and
 re-raised in the parent with that rank's traceback.
 
 Under ``torchrun`` the harness does not spawn: ``init_from_env`` uses the given world.
+
+``KRAKEN_WORLD_SIZE=N`` with fewer than N GPUs visible puts several ranks on each GPU, for functional runs
+only (the tests) on a host that lends fewer GPUs: the host-side collectives go through gloo (NCCL refuses two
+ranks on one GPU) and torch's symmetric memory is told the devices overlap. The ranks' kernels time-slice on
+the shared GPU, so every barrier still completes, but every timing taken so is meaningless.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch.distributed as dist
 
 # Kept on, always: multicast (NVLS) can take the shared GPU host down.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+WORLD_SIZE_ENV = "KRAKEN_WORLD_SIZE"
 
 _reports: Any = None  # the queue to the parent, in a spawned worker
 _rank = 0
@@ -47,21 +54,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(rank: int, world_size: int) -> None:
+def default_world_size() -> int:
+    """``KRAKEN_WORLD_SIZE`` if set (several ranks per GPU when it exceeds the GPU count), else the GPU count."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    value = os.environ.get(WORLD_SIZE_ENV, "")
+    if not value:
+        return count
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{WORLD_SIZE_ENV} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def init(rank: int, world_size: int, local_rank: int | None = None, local_world_size: int | None = None) -> None:
+    """This process's GPU and process group: NCCL, one rank per GPU; gloo when the node's ranks outnumber its
+    GPUs (see the module docstring)."""
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        "nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", torch.cuda.current_device())
-    )
+    local_rank = rank if local_rank is None else local_rank
+    local_world_size = world_size if local_world_size is None else local_world_size
+    count = torch.cuda.device_count()
+    torch.cuda.set_device(local_rank % count)
+    if local_world_size > count:  # functional runs only: see the module docstring
+        if not os.environ.get(WORLD_SIZE_ENV):
+            raise RuntimeError(
+                f"{local_world_size} ranks on this node but {count} GPU(s): run one rank per GPU, or set "
+                f"{WORLD_SIZE_ENV}={local_world_size} for a functional run on shared GPUs (no timing means anything there)"
+            )
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", torch.cuda.current_device())
+        )
 
 
 def init_from_env() -> None:
-    """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
-    for key, value in SAFE_ENV.items():
-        os.environ.setdefault(key, value)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_*)."""
+    env = os.environ
+    world_size = int(env["WORLD_SIZE"])
+    init(int(env["RANK"]), world_size, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def _worker(rank: int, world_size: int, port: int, reports, fn: Callable, args: tuple) -> None:
@@ -80,8 +111,9 @@ def _worker(rank: int, world_size: int, port: int, reports, fn: Callable, args: 
 
 
 def spawn(fn: Callable, args: tuple = (), world_size: int | None = None, stall_s: float = 60.0, name: str = "") -> list:
-    """Run ``fn(*args)`` on ``world_size`` GPUs (default: all visible); returns each rank's result."""
-    world_size = torch.cuda.device_count() if world_size is None else world_size
+    """Run ``fn(*args)`` on ``world_size`` ranks, one per GPU (default: ``default_world_size()``); returns each
+    rank's result."""
+    world_size = default_world_size() if world_size is None else world_size
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     port = _free_port()
@@ -116,7 +148,10 @@ def spawn(fn: Callable, args: tuple = (), world_size: int | None = None, stall_s
                 # A worker died without reporting (segfault, illegal address, OOM kill).
                 time.sleep(1.0)
                 if reports.empty():
-                    raise WorkerError(f"{name or fn.__name__}: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    raise WorkerError(
+                        f"{name or fn.__name__}: rank {dead[0]} died with exit code {procs[dead[0]].exitcode} after "
+                        f"{last_beat[dead[0]][1]!r}"
+                    )
     finally:
         for p in procs:
             if p.is_alive():
@@ -144,4 +179,7 @@ def require_gpus(op_hint: str) -> int:
     if count < 2:
         found = "no CUDA GPU" if count == 0 else "1 CUDA GPU"
         sys.exit(f"{op_hint} needs at least 2 NVLink-connected CUDA GPUs (one process per GPU); found {found}.")
+    if default_world_size() > count:
+        sys.exit(f"{op_hint} times kernels, one rank per GPU: unset {WORLD_SIZE_ENV} ({default_world_size()} ranks, "
+                 f"{count} GPUs); ranks that share a GPU time-slice it.")
     return count

@@ -99,9 +99,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", help="shapes in the op's format (default: the op's tuning set)")
     parser.add_argument("--iters", type=int, default=30, help="timed iterations per config, same on every rank")
     args = parser.parse_args()
-    require_gpus("python -m benchmark.tune")
+    count = require_gpus("python -m benchmark.tune")
     fn, default_shapes = SWEEPS[args.op]
-    spawn(fn, (args.shapes or default_shapes, args.iters), stall_s=300.0, name="tune")
+    spawn(fn, (args.shapes or default_shapes, args.iters), world_size=count, stall_s=300.0, name="tune")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -161,3 +162,56 @@ def test_only_helions_autotuner_cap_warning_is_silenced():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "something else" in result.stderr and "max_num_sm_multipler" not in result.stderr
+
+
+def test_world_size_env_is_checked(monkeypatch):
+    from benchmark import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv(launch.WORLD_SIZE_ENV, raising=False)
+    assert launch.default_world_size() == 1
+    monkeypatch.setenv(launch.WORLD_SIZE_ENV, "4")
+    assert launch.default_world_size() == 4
+    for bad in ("0", "two", "-2"):
+        monkeypatch.setenv(launch.WORLD_SIZE_ENV, bad)
+        with pytest.raises(ValueError, match="KRAKEN_WORLD_SIZE must be a positive integer"):
+            launch.default_world_size()
+
+
+def test_ranks_share_a_gpu_only_when_asked_and_never_for_timings(monkeypatch):
+    """Two ranks on one GPU: gloo and overlapping symmetric memory with KRAKEN_WORLD_SIZE set; without it, an
+    error naming the variable; the benchmark refuses it either way (its timings would mean nothing)."""
+    from benchmark import launch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("device", device)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: calls[-1][1])
+    monkeypatch.setattr(launch.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", raising=False)
+    monkeypatch.delenv(launch.WORLD_SIZE_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="2 ranks on this node but 1 GPU.*KRAKEN_WORLD_SIZE=2"):
+        launch.init(1, 2)
+    assert not any(call[0] in ("gloo", "nccl") for call in calls)
+    assert "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES" not in os.environ
+
+    monkeypatch.setenv(launch.WORLD_SIZE_ENV, "2")
+    calls.clear()
+    launch.init(1, 2)
+    assert calls == [("device", 0), ("gloo", {"rank": 1, "world_size": 2})]
+    assert os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] == "1"
+    with pytest.raises(SystemExit, match="needs at least 2"):
+        launch.require_gpus("python -m benchmark")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit, match="times kernels, one rank per GPU: unset KRAKEN_WORLD_SIZE"):
+        monkeypatch.setenv(launch.WORLD_SIZE_ENV, "4")
+        launch.require_gpus("python -m benchmark")
+    monkeypatch.setenv(launch.WORLD_SIZE_ENV, "2")
+    assert launch.require_gpus("python -m benchmark") == 2
+    calls.clear()
+    monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES")
+    launch.init(1, 2)
+    assert calls[0] == ("device", 1) and calls[1][0] == "nccl"
+    assert "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES" not in os.environ

@@ -428,7 +428,7 @@ def check(handle: MoEHandle) -> None:
     that synchronises with the device: not inside a CUDA graph capture)."""
     pg = host.resolve_group(handle.group_name, "moe_dispatch")
     everyone = torch.empty((dist.get_world_size(pg), 2), dtype=torch.int32, device=handle.status.device)
-    dist.all_gather_into_tensor(everyone, handle.status, group=pg)
+    dist.all_gather_into_tensor(everyone.view(-1), handle.status.view(-1), group=pg)  # flat: any backend takes it
     problems = []
     for r, (dropped, bad) in enumerate(everyone.tolist()):
         if bad:
