@@ -18,7 +18,8 @@ GPU_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD_SIZE = default_world_size()
 needs_gpus = pytest.mark.skipif(
     GPU_COUNT < 1 or WORLD_SIZE < 2,
-    reason=f"GPU test: needs 2+ NVLink-connected CUDA GPUs (one process per GPU), found {GPU_COUNT}",
+    reason=f"GPU test: needs 2+ NVLink-connected CUDA GPUs (one process per GPU), found {GPU_COUNT} "
+    "(with one GPU, KRAKEN_WORLD_SIZE=2 runs two ranks on it: functional checks only)",
 )
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ||out - ref|| / ||ref|| against a float64 reference, by the output dtype.
