@@ -58,6 +58,12 @@ def own_storage(local: torch.Tensor) -> torch.Tensor:
 _views: dict = {}
 
 
+def flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.view(-1)``, or ``tensor`` itself when it is 1-D already: a view of a fresh output costs about a
+    microsecond per call on the host, and a 1-D tensor is already what the flat kernel reads."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
+
+
 def views(tensors: tuple[torch.Tensor, ...], shape) -> tuple[torch.Tensor, ...]:
     """``tuple(t.view(shape) for t in tensors)``, kept per (tuple, shape): a twin views the same peer buffers
     (its prepared call's ``peers`` tuple) on every call, and each view costs about half a microsecond."""

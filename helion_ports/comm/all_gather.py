@@ -18,7 +18,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run, views
+from helion_ports import flat_kernel, flat_view, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather import plan, prepare  # shared with the Triton recipe
@@ -76,7 +76,7 @@ def launch(
     flat = views(peers, -1)
     sources = flat[rank + 1:] + flat[:rank + 1]
     args = (
-        out.view(-1), flat[rank], sources, signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name,
+        flat_view(out), flat[rank], sources, signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name,
     )
     run(compiled(block_size, num_warps), args, launcher)
     return out

@@ -21,7 +21,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run, views
+from helion_ports import flat_kernel, flat_view, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.one_shot_all_reduce import plan, prepare  # shared with the Triton recipe
@@ -81,7 +81,7 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.one_shot_all_reduce.launch``."""
     flat_peers = views(peers, -1)
-    args = (flat_peers, out.view(-1), signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name)
+    args = (flat_peers, flat_view(out), signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name)
     run(compiled(block_size, num_warps), args, launcher)
     return out
 

@@ -17,7 +17,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run
+from helion_ports import flat_kernel, flat_view, run
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.reduce_scatter import plan, prepare  # shared with the Triton recipe
@@ -77,7 +77,7 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.reduce_scatter.launch``."""
     args = (
-        out.view(-1), shard_views(peers, rank, out.numel()), signal_pad_ptrs, num_blocks, chunk, rank, len(peers),
+        flat_view(out), shard_views(peers, rank, out.numel()), signal_pad_ptrs, num_blocks, chunk, rank, len(peers),
         group_name,
     )
     run(compiled(block_size, num_warps), args, launcher)
