@@ -72,7 +72,9 @@ def init(rank: int, world_size: int, local_rank: int | None = None, local_world_
         os.environ.setdefault(key, value)
     local_rank = rank if local_rank is None else local_rank
     local_world_size = world_size if local_world_size is None else local_world_size
-    count = torch.cuda.device_count()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise RuntimeError(f"rank {rank}: no CUDA GPU is visible")
     torch.cuda.set_device(local_rank % count)
     if local_world_size > count:  # functional runs only: see the module docstring
         if not os.environ.get(WORLD_SIZE_ENV):

@@ -192,6 +192,10 @@ def test_ranks_share_a_gpu_only_when_asked_and_never_for_timings(monkeypatch):
     monkeypatch.setattr(launch.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
     monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", raising=False)
     monkeypatch.delenv(launch.WORLD_SIZE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="rank 1: no CUDA GPU is visible"):
+        launch.init(1, 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RuntimeError, match="2 ranks on this node but 1 GPU.*KRAKEN_WORLD_SIZE=2"):
         launch.init(1, 2)
     assert not any(call[0] in ("gloo", "nccl") for call in calls)
