@@ -181,7 +181,8 @@ def require_gpus(op_hint: str) -> int:
     if count < 2:
         found = "no CUDA GPU" if count == 0 else "1 CUDA GPU"
         sys.exit(f"{op_hint} needs at least 2 NVLink-connected CUDA GPUs (one process per GPU); found {found}.")
-    if default_world_size() > count:
-        sys.exit(f"{op_hint} times kernels, one rank per GPU: unset {WORLD_SIZE_ENV} ({default_world_size()} ranks, "
-                 f"{count} GPUs); ranks that share a GPU time-slice it.")
+    ranks = default_world_size()
+    if ranks > count:
+        sys.exit(f"{op_hint} times kernels, one rank per GPU: unset {WORLD_SIZE_ENV} ({ranks} ranks, {count} GPUs); "
+                 "ranks that share a GPU time-slice it.")
     return count
