@@ -42,7 +42,7 @@ from triton import knobs
 from kraken._ptx_utils import timeout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MIN_WORLD_SIZE = 2
+MIN_WORLD_SIZE = 1  # a group of one runs the same kernels with a peer set of one (itself)
 MAX_WORLD_SIZE = 8
 SIGNAL_SLOT_BYTES = 4  # one uint32 per (block id, peer)
 
@@ -69,7 +69,7 @@ def resolve_group(group: dist.ProcessGroup | str | None, op: str) -> dist.Proces
 
 
 def world_size_of(group: dist.ProcessGroup | str | None, op: str) -> int:
-    """The group's size, checked to be one this project supports (2..8)."""
+    """The group's size, checked to be one this project supports (1..8)."""
     world_size = dist.get_world_size(resolve_group(group, op))
     check_world_size(world_size, op)
     return world_size
