@@ -37,7 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "bandwidth (the op's minimum bytes per rank / time) and the floor (those bytes at 361 GB/s + barrier\n"
             "latency; for GEMMs the matmul at 790 TFLOP/s); then the time per call in an eager loop of back-to-back\n"
             "calls (what a Python loop sees: the host launch path included) and the host cost per call.\n"
-            "Standalone it spawns one process per visible GPU (at least 2); under torchrun it uses that world."
+            "Standalone it spawns one process per visible GPU; under torchrun it uses that world.\n\n"
+            "On one GPU it runs world size 1 (a peer set of one: the same kernels, workspaces and barriers) and\n"
+            "prints first, per op, the core table: the recipe and its Helion twin beside the fastest single-GPU\n"
+            "library op (cuBLAS, torch._scaled_mm, SDPA cuDNN/flash, a device-to-device copy of the same bytes),\n"
+            "with TFLOP/s or GB/s, recipe/library, twin/recipe and the eager loop per call. World size 1 measures\n"
+            "the cores and the host path, not the exchange."
         ),
         epilog="registered ops:\n" + listing,
     )
@@ -148,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     count = require_gpus("python -m benchmark")
     nproc = args.nproc or count
-    if not 2 <= nproc <= count:
-        sys.exit(f"--nproc must be between 2 and the {count} visible GPUs, got {nproc}.")
+    if not 1 <= nproc <= count:
+        sys.exit(f"--nproc must be between 1 and the {count} visible GPU(s), got {nproc}.")
     # Ample stall limit: the first call of each backend compiles (Triton and Helion).
     rows = spawn(_spawned_main, (args,), world_size=nproc, stall_s=600.0, name="benchmark")[0]
     write_outputs(args, rows)

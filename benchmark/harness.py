@@ -269,6 +269,44 @@ def loop_table(rows: list[Row], backends: list[str]) -> tuple[list[str], list[li
     return ["shape"] + [f"{b} loop us" for b in backends], body
 
 
+def rate(op: Op, shape_text: str, dtype: str, us: float | None) -> tuple[float | None, str]:
+    """The op's ``work`` per call over ``us``: (TFLOP/s or GB/s, its unit), or (None, "") without ``work``."""
+    if op.work is None or us is None or us <= 0:
+        return None, ""
+    amount, kind = op.work(tuple(int(d) for d in shape_text.split("x")), getattr(torch, dtype))
+    return (amount / us / 1e6, "TFLOP/s") if kind == "flop" else (amount / us / 1e3, "GB/s")
+
+
+def core_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The one-GPU core table (world size 1): per shape and recipe/twin pair, the op's library backend, the
+    recipe and the twin in us, the recipe's TFLOP/s or GB/s, recipe/library, twin/recipe, and the eager loop
+    per call of each with how far it is above its GPU time (the host path's cost where it shows)."""
+    library = op.library if op.library in backends else None
+    pairs = [p for p in op.pairs if p.triton in backends or p.helion in backends]
+    if library is None or not pairs:
+        return [], []
+    unit = rate(op, rows[0].shape, rows[0].dtype, 1.0)[1] or "rate"
+    header = ["shape", "recipe", f"{library} us", "recipe us", "twin us", f"recipe {unit}", "recipe/library",
+              "twin/recipe", "loop us: library", "recipe", "twin", "loop - GPU us: recipe", "twin"]
+    body = []
+    for shape in dict.fromkeys(r.shape for r in rows):
+        by_backend = {r.backend: r for r in rows if r.shape == shape and r.status == "ok"}
+        us = {b: r.us for b, r in by_backend.items()}
+        loop = {b: r.loop_us for b, r in by_backend.items()}
+        dtype = next(r.dtype for r in rows if r.shape == shape)
+        for p in pairs:
+            over = [None if loop.get(b) is None or us.get(b) is None else loop[b] - us[b] for b in (p.triton, p.helion)]
+            body.append([shape, p.triton, _fmt(us.get(library)), _fmt(us.get(p.triton)), _fmt(us.get(p.helion)),
+                         _fmt(rate(op, shape, dtype, us.get(p.triton))[0]),
+                         _fmt(ratio(us.get(p.triton), us.get(library)), 2),
+                         _fmt(ratio(us.get(p.helion), us.get(p.triton)), 3),
+                         _fmt(loop.get(library)), _fmt(loop.get(p.triton)), _fmt(loop.get(p.helion)),
+                         _fmt(over[0]), _fmt(over[1])])
+    return header, body
+
+
+CORE_LABEL = ("World size 1: a peer set of one, so the exchange is empty and this measures the cores and the host "
+              "path, not the exchange. Recipe and Helion twin beside the fastest single-GPU library op:")
 GPU_TIME_LABEL = ("GPU time per call (calls queued behind a GPU sleep, so the launch path is hidden; slowest "
                   "rank's median):")
 LOOP_LABEL = "Eager loop (back-to-back calls, no sleep in front: what a Python loop sees), us per call:"
@@ -279,8 +317,12 @@ def tables_markdown(op: Op, rows: list[Row], backends: list[str]) -> str:
     benchmark and written into docs/results.md alike)."""
     from tabulate import tabulate
 
+    lines = []
+    core_header, core_body = core_rows(op, rows, backends) if rows and rows[0].world_size == 1 else ([], [])
+    if core_body:
+        lines += [CORE_LABEL, "", tabulate(core_body, headers=core_header, tablefmt="github", disable_numparse=True), ""]
     header, body = table_rows(op, rows, backends)
-    lines = [GPU_TIME_LABEL, "", tabulate(body, headers=header, tablefmt="github", disable_numparse=True)]
+    lines += [GPU_TIME_LABEL, "", tabulate(body, headers=header, tablefmt="github", disable_numparse=True)]
     loop_header, loop_body = loop_table(rows, backends)
     if loop_body:
         lines += ["", LOOP_LABEL, "", tabulate(loop_body, headers=loop_header, tablefmt="github", disable_numparse=True)]

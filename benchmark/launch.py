@@ -176,11 +176,12 @@ def in_torchrun() -> bool:
 
 
 def require_gpus(op_hint: str) -> int:
-    """Exit with one clear sentence if fewer than 2 GPUs are visible; returns the GPU count."""
+    """Exit with one clear sentence if no GPU is visible, or if ranks would share one; returns the GPU count.
+    One GPU runs world size 1: the cores and the host path, measured for real."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < 2:
-        found = "no CUDA GPU" if count == 0 else "1 CUDA GPU"
-        sys.exit(f"{op_hint} needs at least 2 NVLink-connected CUDA GPUs (one process per GPU); found {found}.")
+    if count < 1:
+        sys.exit(f"{op_hint} needs at least 1 CUDA GPU (one process per GPU; 2 to 8 NVLink-connected GPUs "
+                 "time the exchange, 1 GPU times the cores at world size 1); found no CUDA GPU.")
     ranks = default_world_size()
     if ranks > count:
         sys.exit(f"{op_hint} times kernels, one rank per GPU: unset {WORLD_SIZE_ENV} ({ranks} ranks, {count} GPUs); "

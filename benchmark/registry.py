@@ -58,6 +58,13 @@ class Op:
     # (e.g. the matmul alone, the floor under a fused GEMM + exchange). They must still run without
     # error and give finite values; the table marks their column "(not checked)".
     reference_free: frozenset[str] = frozenset()
+    # The one-GPU core table (world size 1): ``library`` names the backend that is the fastest single-GPU
+    # library path for the op's core (cuBLAS ``matmul``, ``scaled_mm``, ``sdpa_cudnn``, a ``copy`` of the
+    # same bytes); ``work(shape, dtype)`` is what one call does, as (amount, "flop" or "byte"), for the
+    # TFLOP/s or GB/s column. At world size 1 the exchange is empty: the table measures the cores and the
+    # host path.
+    library: str | None = None
+    work: Callable[[Shape, torch.dtype], tuple[float, str]] | None = None
     # Relative tolerance of a backend against the baseline's result, per dtype.
     rtol: dict[torch.dtype, float] = field(
         default_factory=lambda: {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
@@ -103,6 +110,26 @@ def parse_shape(text: str, shape_format: str) -> Shape:
     if len(shape) != len(shape_format.split("x")) or any(d <= 0 for d in shape):
         raise ValueError(f"bad shape {text!r}: expected {shape_format} with positive integers")
     return shape
+
+
+def copy_backend(source: str | Callable[[dict], torch.Tensor]) -> Callable[[dict], torch.Tensor]:
+    """A device-to-device copy of ``inputs[source]`` (or of ``source(inputs)``) into a buffer kept in the
+    inputs: the single-GPU library floor of a collective (or of the MoE pair) at world size 1, which moves the
+    same bytes through HBM."""
+
+    def copy(inputs: dict) -> torch.Tensor:
+        src = inputs[source] if isinstance(source, str) else source(inputs)
+        out = inputs.get("_copy_out")
+        if out is None:
+            out = inputs["_copy_out"] = torch.empty_like(src)
+        return out.copy_(src)
+
+    return copy
+
+
+def copy_work(shape: Shape, dtype: torch.dtype, numel: Callable[[Shape], int]) -> tuple[float, str]:
+    """Bytes a copy of ``numel(shape)`` elements moves through HBM: read once, written once."""
+    return 2.0 * numel(shape) * dtype.itemsize, "byte"
 
 
 def nvlink_us(nbytes: float) -> float:

@@ -1,7 +1,7 @@
 """Shared by the GPU tests: the skip marker, the per-GPU runner and the checks.
 
-GPU tests run one process per visible GPU (world size = GPU count, at least 2; ``KRAKEN_WORLD_SIZE=2`` runs
-two ranks on one GPU, functional checks only: see ``benchmark.launch``)
+GPU tests run one process per visible GPU (world size = GPU count: one GPU runs world size 1, a peer set of
+one; ``KRAKEN_WORLD_SIZE=2`` runs two ranks on one GPU, functional checks only: see ``benchmark.launch``)
 through ``benchmark.launch.spawn``; a rank that makes no progress for 60 s fails
 the test with the op's name. Worker functions live at module level (they are
 pickled into the spawned processes) and call ``heartbeat`` between steps.
@@ -17,9 +17,9 @@ from benchmark.launch import default_world_size, heartbeat, spawn
 GPU_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD_SIZE = default_world_size()
 needs_gpus = pytest.mark.skipif(
-    GPU_COUNT < 1 or WORLD_SIZE < 2,
-    reason=f"GPU test: needs 2+ NVLink-connected CUDA GPUs (one process per GPU), found {GPU_COUNT} "
-    "(with one GPU, KRAKEN_WORLD_SIZE=2 runs two ranks on it: functional checks only)",
+    GPU_COUNT < 1 or WORLD_SIZE < 1,
+    reason=f"GPU test: needs a CUDA GPU (one process per GPU: world size 1 on one GPU, 2-8 on NVLink-connected "
+    f"GPUs), found {GPU_COUNT} (with one GPU, KRAKEN_WORLD_SIZE=2 runs two ranks on it: functional checks only)",
 )
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ||out - ref|| / ||ref|| against a float64 reference, by the output dtype.

@@ -17,17 +17,18 @@ def worker() -> None:
     import kraken
     from kraken.fused import gemm_one_shot_all_reduce
 
-    rank, bad = dist.get_rank(), dist.get_rank() == 1
+    rank, last = dist.get_rank(), dist.get_world_size() - 1  # the rank that alone passes bad input
+    bad = rank == last
     buf = kraken.symm_empty((3001,), torch.float32)
     buf.fill_(rank + 1.0)
     odd = kraken.symm_empty((61, 3), torch.float32)
     for fn in (kraken.one_shot_all_reduce, kraken.two_shot_all_reduce):
         name = fn.__name__
         heartbeat(name)
-        with pytest.raises(ValueError, match=rf"^{name}: bad input on rank 1: tensor must be contiguous"):
-            fn(odd.t() if bad else odd)  # rank 1 passes a transposed (non-contiguous) view
-        # A ValueError: rank 1's TypeError, and the ranks' signatures differ (the config) as well.
-        with pytest.raises(ValueError, match=rf"^{name}: bad input on rank 1: unknown config keys \['bogus'\]"):
+        with pytest.raises(ValueError, match=rf"^{name}: bad input on rank {last}: tensor must be contiguous"):
+            fn(odd.t() if bad else odd)  # the last rank passes a transposed (non-contiguous) view
+        # A ValueError: the last rank's TypeError (and, at 2+ ranks, the ranks' signatures differ in the config).
+        with pytest.raises(ValueError, match=rf"^{name}: bad input on rank {last}: unknown config keys \['bogus'\]"):
             fn(buf, **({"bogus": 1} if bad else {}))
         out = fn(buf)
         torch.cuda.synchronize()
@@ -39,9 +40,9 @@ def worker() -> None:
     gen = torch.Generator(device="cuda").manual_seed(rank)
     a = torch.randn(40, 64, generator=gen, device="cuda").to(torch.bfloat16)
     b = torch.randn(64, 24, generator=gen, device="cuda").to(torch.bfloat16)
-    with pytest.raises(ValueError, match="bad input on rank 1: a and b must have the same dtype"):
+    with pytest.raises(ValueError, match=f"bad input on rank {last}: a and b must have the same dtype"):
         gemm_one_shot_all_reduce(a, b.half() if bad else b, out_dtype=torch.float32)
-    with pytest.raises(ValueError, match="bad input on rank 1: out_dtype torch.float16 is not supported"):
+    with pytest.raises(ValueError, match=f"bad input on rank {last}: out_dtype torch.float16 is not supported"):
         gemm_one_shot_all_reduce(a, b, out_dtype=torch.float16 if bad else torch.float32)
     out = gemm_one_shot_all_reduce(a, b, out_dtype=torch.float32)
     parts = [torch.empty_like(a) for _ in range(dist.get_world_size())], [torch.empty_like(b) for _ in range(dist.get_world_size())]

@@ -41,7 +41,9 @@ SCRIPT = textwrap.dedent("""
 def test_a_skipped_call_is_an_error_not_a_hang(tmp_path):
     script = tmp_path / "skip.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "KRAKEN_BARRIER_TIMEOUT_S": str(TIMEOUT_S), "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    # Two ranks whatever the GPU count: on one GPU they share it (KRAKEN_WORLD_SIZE), which is all this test needs.
+    env = {**os.environ, "KRAKEN_BARRIER_TIMEOUT_S": str(TIMEOUT_S), "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1",
+           "KRAKEN_WORLD_SIZE": "2"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=150,

@@ -43,7 +43,8 @@ def bad_after_warm_worker() -> None:
     import kraken
     from kraken.fused import one_shot_all_reduce_bias
 
-    rank, bad = dist.get_rank(), dist.get_rank() == 1
+    rank, last = dist.get_rank(), dist.get_world_size() - 1  # the rank that alone passes bad input
+    bad = rank == last
     world_size = dist.get_world_size()
     x = torch.full((8, 512), rank + 1.0, dtype=torch.bfloat16, device="cuda")
     bias = torch.full((512,), 0.5, dtype=torch.bfloat16, device="cuda")
@@ -57,10 +58,10 @@ def bad_after_warm_worker() -> None:
     # A mistake is caught where a signature is new on every rank (one made on one rank alone in a call whose
     # signature is warm elsewhere cannot be, without a collective per call: see kraken.host.agreed).
     x2 = torch.full((16, 512), rank + 1.0, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(ValueError, match="bad input on rank 1: bias must have shape"):
+    with pytest.raises(ValueError, match=f"bad input on rank {last}: bias must have shape"):
         one_shot_all_reduce_bias(x2, bias[:-1] if bad else bias)
     buf2 = kraken.symm_empty((2048,), torch.float32)
-    with pytest.raises(ValueError, match="bad input on rank 1: tensor has dtype int32"):
+    with pytest.raises(ValueError, match=f"bad input on rank {last}: tensor has dtype int32"):
         kraken.one_shot_all_reduce(buf2.view(torch.int32) if bad else buf2)
     with pytest.raises(ValueError, match="not in symmetric memory"):
         kraken.one_shot_all_reduce(torch.ones(4096, device="cuda"))  # every rank: an ordinary tensor

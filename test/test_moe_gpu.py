@@ -158,11 +158,12 @@ def overflow_and_bad_input(backend: str) -> None:
 
     heartbeat(f"{backend} bad ids")
     x, ids, w = inputs(501, 65, 256, experts, 2, "uniform", torch.bfloat16)
-    if rank == 1:
-        ids[3, 1] = experts + 3  # out of range on rank 1 alone; -1 (no expert) is allowed anywhere
+    last = dist.get_world_size() - 1  # the rank that alone passes bad input
+    if rank == last:
+        ids[3, 1] = experts + 3  # out of range on the last rank alone; -1 (no expert) is allowed anywhere
     ids[0, 0] = -1
     recv, counts, handle = dispatch(x, ids, experts)
-    with pytest.raises(ValueError, match=rf"rank 1: 1 expert ids outside \[-1, {experts}\)"):
+    with pytest.raises(ValueError, match=rf"rank {last}: 1 expert ids outside \[-1, {experts}\)"):
         check(handle)
     ref, rows = expected(x, ids, w, recv, experts, handle.capacity)
     used = min(rows.shape[0], handle.capacity)
@@ -171,13 +172,13 @@ def overflow_and_bad_input(backend: str) -> None:
 
     heartbeat(f"{backend} wrong dtype")
     x, ids, w = inputs(502, 66, 256, experts, 2, "uniform", torch.bfloat16)  # a signature no call used yet
-    with pytest.raises(ValueError, match="bad input on rank 1: expert_ids has dtype float32"):
-        dispatch(x, ids.float() if rank == 1 else ids, experts)
-    with pytest.raises(ValueError, match="bad input on rank 1: tokens has dtype int32"):
-        dispatch(x.int() if rank == 1 else x, ids, experts, capacity=7)
-    with pytest.raises(ValueError, match="bad input on rank 1: weights has dtype int64"):
+    with pytest.raises(ValueError, match=f"bad input on rank {last}: expert_ids has dtype float32"):
+        dispatch(x, ids.float() if rank == last else ids, experts)
+    with pytest.raises(ValueError, match=f"bad input on rank {last}: tokens has dtype int32"):
+        dispatch(x.int() if rank == last else x, ids, experts, capacity=7)
+    with pytest.raises(ValueError, match=f"bad input on rank {last}: weights has dtype int64"):
         recv, _, handle = dispatch(x, ids, experts, capacity=300)
-        combine(recv, handle, w.long() if rank == 1 else w)
+        combine(recv, handle, w.long() if rank == last else w)
     recv, counts, handle = dispatch(x, ids, experts, capacity=300)
     out = combine(recv, handle, w)
     torch.cuda.synchronize()

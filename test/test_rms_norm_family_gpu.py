@@ -281,13 +281,14 @@ def bad_input(report: Report) -> None:
                 # One rank alone wrong, on a call signature no rank has used yet: every rank raises, naming it.
                 x7 = rank_values((7, 1000), torch.bfloat16, 31, dist.get_rank())
                 bias7, weight7 = parameters(1000, torch.bfloat16, 31)
-                bad = dist.get_rank() == 1
-                with pytest.raises(ValueError, match=r"bad input on rank 1: bias must have shape \(1000,\)"):
+                last = dist.get_world_size() - 1  # the rank that alone passes bad input
+                bad = dist.get_rank() == last
+                with pytest.raises(ValueError, match=rf"bad input on rank {last}: bias must have shape \(1000,\)"):
                     call(module_path, norm, x7, bias7[:999] if bad else bias7, weight7)
-                with pytest.raises(ValueError, match="bad input on rank 1: bias has dtype float16"):
+                with pytest.raises(ValueError, match=f"bad input on rank {last}: bias has dtype float16"):
                     call(module_path, norm, x7, bias7.half() if bad else bias7, weight7)
                 if norm:
-                    with pytest.raises(ValueError, match="bad input on rank 1: eps must be a finite number"):
+                    with pytest.raises(ValueError, match=f"bad input on rank {last}: eps must be a finite number"):
                         call(module_path, norm, x7, bias7, weight7, -1.0 if bad else EPS)
                 out7 = call(module_path, norm, x7, bias7, weight7)
                 torch.cuda.synchronize()

@@ -7,7 +7,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
+from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from kraken import host
 from benchmark.sm90 import FAKE_SIGNAL_PADS
 
@@ -70,9 +70,13 @@ register(
             "helion_1shot": backend(f"helion_ports.{ONE_SHOT}"),
             "triton_2shot": backend(f"kraken.{TWO_SHOT}"),
             "helion_2shot": backend(f"helion_ports.{TWO_SHOT}"),
+            "copy": copy_backend("plain"),
         },
         default_shapes=[(1 << k,) for k in range(12, 23)],  # 4K .. 4M elements
         shape_format="NUMEL",
+        library="copy",
+        work=lambda shape, dtype: copy_work(shape, dtype, lambda s: s[0]),
+        reference_free=frozenset({"copy"}),
         nvlink_bytes=nvlink_bytes,
         floor_us=lambda shape, dtype, ws: nvlink_us(nvlink_bytes(shape, dtype, ws)) + 2 * SYNC_US,
         pairs=[

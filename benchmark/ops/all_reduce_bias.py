@@ -20,7 +20,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
+from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from kraken import host
 from benchmark.sm90 import FAKE_SIGNAL_PADS
 from kraken.comm.one_shot_all_reduce import one_shot_all_reduce
@@ -162,9 +162,12 @@ for norm in (False, True):
             name="all_reduce_bias_rms_norm" if norm else "all_reduce_bias",
             description="sum [tokens, hidden] over ranks, add a bias" + (", RMSNorm each row" if norm else ""),
             make_inputs=make_inputs,
-            backends=backends(norm),
+            backends={**backends(norm), "copy": copy_backend("x")},
             default_shapes=DEFAULT_SHAPES,
             shape_format="TOKENSxHIDDEN",
+            library="copy",
+            work=lambda shape, dtype: copy_work(shape, dtype, lambda s: s[0] * s[1]),
+            reference_free=frozenset({"copy"}),
             nvlink_bytes=nvlink_bytes,
             floor_us=floor_us,
             pairs=pairs(norm),

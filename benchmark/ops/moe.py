@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
+from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from benchmark.sm90 import FAKE_SIGNAL_PADS
 from kraken import host
 
@@ -214,6 +214,20 @@ def combine_example(module, world_size: int, shape=None) -> None:
     module.launch(out, torch.rand(num_tokens, top_k), handle, 1, **cfg)
 
 
+def routed_rows(i: dict) -> torch.Tensor:
+    """Every (token, expert) pair's row, ``[T * k, H]``: the bytes dispatch and combine each move, copied by the
+    ``copy`` column (made once per inputs)."""
+    rows = i.get("_routed_rows")
+    if rows is None:
+        rows = i["_routed_rows"] = i["tokens"].repeat_interleave(i["expert_ids"].shape[1], 0)
+    return rows
+
+
+def work(shape, dtype):
+    num_tokens, hidden, _, top_k, _ = shape
+    return copy_work(shape, dtype, lambda s: num_tokens * top_k * hidden)
+
+
 def nvlink_bytes(shape, dtype, world_size):
     """Rows a rank sends to (or pulls from) its peers under uniform routing: (ws - 1) / ws of its T * k pairs.
     (Skewed rows move as much on average but unevenly: the busiest rank receives more.)"""
@@ -230,7 +244,11 @@ register(
         name="moe_combine",
         description="MoE combine: top-k expert outputs back to their tokens' ranks, weighted sum in token order",
         make_inputs=combine_inputs,
-        backends={"nccl": nccl_combine, "triton": recipe_combine("kraken"), "helion": recipe_combine("helion_ports")},
+        backends={"nccl": nccl_combine, "triton": recipe_combine("kraken"), "helion": recipe_combine("helion_ports"),
+                  "copy": copy_backend(routed_rows)},
+        library="copy",
+        work=work,
+        reference_free=frozenset({"copy"}),
         default_shapes=DEFAULT_SHAPES,
         shape_format=SHAPE_FORMAT,
         nvlink_bytes=nvlink_bytes,
@@ -245,7 +263,10 @@ register(
         description="MoE dispatch: every token to its top-k experts' ranks, expert-major, counts on the device",
         make_inputs=dispatch_inputs,
         backends={"nccl": nccl_dispatch, "triton": recipe_dispatch("kraken"),
-                  "helion": recipe_dispatch("helion_ports")},
+                  "helion": recipe_dispatch("helion_ports"), "copy": copy_backend(routed_rows)},
+        library="copy",
+        work=work,
+        reference_free=frozenset({"copy"}),
         default_shapes=DEFAULT_SHAPES,
         shape_format=SHAPE_FORMAT,
         nvlink_bytes=nvlink_bytes,

@@ -11,7 +11,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.registry import SYNC_US, Op, Pair, nvlink_us, register
+from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from kraken import host
 from benchmark.sm90 import FAKE_SIGNAL_PADS
 
@@ -76,9 +76,13 @@ register(
             "symm_mem": symm_mem,
             "triton": backend(f"kraken.{RECIPE}"),
             "helion": backend(f"helion_ports.{RECIPE}"),
+            "copy": copy_backend("plain"),
         },
         default_shapes=[(1 << k,) for k in range(12, 26)],  # 4K .. 32M elements (64 MB of bf16)
         shape_format="NUMEL",
+        library="copy",
+        work=lambda shape, dtype: copy_work(shape, dtype, lambda s: s[0]),
+        reference_free=frozenset({"copy"}),
         nvlink_bytes=nvlink_bytes,
         floor_us=lambda shape, dtype, ws: nvlink_us(nvlink_bytes(shape, dtype, ws)) + 2 * SYNC_US,
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
