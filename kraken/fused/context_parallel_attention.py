@@ -40,6 +40,9 @@ its output, queues the exchange and launches the barrier kernels and the attenti
 GQA: ``k``, ``v`` may have fewer heads than ``q`` (a divisor); query head ``h`` reads kv head
 ``h // (heads // kv_heads)``. ``attention_on_gathered`` runs the same kernel on K/V that are all
 here already (no communication, no flags): the comparison that shows what the exchange costs.
+
+World size 1 is a group of one: the same exchange (my K/V staged, the two barriers met by myself alone, no peer
+piece to copy or flag) and the same kernel, whose peer loop has no step; full attention over the local sequence.
 """
 
 from __future__ import annotations
