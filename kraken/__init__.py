@@ -6,7 +6,7 @@
     y = kraken.one_shot_all_reduce(x)                 # sum over the default group
 """
 
-from .comm import all_gather, one_shot_all_reduce, reduce_scatter, two_shot_all_reduce
+from .comm import all_gather, all_reduce, one_shot_all_reduce, reduce_scatter, two_shot_all_reduce
 from .host import symm_empty
 
-__all__ = ["all_gather", "one_shot_all_reduce", "reduce_scatter", "symm_empty", "two_shot_all_reduce"]
+__all__ = ["all_gather", "all_reduce", "one_shot_all_reduce", "reduce_scatter", "symm_empty", "two_shot_all_reduce"]

@@ -16,6 +16,7 @@ from kraken import host
 from benchmark.sm90 import FAKE_SIGNAL_PADS
 
 RECIPE = "comm.all_gather"
+PROGRESS = "comm.all_gather_with_progress"  # on the copy engine, with a flag per chunk (all_gather_matmul's gather)
 EXAMPLE_SHARD = 10007  # odd: every tail is masked and nothing is 16-byte aligned
 
 
@@ -51,6 +52,12 @@ def backend(module_path: str):
     return lambda inputs: fn(inputs["symm"])
 
 
+def progress_backend(module_path: str):
+    """The copy-engine gather, joined back into the current stream (``.wait()``) so the timing includes it."""
+    fn = getattr(importlib.import_module(module_path), module_path.rsplit(".", 1)[1])
+    return lambda inputs: fn(inputs["symm"]).wait()
+
+
 def example(module, world_size: int, shape=None) -> None:
     """A CPU stand-in launch (rank 1); ``shape`` is the output's element count (default: odd shards)."""
     (numel,) = shape if shape is not None else (world_size * EXAMPLE_SHARD,)
@@ -76,6 +83,8 @@ register(
             "symm_mem": symm_mem,
             "triton": backend(f"kraken.{RECIPE}"),
             "helion": backend(f"helion_ports.{RECIPE}"),
+            "triton_progress": progress_backend(f"kraken.{PROGRESS}"),
+            "helion_progress": progress_backend(f"helion_ports.{PROGRESS}"),
             "copy": copy_backend("plain"),
         },
         default_shapes=[(1 << k,) for k in range(12, 26)],  # 4K .. 32M output elements (64 MB of bf16)

@@ -13,6 +13,7 @@ from benchmark.sm90 import FAKE_SIGNAL_PADS
 
 ONE_SHOT = "comm.one_shot_all_reduce"
 TWO_SHOT = "comm.two_shot_all_reduce"
+AUTO = "comm.all_reduce"  # the front door: one-shot or two-shot by kraken.crossover
 
 
 def make_inputs(shape, dtype, seed):
@@ -52,6 +53,13 @@ def example(module, world_size: int, shape=(10007,)) -> None:
         module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, 1, **cfg)
 
 
+def auto_example(module, world_size: int, shape=(10007,)) -> None:
+    """A CPU stand-in launch of the front door (or its twin): the recipe its ``plan`` picks at this size."""
+    (numel,) = shape
+    peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
+    module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, 1, **module.plan(numel, world_size, {}))
+
+
 def nvlink_bytes(shape, dtype, world_size):
     # The least any all-reduce must receive per rank: (ws-1)/ws of the data, twice.
     return 2 * (world_size - 1) / world_size * shape[0] * dtype.itemsize
@@ -70,6 +78,8 @@ register(
             "helion_1shot": backend(f"helion_ports.{ONE_SHOT}"),
             "triton_2shot": backend(f"kraken.{TWO_SHOT}"),
             "helion_2shot": backend(f"helion_ports.{TWO_SHOT}"),
+            "triton_auto": backend(f"kraken.{AUTO}"),
+            "helion_auto": backend(f"helion_ports.{AUTO}"),
             "copy": copy_backend("plain"),
         },
         default_shapes=[(1 << k,) for k in range(12, 23)],  # 4K .. 4M elements
@@ -82,6 +92,7 @@ register(
         pairs=[
             Pair("triton_1shot", "helion_1shot", f"kraken.{ONE_SHOT}", f"helion_ports.{ONE_SHOT}", example),
             Pair("triton_2shot", "helion_2shot", f"kraken.{TWO_SHOT}", f"helion_ports.{TWO_SHOT}", example),
+            Pair("triton_auto", "helion_auto", f"kraken.{AUTO}", f"helion_ports.{AUTO}", auto_example),
         ],
     )
 )

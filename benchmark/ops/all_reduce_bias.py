@@ -28,6 +28,7 @@ from kraken.fused.rms_norm import rms_norm
 
 EPS = 1e-5
 FUSED = "fused.{shot}_shot_all_reduce_bias{norm}"
+AUTO = "fused.all_reduce_bias{norm}"  # the front doors: one-shot or two-shot by kraken.crossover
 EXAMPLE_SHAPE = (7, 1000)  # odd in both dimensions: row and column tails
 
 
@@ -91,8 +92,14 @@ def chain_bias_rms_norm(i):
     return rms_norm(chain_bias(i), i["weight"], i["eps"])
 
 
+def recipe_name(shot: str, norm: bool) -> str:
+    """The module of the ``shot`` recipe ("one", "two", or "auto": the front door), under kraken or helion_ports."""
+    norm_tag = "_rms_norm" if norm else ""
+    return AUTO.format(norm=norm_tag) if shot == "auto" else FUSED.format(shot=shot, norm=norm_tag)
+
+
 def fused(package: str, shot: str, norm: bool):
-    path = f"{package}.{FUSED.format(shot=shot, norm='_rms_norm' if norm else '')}"
+    path = f"{package}.{recipe_name(shot, norm)}"
     fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
     if norm:
         return lambda i: fn(i["x"], i["bias"], i["weight"], i["eps"])
@@ -101,7 +108,7 @@ def fused(package: str, shot: str, norm: bool):
 
 def backends(norm: bool) -> dict:
     table = {"nccl": nccl_bias_rms_norm if norm else nccl_bias, "chain": chain_bias_rms_norm if norm else chain_bias}
-    for shot, tag in (("one", "1shot"), ("two", "2shot")):
+    for shot, tag in (("one", "1shot"), ("two", "2shot"), ("auto", "auto")):
         table[f"triton_{tag}"] = fused("kraken", shot, norm)
         table[f"helion_{tag}"] = fused("helion_ports", shot, norm)
     return table
@@ -129,8 +136,8 @@ def example_launch(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfl
 
 def pairs(norm: bool) -> list[Pair]:
     found = []
-    for shot, tag in (("one", "1shot"), ("two", "2shot")):
-        name = FUSED.format(shot=shot, norm="_rms_norm" if norm else "")
+    for shot, tag in (("one", "1shot"), ("two", "2shot"), ("auto", "auto")):
+        name = recipe_name(shot, norm)
         found.append(Pair(f"triton_{tag}", f"helion_{tag}", f"kraken.{name}", f"helion_ports.{name}", example_launch))
     if norm:
         # The single-GPU building block: not a backend of the op, listed so compile tests and the inspector see it.

@@ -2,10 +2,15 @@
 
 from .all_gather import all_gather
 from .all_gather_with_progress import all_gather_with_progress
+from .all_reduce import all_reduce
 from .moe_combine import moe_combine
 from .moe_dispatch import moe_dispatch
 from .one_shot_all_reduce import one_shot_all_reduce
 from .reduce_scatter import reduce_scatter
 from .two_shot_all_reduce import two_shot_all_reduce
 
-__all__ = ["all_gather", "all_gather_with_progress", "moe_combine", "moe_dispatch", "one_shot_all_reduce", "reduce_scatter", "two_shot_all_reduce"]
+__all__ = ["all_gather", "all_gather_with_progress", "all_reduce", "moe_combine", "moe_dispatch", "one_shot_all_reduce", "reduce_scatter", "two_shot_all_reduce"]
+
+from kraken.library import install_front_doors  # noqa: E402  (after the exports it wraps)
+
+install_front_doors(__name__)  # each recipe above: a torch.library operator under torch.compile (kraken/library.py)

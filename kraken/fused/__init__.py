@@ -2,6 +2,8 @@
 
 from .all_gather_matmul import all_gather_matmul
 from .all_gather_matmul_fp8 import all_gather_matmul_fp8
+from .all_reduce_bias import all_reduce_bias
+from .all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
 from .context_parallel_attention import context_parallel_attention
 from .gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
 from .gemm_reduce_scatter import gemm_reduce_scatter
@@ -15,6 +17,8 @@ from .two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
 __all__ = [
     "all_gather_matmul",
     "all_gather_matmul_fp8",
+    "all_reduce_bias",
+    "all_reduce_bias_rms_norm",
     "context_parallel_attention",
     "gemm_one_shot_all_reduce",
     "gemm_reduce_scatter",
@@ -25,3 +29,7 @@ __all__ = [
     "two_shot_all_reduce_bias",
     "two_shot_all_reduce_bias_rms_norm",
 ]
+
+from kraken.library import install_front_doors  # noqa: E402  (after the exports it wraps)
+
+install_front_doors(__name__)  # each recipe above: a torch.library operator under torch.compile (kraken/library.py)

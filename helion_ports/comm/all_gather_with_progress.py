@@ -1,0 +1,110 @@
+"""Helion twin of ``kraken.comm.all_gather_with_progress``: same function, same arguments.
+
+The recipe moves no data with an SM: the copies run on the copy engine and the flags are stream memory
+operations, all host code, which the twin shares (``start``'s protocol, ``GatherInProgress``,
+``set_flag``, the side stream). Its one kernel is the one-block barrier around the copies, and that is
+what this file ports: ``hl.grid(1)`` is the single block, whose grid index 0 is the barrier's block id
+(``BARRIER_BLOCK``), and the barrier is the kraken PTX through ``hl.inline_triton`` (release + acquire).
+The twin hands the recipe's ``start`` a launcher that runs this kernel wherever the recipe launches its
+Triton barrier, so the copy order, the flags and both barriers stay exactly the recipe's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import helion
+import helion.language as hl
+import torch
+import torch.distributed as dist
+
+from helion_ports import flat_kernel, run
+from kraken import host
+from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
+from kraken.comm.all_gather_with_progress import (  # shared with the Triton recipe
+    BARRIER_BLOCK, BARRIER_WARPS, OP, GatherInProgress, check_progress, shard_barrier_kernel,
+)
+from kraken.comm.all_gather_with_progress import start as recipe_start
+
+# "Every write before this is visible to the peers, and theirs to everything after it on this stream."
+SYNC = SYMM_MEM_SYNC[(True, True)]
+assert BARRIER_BLOCK == 0, "the twin's one block (grid index 0) is the barrier's block id"
+
+
+def shard_barrier_body(anchor: torch.Tensor, signal_pad_ptrs: int, rank: int, world_size: hl.constexpr,
+                       group_name: hl.ProcessGroupName) -> None:
+    # ``anchor`` is never read: a Helion kernel takes its device from a tensor argument.
+    for block in hl.grid(1):
+        hl.inline_triton(SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank,
+                                     "world_size": world_size}, output_like=None)
+
+
+@functools.cache
+def compiled() -> helion.Kernel:
+    """The barrier kernel with an explicit config: one program (``pid_type="flat"``), one warp."""
+    return flat_kernel(shard_barrier_body, (), BARRIER_WARPS)
+
+
+_anchors: dict[torch.device, torch.Tensor] = {}
+
+
+def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=host.jit_launch) -> None:
+    """One cross-rank barrier on the current stream (one block, one warp); mirrors the recipe's ``barrier``."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    anchor = _anchors.setdefault(device, torch.empty(0, dtype=torch.int32, device=device))
+    run(compiled(), (anchor, signal_pad_ptrs, rank, world_size, ""), launcher)
+
+
+class HelionBarrier:
+    """A launcher for the recipe's ``start``: where it launches its Triton barrier (the only kernel it
+    launches), run the Helion barrier instead, through ``launcher``."""
+
+    def __init__(self, launcher):
+        self.launcher = launcher
+
+    def __call__(self, kernel, grid, signal_pad_ptrs, rank, world_size, **meta):
+        assert kernel is shard_barrier_kernel and tuple(grid) == (1,) and meta["BLOCK_ID"] == BARRIER_BLOCK, kernel
+        barrier(signal_pad_ptrs, rank, world_size, self.launcher)
+
+
+def start(
+    peers: tuple[torch.Tensor, ...],
+    signal_pad_ptrs: int,
+    rank: int,
+    out: torch.Tensor,
+    progress: torch.Tensor,
+    stage_from: torch.Tensor | None = None,
+    stage_piece_rows: int | None = None,
+    stage_with_sms: bool = False,
+    snapshot: torch.Tensor | None = None,
+    launcher=host.jit_launch,
+) -> GatherInProgress:
+    """The recipe's ``start`` with the Helion barrier; mirrors ``kraken.comm.all_gather_with_progress.start``."""
+    return recipe_start(peers, signal_pad_ptrs, rank, out, progress, stage_from, stage_piece_rows, stage_with_sms,
+                        snapshot, HelionBarrier(launcher))
+
+
+def all_gather_with_progress(
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    progress: torch.Tensor | None = None,
+) -> GatherInProgress:
+    """Start gathering every rank's ``shard`` into ``out`` on the copy engine (see the kraken recipe)."""
+    host.check_tensor(shard, "shard", OP, host.SUPPORTED_DTYPES + (torch.int32, torch.uint8))
+    if shard.dim() < 1 or shard.shape[0] == 0:
+        raise ValueError(f"{OP}: shard must have at least one row, got shape {tuple(shard.shape)}")
+    ctx = host.symm_context(shard, group, OP, name="shard")
+    shape = (ctx.world_size * shard.shape[0], *shard.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+    else:
+        host.check_tensor(out, "out", OP, (shard.dtype,))
+        if tuple(out.shape) != shape or out.device != shard.device:
+            raise ValueError(f"{OP}: out must be {shape} on {shard.device}, got {tuple(out.shape)} on {out.device}")
+    if progress is None:
+        progress = torch.empty(ctx.world_size, dtype=torch.int32, device=shard.device)
+    else:
+        check_progress(progress, ctx.world_size, shard.device, OP)
+    return start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress)

@@ -1,0 +1,42 @@
+"""Helion twin of ``kraken.fused.all_reduce_bias``: the same choice (``kraken.crossover``, the same ``plan``)
+between the Helion twins of the one-shot and two-shot recipes; same arguments, same result."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from kraken import crossover, host
+from kraken.fused.all_reduce_bias import OP, plan  # the choice and the plans are the recipe's
+
+ONE_SHOT = importlib.import_module("helion_ports.fused.one_shot_all_reduce_bias")
+TWO_SHOT = importlib.import_module("helion_ports.fused.two_shot_all_reduce_bias")
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    shot: str,
+    group_name: str = "",
+    launcher=host.jit_launch,
+    **launch_cfg,
+) -> torch.Tensor:
+    """Launch the twin ``plan`` chose; mirrors ``kraken.fused.all_reduce_bias.launch``."""
+    recipe = ONE_SHOT if shot == crossover.ONE else TWO_SHOT
+    return recipe.launch(x, bias, peers, out, signal_pad_ptrs, rank, **launch_cfg, group_name=group_name,
+                         launcher=launcher)
+
+
+def all_reduce_bias(
+    x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
+) -> torch.Tensor:
+    """``sum over ranks of x`` + ``bias``, one-shot or two-shot (see the kraken front door)."""
+    if crossover.pick(OP, x, group, config) == crossover.ONE:
+        return ONE_SHOT.one_shot_all_reduce_bias(x, bias, group, **config)
+    return TWO_SHOT.two_shot_all_reduce_bias(x, bias, group, **config)

@@ -1,0 +1,49 @@
+"""Helion twin of ``kraken.fused.all_reduce_bias_rms_norm``: the same choice (``kraken.crossover``, the same ``plan``)
+between the Helion twins of the one-shot and two-shot recipes; same arguments, same result."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from kraken import crossover, host
+from kraken.fused.all_reduce_bias_rms_norm import OP, plan  # the choice and the plans are the recipe's
+
+ONE_SHOT = importlib.import_module("helion_ports.fused.one_shot_all_reduce_bias_rms_norm")
+TWO_SHOT = importlib.import_module("helion_ports.fused.two_shot_all_reduce_bias_rms_norm")
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    shot: str,
+    group_name: str = "",
+    launcher=host.jit_launch,
+    **launch_cfg,
+) -> torch.Tensor:
+    """Launch the twin ``plan`` chose; mirrors ``kraken.fused.all_reduce_bias_rms_norm.launch``."""
+    recipe = ONE_SHOT if shot == crossover.ONE else TWO_SHOT
+    return recipe.launch(x, bias, weight, eps, peers, out, signal_pad_ptrs, rank, **launch_cfg,
+                         group_name=group_name, launcher=launcher)
+
+
+def all_reduce_bias_rms_norm(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    group: dist.ProcessGroup | str | None = None,
+    **config,
+) -> torch.Tensor:
+    """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``, one-shot or two-shot (see the kraken front door)."""
+    if crossover.pick(OP, x, group, config) == crossover.ONE:
+        return ONE_SHOT.one_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)
+    return TWO_SHOT.two_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)

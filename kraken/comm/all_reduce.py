@@ -1,0 +1,65 @@
+"""The all-reduce front door: one-shot or two-shot, chosen for the caller.
+
+``all_reduce(tensor, group)`` sums a symmetric tensor over the group with the recipe that wins at
+its size and world size (``kraken.crossover``: one-shot while the message is latency-bound, two-shot
+from the crossover on). ``shot="one"`` / ``shot="two"`` forces either; every other config key goes to
+the chosen recipe. Nothing here launches a kernel of its own: a recipe's whole fast path runs as if
+it had been called directly.
+
+The two recipes differ in where the sum lands: one-shot writes a new tensor and leaves the input as
+it was, two-shot sums in place. The front door returns the sum either way, and its input is spent:
+read the result, not the input (and write fresh values into the input before the next call, as
+before any all-reduce).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from kraken import crossover, host
+
+OP = "all_reduce"
+# The recipes' modules (``kraken.comm`` exports their functions under the modules' names).
+ONE_SHOT = importlib.import_module("kraken.comm.one_shot_all_reduce")
+TWO_SHOT = importlib.import_module("kraken.comm.two_shot_all_reduce")
+
+
+def plan(numel: int, world_size: int, config: dict) -> dict:
+    """The chosen recipe's launch configuration, the choice under ``"shot"`` (shared with the twin)."""
+    config = dict(config)
+    shot = crossover.choose(OP, numel, world_size, config.pop("shot", None))
+    return {"shot": shot, **(ONE_SHOT if shot == crossover.ONE else TWO_SHOT).plan(numel, world_size, config)}
+
+
+def launch(
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    shot: str,
+    group_name: str = "",
+    launcher=host.jit_launch,
+    **launch_cfg,
+) -> torch.Tensor:
+    """Launch the recipe ``plan`` chose on prepared arguments; returns the sum: ``out`` (one-shot), or
+    ``peers[rank]`` summed in place (two-shot, which leaves ``out`` alone)."""
+    if shot == crossover.ONE:
+        return ONE_SHOT.launch(peers, out, signal_pad_ptrs, rank, **launch_cfg, group_name=group_name,
+                               launcher=launcher)
+    return TWO_SHOT.launch(peers, signal_pad_ptrs, rank, **launch_cfg, group_name=group_name, launcher=launcher)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
+    """The sum of ``tensor`` over the group, one-shot or two-shot as ``kraken.crossover`` says.
+
+    ``tensor`` lives in symmetric memory (``kraken.symm_empty``), any shape, bf16/fp16/fp32. Returns the
+    sum: a new tensor (one-shot) or ``tensor`` itself (two-shot, in place); afterwards treat ``tensor``'s
+    values as spent. ``config``: ``shot="one"|"two"`` forces a recipe; the rest overrides its config.
+    """
+    shot = crossover.pick(OP, tensor, group, config)
+    if shot == crossover.ONE:
+        return ONE_SHOT.one_shot_all_reduce(tensor, group, **config)
+    return TWO_SHOT.two_shot_all_reduce(tensor, group, **config)

@@ -1,0 +1,84 @@
+"""Where one-shot stops paying and two-shot takes over: the one table the front doors read.
+
+A one-shot reads every peer's whole message (``(world_size - 1) * N`` elements in per rank) in two
+barrier rounds; a two-shot moves ``2 (world_size - 1) / world_size * N`` for the same two rounds. Small
+messages are latency-bound (the two tie or one-shot wins by a little), large ones bandwidth-bound
+(two-shot wins), and the crossover moves down as the world grows. Each entry is the largest message
+at which one-shot is chosen, by world size; the front doors (``kraken.all_reduce``,
+``kraken.fused.all_reduce_bias``, ``kraken.fused.all_reduce_bias_rms_norm`` and their Helion twins)
+pick two-shot above it. ``shot="one"`` or ``shot="two"`` in a front door's config forces either.
+
+Measured on H200s, bf16, eager GPU time (``docs/history.md``, ``docs/results.md``):
+
+* all_reduce, in elements: at 2 ranks the two tie up to 1M elements (two-shot 0.7 us ahead from
+  2M); at 4 ranks one-shot leads up to 32K (8.8 against 8.9 us) and two-shot from 64K (9.1 against
+  9.3 us; 10.5 against 12.6 at 256K); at 8 ranks one-shot up to 32K, two-shot from 64K.
+* the bias family (``all_reduce_bias``, ``all_reduce_bias_rms_norm``), in tokens (rows), measured at
+  hidden 5120: at 2 ranks one-shot up to 64 tokens (two-shot from 128 with RMSNorm); at 4 ranks
+  one-shot up to 16 (two-shot from 32 with RMSNorm, from 64 without); at 8 ranks the family crosses
+  between 16 and 32 tokens.
+
+World sizes without a measurement take the next larger measured one's entry (more readers per
+buffer only favours two-shot sooner). A group of one runs one-shot (a peer set of itself: one read,
+one write, no second copy of the workspace).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import torch
+
+from kraken import host
+
+ONE, TWO = "one", "two"
+SHOTS = (ONE, TWO)
+
+# op family -> {measured world size: largest message (all_reduce: elements; bias family: tokens) for one-shot}
+ONE_SHOT_UP_TO = {
+    "all_reduce": {1: math.inf, 2: 1 << 20, 4: 1 << 15, 8: 1 << 15},
+    "all_reduce_bias": {1: math.inf, 2: 64, 4: 16, 8: 16},
+}
+# Which table row each front door reads.
+FAMILY = {
+    "all_reduce": "all_reduce",
+    "all_reduce_bias": "all_reduce_bias",
+    "all_reduce_bias_rms_norm": "all_reduce_bias",
+}
+
+
+def one_shot_up_to(op: str, world_size: int) -> float:
+    """The largest message at which ``op`` runs one-shot in a group of ``world_size``: the entry of the
+    smallest measured world size at or above it."""
+    table = ONE_SHOT_UP_TO[FAMILY[op]]
+    sizes = sorted(table)
+    if not 1 <= world_size <= sizes[-1]:
+        raise ValueError(f"{op}: no crossover for world size {world_size} (measured: {sizes})")
+    return table[sizes[bisect.bisect_left(sizes, world_size)]]
+
+
+def choose(op: str, size: int, world_size: int, shot: str | None = None) -> str:
+    """``"one"`` or ``"two"``: ``shot`` when given (forced), else by the table. ``size`` is what the
+    table counts for ``op`` (elements for all_reduce, tokens for the bias family)."""
+    if shot is not None:
+        if shot not in SHOTS:
+            raise ValueError(f"{op}: shot must be 'one' or 'two' (or absent: chosen by size), got {shot!r}")
+        return shot
+    return ONE if size <= one_shot_up_to(op, world_size) else TWO
+
+
+def size_of(op: str, x: object) -> int:
+    """What the table counts for ``op`` in its input ``x``: elements (all_reduce) or rows (the bias family,
+    ``x`` [..., hidden]). 0 for what is no tensor or no rows: the chosen recipe's checks then name the problem."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return 0
+    if FAMILY[op] == "all_reduce":
+        return x.numel()
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def pick(op: str, x: object, group, config: dict) -> str:
+    """A front door's choice for its input ``x`` in ``group``; takes ``"shot"`` out of ``config`` (the rest
+    is the chosen recipe's)."""
+    return choose(op, size_of(op, x), host.world_size_of(group, op), config.pop("shot", None))

@@ -1,0 +1,67 @@
+"""The all-reduce + bias + RMSNorm front door: the one-shot or two-shot fused recipe, chosen for the caller.
+
+``all_reduce_bias_rms_norm(x, bias, weight, eps, group)`` runs ``one_shot_all_reduce_bias_rms_norm`` or
+``two_shot_all_reduce_bias_rms_norm``, whichever wins at ``x``'s token count and the world size
+(``kraken.crossover``, the bias family's row). Both return a new tensor and leave ``x`` as it was.
+``shot="one"`` / ``shot="two"`` forces either; every other config key goes to the chosen recipe.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from kraken import crossover, host
+
+OP = "all_reduce_bias_rms_norm"
+ONE_SHOT = importlib.import_module("kraken.fused.one_shot_all_reduce_bias_rms_norm")
+TWO_SHOT = importlib.import_module("kraken.fused.two_shot_all_reduce_bias_rms_norm")
+
+
+def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
+    """The chosen recipe's launch configuration, the choice under ``"shot"`` (shared with the twin)."""
+    config = dict(config)
+    shot = crossover.choose(OP, tokens, world_size, config.pop("shot", None))
+    recipe = ONE_SHOT if shot == crossover.ONE else TWO_SHOT
+    return {"shot": shot, **recipe.plan(tokens, hidden, world_size, config)}
+
+
+def launch(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    peers: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    signal_pad_ptrs: int,
+    rank: int,
+    shot: str,
+    group_name: str = "",
+    launcher=host.jit_launch,
+    **launch_cfg,
+) -> torch.Tensor:
+    """Launch the recipe ``plan`` chose on prepared arguments (its workspace: ``peers``)."""
+    recipe = ONE_SHOT if shot == crossover.ONE else TWO_SHOT
+    return recipe.launch(x, bias, weight, eps, peers, out, signal_pad_ptrs, rank, **launch_cfg,
+                         group_name=group_name, launcher=launcher)
+
+
+def all_reduce_bias_rms_norm(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    group: dist.ProcessGroup | str | None = None,
+    **config,
+) -> torch.Tensor:
+    """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``, a new tensor, one-shot or two-shot as
+    ``kraken.crossover`` says.
+
+    Arguments as ``one_shot_all_reduce_bias_rms_norm``. ``config``: ``shot="one"|"two"`` forces a recipe;
+    the rest overrides its config.
+    """
+    if crossover.pick(OP, x, group, config) == crossover.ONE:
+        return ONE_SHOT.one_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)
+    return TWO_SHOT.two_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)

@@ -1,0 +1,175 @@
+"""The front doors (``kraken.all_reduce``, ``kraken.fused.all_reduce_bias[_rms_norm]`` and their twins) choose
+one-shot or two-shot as ``kraken.crossover``'s table says, per (size, world size); ``shot`` forces either; and
+the missing twin, ``helion_ports.comm.all_gather_with_progress``, mirrors its recipe. No GPU needed."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+import helion_ports.comm
+import kraken
+import kraken.fused
+from benchmark import sm90
+from kraken import crossover, host
+
+K = 1024
+# (op, world size, the largest size that runs one-shot): the table in words (docs/history.md's measurements).
+EXPECTED = [
+    ("all_reduce", 2, 1 << 20), ("all_reduce", 4, 32 * K), ("all_reduce", 8, 32 * K),
+    ("all_reduce", 3, 32 * K), ("all_reduce", 5, 32 * K), ("all_reduce", 7, 32 * K),
+    ("all_reduce_bias", 2, 64), ("all_reduce_bias", 4, 16), ("all_reduce_bias", 8, 16),
+    ("all_reduce_bias_rms_norm", 2, 64), ("all_reduce_bias_rms_norm", 4, 16), ("all_reduce_bias_rms_norm", 8, 16),
+    ("all_reduce_bias", 3, 16), ("all_reduce_bias_rms_norm", 6, 16),
+]
+FRONT_DOORS = {  # op -> (front door module, one-shot module, two-shot module), under kraken.
+    "all_reduce": ("comm.all_reduce", "comm.one_shot_all_reduce", "comm.two_shot_all_reduce"),
+    "all_reduce_bias": ("fused.all_reduce_bias", "fused.one_shot_all_reduce_bias", "fused.two_shot_all_reduce_bias"),
+    "all_reduce_bias_rms_norm": ("fused.all_reduce_bias_rms_norm", "fused.one_shot_all_reduce_bias_rms_norm",
+                                 "fused.two_shot_all_reduce_bias_rms_norm"),
+}
+
+
+@pytest.mark.parametrize("op,world_size,last_one_shot", EXPECTED, ids=[f"{o}-ws{w}" for o, w, _ in EXPECTED])
+def test_choice_follows_the_table(op, world_size, last_one_shot):
+    assert crossover.choose(op, 1, world_size) == "one"
+    assert crossover.choose(op, last_one_shot, world_size) == "one"
+    assert crossover.choose(op, last_one_shot + 1, world_size) == "two"
+    assert crossover.choose(op, 64 * last_one_shot, world_size) == "two"
+    for shot in ("one", "two"):  # forced either way, at both ends
+        assert crossover.choose(op, 1, world_size, shot) == shot
+        assert crossover.choose(op, 64 * last_one_shot, world_size, shot) == shot
+
+
+@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
+def test_a_group_of_one_runs_one_shot_and_bad_choices_raise(op):
+    assert crossover.choose(op, 1 << 30, 1) == "one"
+    for world_size in (0, 9):
+        with pytest.raises(ValueError, match="world size"):
+            crossover.choose(op, 1, world_size)
+    with pytest.raises(ValueError, match="shot must be"):
+        crossover.choose(op, 1, 2, "three")
+
+
+def test_sizes_the_table_counts():
+    x = torch.empty(3, 5, 7)
+    assert crossover.size_of("all_reduce", x) == 105
+    assert crossover.size_of("all_reduce_bias", x) == 15 and crossover.size_of("all_reduce_bias_rms_norm", x) == 15
+    # Not a tensor, or no rows: 0 (one-shot), and the recipe's own checks then name the problem.
+    assert crossover.size_of("all_reduce_bias", [1, 2]) == 0 and crossover.size_of("all_reduce", torch.tensor(1.0)) == 0
+    assert crossover.size_of("all_reduce_bias", torch.empty(4, 0)) == 0
+
+
+@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
+@pytest.mark.parametrize("world_size,size", [(2, 8), (2, 1 << 22), (4, 8), (4, 1 << 22), (8, 100), (8, 1 << 20)])
+def test_plan_is_the_chosen_recipes_plan(op, world_size, size):
+    door, one, two = (importlib.import_module(f"kraken.{m}") for m in FRONT_DOORS[op])
+    twin = importlib.import_module(f"helion_ports.{FRONT_DOORS[op][0]}")
+    assert twin.plan is door.plan  # one plan, one choice
+    shot = crossover.choose(op, size, world_size)
+    args = (size, world_size) if op == "all_reduce" else (size, 4096, world_size)
+    assert door.plan(*args, {}) == {"shot": shot, **(one if shot == "one" else two).plan(*args, {})}
+    forced = "two" if shot == "one" else "one"
+    assert door.plan(*args, {"shot": forced}) == {"shot": forced, **(one if forced == "one" else two).plan(*args, {})}
+
+
+CALLS = {  # op -> (the kraken front door, how to call it on x)
+    "all_reduce": (kraken.all_reduce, lambda fn, x, **config: fn(x, **config)),
+    "all_reduce_bias": (kraken.fused.all_reduce_bias, lambda fn, x, **config: fn(x, torch.empty(x.shape[-1]), **config)),
+    "all_reduce_bias_rms_norm": (
+        kraken.fused.all_reduce_bias_rms_norm,
+        lambda fn, x, **config: fn(x, torch.empty(x.shape[-1]), torch.empty(x.shape[-1]), 1e-6, **config)),
+}
+
+
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
+def test_front_door_calls_the_chosen_recipe(monkeypatch, package, op):
+    """The call reaches the recipe the table names, with the caller's group and config less ``shot``."""
+    door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
+    fn = getattr(door, op)
+    assert fn is getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0].split('.')[0]}"), op)  # exported
+    calls = []
+    for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
+        name = FRONT_DOORS[op][1 if shot == "one" else 2].rsplit(".", 1)[1]
+        assert recipe.__name__ == f"{package}.{FRONT_DOORS[op][1 if shot == 'one' else 2]}"
+        monkeypatch.setattr(recipe, name, lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
+    world = {"size": 4}
+    monkeypatch.setattr(host, "world_size_of", lambda group, op_name: world["size"])
+    sizes = (8 * K, 64 * K) if op == "all_reduce" else (16, 32)  # one-shot and two-shot at 4 ranks
+    for world_size, size, expected in ((4, sizes[0], "one"), (4, sizes[1], "two"), (2, sizes[1], "one"),
+                                       (1, 64 * sizes[1], "one")):
+        world["size"] = world_size
+        x = torch.empty(size) if op == "all_reduce" else torch.empty(size, 96)
+        calls.clear()
+        CALLS[op][1](fn, x, block_size=1024)
+        ((shot, args, config),) = calls
+        assert shot == expected, (world_size, tuple(x.shape))
+        assert args[0] is x and config == {"block_size": 1024}
+        calls.clear()
+        CALLS[op][1](fn, x, shot="two" if expected == "one" else "one")
+        assert calls[0][0] != expected and calls[0][2] == {}
+
+
+def test_front_door_launch_reaches_the_chosen_kernel():
+    """``launch`` with ``plan``'s choice launches that recipe's kernel (CPU stand-ins, captured, not run)."""
+    from benchmark.ops.all_reduce import auto_example
+
+    for package in ("kraken", "helion_ports"):
+        door = importlib.import_module(f"{package}.comm.all_reduce")
+        for numel, expected in ((10007, "one_shot"), (1 << 20 | 7, "two_shot")):
+            with sm90.capture_launches() as launches:
+                auto_example(door, 4, shape=(numel,))
+            (launch,) = launches
+            assert expected in launch.kernel.fn.__name__ or expected in launch.kernel.__name__, (package, numel)
+
+
+# ---------------------------------------------------------------------------
+# The missing twin: helion_ports.comm.all_gather_with_progress
+# ---------------------------------------------------------------------------
+
+GATHER = "comm.all_gather_with_progress"
+
+
+def test_gather_twin_mirrors_its_recipe():
+    recipe, twin = (importlib.import_module(f"{p}.{GATHER}") for p in ("kraken", "helion_ports"))
+    assert helion_ports.comm.all_gather_with_progress is twin.all_gather_with_progress
+    for name in ("all_gather_with_progress", "start", "barrier"):
+        assert inspect.signature(getattr(twin, name)) == inspect.signature(getattr(recipe, name)), name
+    # What is host code is shared, not copied.
+    assert twin.GatherInProgress is recipe.GatherInProgress and twin.check_progress is recipe.check_progress
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_gather_twin_barrier_compiles_to_the_recipes_barrier(world_size):
+    """One block, one warp, block id 0, and the same system-scope CAS release/acquire pair as the recipe's."""
+    stats = []
+    for package in ("kraken", "helion_ports"):
+        module = importlib.import_module(f"{package}.{GATHER}")
+        with sm90.capture_launches() as launches:
+            module.barrier(sm90.FAKE_SIGNAL_PADS, world_size - 1, world_size)
+        (launch,) = launches
+        assert launch.kwargs.get("num_warps") == 1 and tuple(launch.grid) == (1,), package
+        stats.append(sm90.kernel_stats(launch))
+    recipe, twin = stats
+    assert sm90.barrier_opcodes(twin["ptx"]) == sm90.barrier_opcodes(recipe["ptx"])
+    assert dict(sm90.barrier_opcodes(recipe["ptx"])) == {
+        "atom.global.release.sys.cas.b32": 1, "atom.global.acquire.sys.cas.b32": 1}
+    assert twin["spill_bytes"] == 0
+
+
+def test_gather_twin_start_launches_only_the_helion_barrier():
+    """The twin hands the recipe's ``start`` a launcher that swaps the Triton barrier for the Helion one and
+    refuses any other kernel (``start`` launches nothing else)."""
+    twin = importlib.import_module(f"helion_ports.{GATHER}")
+    recipe = importlib.import_module(f"kraken.{GATHER}")
+    with sm90.capture_launches() as launches:
+        twin.HelionBarrier(host.jit_launch)(recipe.shard_barrier_kernel, (1,), sm90.FAKE_SIGNAL_PADS, 0, 2,
+                                            BLOCK_ID=recipe.BARRIER_BLOCK, num_warps=recipe.BARRIER_WARPS)
+    (launch,) = launches
+    assert launch.kernel is not recipe.shard_barrier_kernel
+    with pytest.raises(AssertionError):
+        twin.HelionBarrier(host.jit_launch)(object(), (1,), sm90.FAKE_SIGNAL_PADS, 0, 2, BLOCK_ID=0)
