@@ -45,7 +45,7 @@ def fp8_wgmma(ptx: str) -> set[str]:
     return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx))
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape_class", list(SHAPES))
 def test_both_kernels_compile_to_fp8_wgmma_and_match(shape_class, world_size):
     shape = SHAPES[shape_class]
@@ -56,9 +56,17 @@ def test_both_kernels_compile_to_fp8_wgmma_and_match(shape_class, world_size):
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert fp8_wgmma(stats["ptx"]), f"{stats['kernel']}: tl.dot did not become fp8 wgmma"
         # One flag wait per peer chunk: an acquire load at system scope, then the async-proxy fence before TMA.
-        assert dict(sm90.barrier_opcodes(stats["ptx"])) == {"ld.global.acquire.sys.u32": 1}
-        assert "fence.proxy.async.global" in stats["ptx"]
+        # A group of one has no peer chunk (its own rows are staged on its stream): the wait never runs, and
+        # Triton may compile it away.
+        waits = dict(sm90.barrier_opcodes(stats["ptx"]))
+        assert waits == {"ld.global.acquire.sys.u32": 1} or (world_size == 1 and not waits), waits
+        assert "fence.proxy.async.global" in stats["ptx"] or not waits
         assert stats["shared_bytes"] <= H200_SHARED_BYTES
+    if world_size * shape[0] < recipe.plan(*shape, world_size, {}, sm90.H200_NUM_SMS)["block_m"]:
+        # Helion 1.5 loads a tensor smaller than its box through pointers, not TMA: the gathered a of a group
+        # of one with fewer rows than a tile (the odd example's 100) is the one case where the GEMMs differ.
+        assert "cp.async.bulk.tensor" in h["ptx"]
+        return
     assert h["shared_bytes"] == t["shared_bytes"]
     assert fp8_wgmma(h["ptx"]) == fp8_wgmma(t["ptx"])
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor"):
@@ -152,7 +160,7 @@ def test_default_tiles_per_shape():
                      (512, 8192, 8192): (128, 256, 128, 8, 3)}
 
 
-@pytest.mark.parametrize("world_size", range(2, 9))
+@pytest.mark.parametrize("world_size", range(1, 9))
 def test_plan_is_well_formed(world_size):
     for m, n, k in [(1, 8, 16), (37, 100, 72), (4096, 14336, 8192)]:
         for config in ({}, {"max_blocks": 7}, {"block_m": 64, "block_n": 64, "block_k": 64, "group_m": 1}):

@@ -101,7 +101,7 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, 
     gathered = torch.empty(world_size * m, a.shape[1], dtype=dtype)
     out = torch.empty(world_size * m, n, dtype=dtype)
     progress = torch.zeros(world_size + module.STAGE_PIECES, dtype=torch.int32)
-    module.launch_matmul(gathered, b, out, progress, 1, world_size, b_trans, **cfg)
+    module.launch_matmul(gathered, b, out, progress, min(1, world_size - 1), world_size, b_trans, **cfg)
 
 
 # ---------------------------------------------------------------------------
@@ -134,5 +134,7 @@ register(
         floor_us=floor_us,
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
         reference_free=frozenset({"matmul"}),
+        library="matmul",  # the one-GPU core table's library column (world size 1)
+        work=lambda shape, dtype: (2.0 * shape[0] * shape[1] * shape[2], "flop"),
     )
 )

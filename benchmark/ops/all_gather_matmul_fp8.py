@@ -155,7 +155,8 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, b_layout: str = "auto"
     scale_b = torch.ones(()) if per_tensor_b else torch.ones(1, n)
     out = torch.empty(world_size * m, n, dtype=OUT_DTYPE)
     progress = torch.zeros(world_size + 4, dtype=torch.int32)
-    module.launch_matmul(gathered, b, scale_b, out, progress, 1, world_size, k, b_trans, **cfg)
+    module.launch_matmul(gathered, b, scale_b, out, progress, min(1, world_size - 1), world_size, k, b_trans,
+                         **cfg)
 
 
 # ---------------------------------------------------------------------------
@@ -189,5 +190,7 @@ register(
         floor_us=floor_us,
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
         reference_free=frozenset({"scaled_mm"}),
+        library="scaled_mm",  # the one-GPU core table's library column (world size 1)
+        work=lambda shape, dtype: (2.0 * shape[0] * shape[1] * shape[2], "flop"),
     )
 )

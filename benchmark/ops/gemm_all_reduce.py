@@ -7,6 +7,8 @@ dimension) and all need the summed [M, N] product, here in bf16. Backends:
   input dtype, rounded once), then ``dist.all_reduce`` on it in that dtype;
 * ``symm_mem``: ``torch.matmul`` straight into a symmetric buffer (input dtype),
   then torch's ``one_shot_all_reduce`` kernel;
+* ``matmul``: ``torch.matmul`` alone (cuBLAS), the floor column: this rank's partial
+  with no exchange, so the harness times it without checking it (``Op.reference_free``);
 * ``triton`` / ``helion``: the fused kraken recipe and its Helion twin, one
   launch each, ``out_dtype=bf16`` (so their workspace partials are bf16 too, the
   same bytes over NVLink as the baselines).
@@ -75,6 +77,10 @@ def symm_mem(i):
     return torch.ops.symm_mem.one_shot_all_reduce(i["symm"], "sum", dist.group.WORLD.group_name).to(OUT_DTYPE)
 
 
+def matmul(i):
+    return torch.matmul(i["a"], i["b"])
+
+
 def fused(package: str):
     path = f"{package}.{RECIPE}"
     fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
@@ -86,8 +92,10 @@ def fused(package: str):
 # ---------------------------------------------------------------------------
 
 
-def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, out_dtype=OUT_DTYPE) -> None:
-    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``)."""
+def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, out_dtype=OUT_DTYPE,
+            rank: int | None = None) -> None:
+    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``) as
+    ``rank`` (default 1, or 0 in a group of one)."""
     m, n, k = shape
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     cfg = module.plan(m, n, k, world_size, {}, H200_NUM_SMS)
@@ -97,7 +105,8 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, 
     parity, epochs = torch.zeros(H200_NUM_SMS, dtype=torch.int32), torch.zeros(H200_NUM_SMS, dtype=torch.int32)
     partials = torch.empty(H200_NUM_SMS, 2, *tile[1:])
     out = torch.empty(m, n, dtype=out_dtype)
-    module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, 1, parity, epochs, partials, FAKE_SIGNAL_PADS, **cfg)
+    rank = min(1, world_size - 1) if rank is None else rank
+    module.launch(a, b, peers, out, FAKE_SIGNAL_PADS, rank, parity, epochs, partials, FAKE_SIGNAL_PADS, **cfg)
 
 
 # ---------------------------------------------------------------------------
@@ -122,12 +131,16 @@ register(
         name="gemm_all_reduce",
         description="sum over ranks of a @ b (a [M, K], b [K, N]), bf16 out",
         make_inputs=make_inputs,
-        backends={"nccl": nccl, "symm_mem": symm_mem, "triton": fused("kraken"), "helion": fused("helion_ports")},
+        backends={"nccl": nccl, "symm_mem": symm_mem, "matmul": matmul, "triton": fused("kraken"),
+                  "helion": fused("helion_ports")},
         default_shapes=[(m, 4096, 4096) for m in (64, 128, 256, 512, 1024, 2048)] + [(128, 8192, 8192),
                                                                                      (512, 5120, 5120)],
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,
         floor_us=floor_us,
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
+        reference_free=frozenset({"matmul"}),  # this rank's partial alone: timed, not compared
+        library="matmul",  # the one-GPU core table's library column (world size 1)
+        work=lambda shape, dtype: (2.0 * shape[0] * shape[1] * shape[2], "flop"),
     )
 )

@@ -37,8 +37,9 @@ DEFAULT_SHAPES = [(1024, 6656, 2560), (2048, 14336, 4096), (8192, 14336, 4096), 
 
 
 def example_shape(world_size: int) -> tuple[int, int, int]:
-    """An odd-tailed shape whose M splits over ``world_size`` ranks: 37 rows per band."""
-    return (37 * world_size, EXAMPLE_N, EXAMPLE_K)
+    """An odd-tailed shape whose M splits over ``world_size`` ranks: 37 rows per band (a group of one: 74, so
+    that M is not smaller than a 64-row tile, which the Helion twin would load through pointers, not TMA)."""
+    return (37 * max(world_size, 2), EXAMPLE_N, EXAMPLE_K)
 
 
 # ---------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def fused(package: str):
 # ---------------------------------------------------------------------------
 
 
-def example(module, world_size: int, shape=None, dtype=torch.bfloat16, out_dtype=OUT_DTYPE, rank: int = 1,
+def example(module, world_size: int, shape=None, dtype=torch.bfloat16, out_dtype=OUT_DTYPE, rank: int | None = None,
             config: dict | None = None) -> None:
     """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``)."""
     m, n, k = shape or example_shape(world_size)
@@ -92,9 +93,11 @@ def example(module, world_size: int, shape=None, dtype=torch.bfloat16, out_dtype
     module.launch(a, b, *stand_ins(module, m, n, world_size, cfg, out_dtype, rank), **cfg)
 
 
-def stand_ins(module, m: int, n: int, world_size: int, cfg: dict, out_dtype, rank: int) -> tuple:
+def stand_ins(module, m: int, n: int, world_size: int, cfg: dict, out_dtype, rank: int | None) -> tuple:
     """CPU stand-ins for ``launch``'s (peers, out, signal_pad_ptrs, rank, parity, epochs): every rank's
-    workspace as ``prepare`` views it (``module.rounds_of``, ``module.chunk_tile``), this rank's band."""
+    workspace as ``prepare`` views it (``module.rounds_of``, ``module.chunk_tile``), this rank's band; ``rank``
+    None: 1, or 0 in a group of one."""
+    rank = min(1, world_size - 1) if rank is None else rank
     rounds = module.rounds_of(m, n, world_size, cfg)
     tile = module.chunk_tile(cfg, world_size)
     peers = tuple(torch.empty(2, H200_NUM_SMS, rounds, *tile, dtype=out_dtype) for _ in range(world_size))
@@ -133,5 +136,7 @@ register(
         floor_us=floor_us,
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
         reference_free=frozenset({"matmul"}),
+        library="matmul",  # the one-GPU core table's library column (world size 1)
+        work=lambda shape, dtype: (2.0 * shape[0] * shape[1] * shape[2], "flop"),
     )
 )

@@ -34,8 +34,9 @@ EXAMPLE_N, EXAMPLE_K = 200, 136
 
 
 def example_shape(world_size: int) -> tuple[int, int, int]:
-    """An odd-tailed shape whose M splits over ``world_size`` ranks: 37 rows per band."""
-    return (37 * world_size, EXAMPLE_N, EXAMPLE_K)
+    """An odd-tailed shape whose M splits over ``world_size`` ranks: 37 rows per band (a group of one: 74, so
+    that M is not smaller than a 64-row tile, which the Helion twin would load through pointers, not TMA)."""
+    return (37 * max(world_size, 2), EXAMPLE_N, EXAMPLE_K)
 
 
 def operands(shape, seed: int, rank: int, device="cuda", per_tensor: bool = False):
@@ -90,7 +91,7 @@ def fused(package: str):
 # ---------------------------------------------------------------------------
 
 
-def example(module, world_size: int, shape=None, out_dtype=OUT_DTYPE, rank: int = 1, per_tensor: bool = False,
+def example(module, world_size: int, shape=None, out_dtype=OUT_DTYPE, rank: int | None = None, per_tensor: bool = False,
             config: dict | None = None) -> None:
     """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``)."""
     m, n, k = shape or example_shape(world_size)
@@ -131,5 +132,7 @@ register(
         floor_us=floor_us,
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
         reference_free=frozenset({"scaled_mm"}),
+        library="scaled_mm",  # the one-GPU core table's library column (world size 1)
+        work=lambda shape, dtype: (2.0 * shape[0] * shape[1] * shape[2], "flop"),
     )
 )

@@ -270,8 +270,9 @@ def rounds_of(m: int, n: int, world_size: int, cfg: dict) -> int:
 
 def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
     """What block ``b``'s chunk of the workspace holds per round: a slot per sending peer, [world_size - 1,
-    BLOCK_M, BLOCK_N]."""
-    return (world_size - 1, cfg["block_m"], cfg["block_n"])
+    BLOCK_M, BLOCK_N]; a group of one has no sender but keeps one (unused) slot, so that its workspace, views
+    and barrier pads are those of any other group."""
+    return (max(world_size - 1, 1), cfg["block_m"], cfg["block_n"])
 
 
 def planned(a: torch.Tensor, b: torch.Tensor, group, config: dict, op: str, plan=plan) -> tuple[int, dict]:
