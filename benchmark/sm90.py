@@ -34,6 +34,11 @@ H200_NUM_SMS = 132
 FAKE_SIGNAL_PADS = 0x7F0000001000  # a device-address stand-in for the signal pads in CPU compile examples
 
 
+def example_rank(world_size: int) -> int:
+    """The rank a CPU compile example launches as: 1 (not the first, so rank offsets show), or 0 alone."""
+    return min(1, world_size - 1)
+
+
 @dataclass
 class Launch:
     kernel: JITFunction

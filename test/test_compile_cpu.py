@@ -13,7 +13,7 @@ import torch
 from benchmark import registry, sm90
 
 PAIRS = [(op.name, pair) for op in registry.load_all().values() for pair in op.pairs]
-WORLD_SIZES = (2, 3, 8)
+WORLD_SIZES = (1, 2, 3, 8)  # 1: a peer set of one, the same kernels
 
 
 def compiled_stats(module_path: str, pair: registry.Pair, world_size: int) -> list[dict]:

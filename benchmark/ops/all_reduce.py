@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from kraken import host
-from benchmark.sm90 import FAKE_SIGNAL_PADS
+from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 
 ONE_SHOT = "comm.one_shot_all_reduce"
 TWO_SHOT = "comm.two_shot_all_reduce"
@@ -48,16 +48,16 @@ def example(module, world_size: int, shape=(10007,)) -> None:
     peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
     cfg = module.plan(numel, world_size, {})
     if "shard" in cfg:
-        module.launch(peers, FAKE_SIGNAL_PADS, 1, **cfg)
+        module.launch(peers, FAKE_SIGNAL_PADS, example_rank(world_size), **cfg)
     else:
-        module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, 1, **cfg)
+        module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, example_rank(world_size), **cfg)
 
 
 def auto_example(module, world_size: int, shape=(10007,)) -> None:
     """A CPU stand-in launch of the front door (or its twin): the recipe its ``plan`` picks at this size."""
     (numel,) = shape
     peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
-    module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, 1, **module.plan(numel, world_size, {}))
+    module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, example_rank(world_size), **module.plan(numel, world_size, {}))
 
 
 def nvlink_bytes(shape, dtype, world_size):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from kraken import host
-from benchmark.sm90 import FAKE_SIGNAL_PADS
+from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 from kraken.comm.one_shot_all_reduce import one_shot_all_reduce
 from kraken.fused.rms_norm import rms_norm
 
@@ -131,7 +131,7 @@ def example_launch(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfl
     copies = 2 if "shard" in cfg else 1  # two-shot workspaces: [staged x | result]
     peers = tuple(torch.empty(copies * x.numel(), dtype=dtype) for _ in range(world_size))
     norm_args = (weight, EPS) if module.__name__.endswith("_rms_norm") else ()
-    module.launch(x, bias, *norm_args, peers, out, FAKE_SIGNAL_PADS, 1, **cfg)
+    module.launch(x, bias, *norm_args, peers, out, FAKE_SIGNAL_PADS, example_rank(world_size), **cfg)
 
 
 def pairs(norm: bool) -> list[Pair]:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import triton
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
-from benchmark.sm90 import FAKE_SIGNAL_PADS
+from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 from kraken import host
 
 DISPATCH, COMBINE = "comm.moe_dispatch", "comm.moe_combine"
@@ -181,8 +181,9 @@ def example_shape(world_size: int) -> tuple[int, ...]:
     return (37, 129, 2 * world_size, 2, UNIFORM)  # odd: every tail masked, nothing 16-byte aligned
 
 
-def example_handle(module_path: str, world_size: int, shape, rank: int = 1):
+def example_handle(module_path: str, world_size: int, shape, rank: int | None = None):
     num_tokens, hidden, num_experts, top_k, _ = shape
+    rank = example_rank(world_size) if rank is None else rank
     dispatch = importlib.import_module(f"kraken.{DISPATCH}")
     capacity = 2 * num_tokens * top_k
     cfg = dispatch.plan(num_tokens, top_k, hidden, num_experts, world_size, {})
@@ -200,7 +201,7 @@ def dispatch_example(module, world_size: int, shape=None) -> None:
     shape = shape or example_shape(world_size)
     check_shape(shape, world_size)
     tokens, ids, handle, counts_ctx, cfg = example_handle(module.__name__, world_size, shape)
-    module.launch(tokens, ids, handle, counts_ctx, 1, **cfg)
+    module.launch(tokens, ids, handle, counts_ctx, example_rank(world_size), **cfg)
 
 
 def combine_example(module, world_size: int, shape=None) -> None:
@@ -211,7 +212,7 @@ def combine_example(module, world_size: int, shape=None) -> None:
     combine = importlib.import_module(f"kraken.{COMBINE}")
     cfg = combine.plan(num_tokens, hidden, world_size, {})
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
-    module.launch(out, torch.rand(num_tokens, top_k), handle, 1, **cfg)
+    module.launch(out, torch.rand(num_tokens, top_k), handle, example_rank(world_size), **cfg)
 
 
 def routed_rows(i: dict) -> torch.Tensor:

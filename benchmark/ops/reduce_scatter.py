@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from kraken import host
-from benchmark.sm90 import FAKE_SIGNAL_PADS
+from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 
 RECIPE = "comm.reduce_scatter"
 EXAMPLE_SHARD = 10007  # odd: every tail is masked and nothing is 16-byte aligned
@@ -58,7 +58,7 @@ def example(module, world_size: int, shape=None) -> None:
         raise ValueError(f"reduce_scatter example: NUMEL = {numel} is not divisible by the world size {world_size}")
     peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
     out = torch.empty(numel // world_size, dtype=torch.bfloat16)
-    module.launch(peers, out, FAKE_SIGNAL_PADS, 1, **module.plan(numel, world_size, {}))
+    module.launch(peers, out, FAKE_SIGNAL_PADS, example_rank(world_size), **module.plan(numel, world_size, {}))
 
 
 def nvlink_bytes(shape, dtype, world_size):

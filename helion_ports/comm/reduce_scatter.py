@@ -50,8 +50,9 @@ def reduce_scatter_body(
         # one-shot all-reduce twin for what a separate mask cost).
         for tile in hl.tile(start, min(start + chunk, shard)):
             acc = hl.load(peers[0], [tile]).to(torch.float32)
-            for r in hl.static_range(1, world_size):  # rank order, from rank 0's value, as in the recipe
-                acc = acc + hl.load(peers[r], [tile]).to(torch.float32)
+            for r in hl.static_range(world_size):  # not (1, world_size): docs/helion-notes.md
+                if r > 0:  # rank order, from rank 0's value, as in the recipe (folded at compile time)
+                    acc = acc + hl.load(peers[r], [tile]).to(torch.float32)
             hl.store(out, [tile], acc.to(out.dtype))
         hl.inline_triton(SYNC_END, args=barrier, output_like=None)
     return out

@@ -55,8 +55,9 @@ def one_shot_all_reduce_bias_body(
         hl.inline_triton(SYNC_STAGED, args=barrier, output_like=None)
         for tile in hl.tile(start, min(start + chunk, numel)):
             acc = hl.load(peers[0], [tile]).to(torch.float32)
-            for r in hl.static_range(1, world_size):
-                acc = acc + hl.load(peers[r], [tile]).to(torch.float32)
+            for r in hl.static_range(world_size):  # not (1, world_size): docs/helion-notes.md
+                if r > 0:  # rank order, from rank 0's value, as in the recipe (folded at compile time)
+                    acc = acc + hl.load(peers[r], [tile]).to(torch.float32)
             acc = acc + hl.load(bias, [tile.index % hidden]).to(torch.float32)
             hl.store(out, [tile], acc.to(out.dtype))
         hl.inline_triton(SYNC_DONE, args=barrier, output_like=None)

@@ -53,8 +53,9 @@ def two_shot_all_reduce_bias_body(
         start = rank * shard + block * chunk
         for tile in hl.tile(start, min(start + chunk, min(rank * shard + shard, numel))):
             acc = hl.load(peers[0], [0, tile]).to(torch.float32)
-            for r in hl.static_range(1, world_size):
-                acc = acc + hl.load(peers[r], [0, tile]).to(torch.float32)
+            for r in hl.static_range(world_size):  # not (1, world_size): docs/helion-notes.md
+                if r > 0:  # rank order, from rank 0's value, as in the recipe (folded at compile time)
+                    acc = acc + hl.load(peers[r], [0, tile]).to(torch.float32)
             acc = acc + hl.load(bias, [tile.index % hidden]).to(torch.float32)
             result = acc.to(out.dtype)
             for r in hl.static_range(world_size):

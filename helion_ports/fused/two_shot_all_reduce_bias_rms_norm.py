@@ -62,8 +62,9 @@ def two_shot_all_reduce_bias_rms_norm_body(
             valid = ((rows.index < tokens) & (rows.index < rank * shard + shard))[:, None]
             # Start from rank 0's row (as sum_peers does): hl.zeros([rows, hidden]) would need hidden specialized.
             h = hl.load(peers[0], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
-            for r in hl.static_range(1, world_size):
-                h = h + hl.load(peers[r], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
+            for r in hl.static_range(world_size):  # not (1, world_size): docs/helion-notes.md
+                if r > 0:  # rank order, from rank 0's value, as in the recipe (folded at compile time)
+                    h = h + hl.load(peers[r], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
             h = h + bias_row
             y = rms_normalize(h, weight_row, eps).to(out.dtype)
             for r in hl.static_range(world_size):
