@@ -1,0 +1,69 @@
+"""GPU tests of the tp_mlp block (``benchmark/ops/tp_mlp.py``): every backend against float64 on odd and
+Llama-like shapes scaled down, twice (the same bits), the recipes and twins also in CUDA-graph replays; the
+async-TP backend must really run torch's fused ops (inductor's generated code names them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gpu_utils import assert_close, check_graph_replays, heartbeat, needs_gpus, run_on_gpus
+
+pytestmark = needs_gpus
+BF16 = torch.bfloat16
+
+
+def shapes(world_size: int) -> list[tuple[int, int, int]]:
+    """(TOKENS, HIDDEN, FFN) of the layer: odd rows per rank and an FFN slice off the tiles; then 8B's proportions
+    (FFN = 3.5 HIDDEN) at a tenth of the size."""
+    return [(world_size * 37, 256, world_size * 136), (world_size * 128, 512, 1792)]
+
+
+def worker(backend: str) -> None:
+    from benchmark.ops import tp_mlp
+
+    fn = tp_mlp.BACKENDS[backend]
+    for seed, shape in enumerate(shapes(dist.get_world_size())):
+        what = f"tp_mlp {backend} {shape}"
+        heartbeat(what)
+        inputs = tp_mlp.make_inputs(shape, BF16, seed)
+        if backend == "torch_async_tp" and seed == 0:
+            from torch._inductor.utils import run_and_get_code
+
+            out, code = run_and_get_code(tp_mlp.async_tp(dist.group.WORLD), inputs["x"], inputs["w_gate_up"],
+                                         inputs["w_down"])
+            code = "\n".join(code)
+            for op in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+                assert op in code, f"{what}: inductor did not rewrite the block into {op}"
+        out = fn(inputs).clone()
+        again = fn(inputs)
+        torch.cuda.synchronize()
+        assert_close(out, tp_mlp.reference(shape, BF16, seed, dist.get_rank(), dist.get_world_size()).to(BF16),
+                     what)
+        assert torch.equal(out, again), f"{what}: a second call on the same inputs differs"
+    if backend in ("triton", "helion"):
+        shape = shapes(dist.get_world_size())[0]
+        slots = [tp_mlp.make_inputs(shape, BF16, 10 + s) for s in range(3)]
+        inputs = [(i["x"], i["w_gate_up"], i["w_down"]) for i in slots]
+        block = lambda x, w_gate_up, w_down: fn({"x": x, "w_gate_up": w_gate_up, "w_down": w_down, "group": None})
+        check_graph_replays(f"tp_mlp {backend}", block, inputs, range(3))
+
+
+def test_tp_mlp_nccl():
+    run_on_gpus(worker, "nccl", name="tp_mlp nccl")
+
+
+def test_tp_mlp_torch_fused():
+    run_on_gpus(worker, "torch_fused", name="tp_mlp torch_fused")
+
+
+def test_tp_mlp_torch_async_tp():
+    run_on_gpus(worker, "torch_async_tp", name="tp_mlp torch_async_tp")
+
+
+def test_tp_mlp_triton():
+    run_on_gpus(worker, "triton", name="tp_mlp triton")
+
+
+def test_tp_mlp_helion():
+    run_on_gpus(worker, "helion", name="tp_mlp helion")
