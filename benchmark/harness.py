@@ -50,7 +50,10 @@ class Settings:
     l2_flush: bool = False
     seed: int = 0
     host_calls: int = 20
-    loop_calls: int = 20  # back-to-back calls of the eager-loop measurement (what a Python loop sees)
+    # Back-to-back calls of the eager-loop measurement (what a Python loop sees): about LOOP_US of GPU work,
+    # between loop_calls and max_loop_calls (a few calls of a 300-ms attention, 200 of a 5-us collective).
+    loop_calls: int = 20
+    max_loop_calls: int = 200
 
 
 @dataclass
@@ -98,6 +101,15 @@ def host_cost_us(fn: Callable[[], object], calls: int) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+LOOP_US = 5000.0
+
+
+def loop_calls(gpu_us: float, settings: Settings) -> int:
+    """How many calls the eager loop makes: about ``LOOP_US`` of GPU work, within the settings' bounds (the same
+    on every rank: ``gpu_us`` is the slowest rank's)."""
+    return int(min(settings.max_loop_calls, max(settings.loop_calls, LOOP_US // max(gpu_us, 1e-3))))
 
 
 def eager_loop_us(fn: Callable[[], object], calls: int) -> float:
@@ -192,7 +204,8 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
                 row.host_us = _slowest(host_cost_us(lambda: fn(inputs), settings.host_calls))
                 row.us = _slowest(device_time_us(lambda: fn(inputs), settings, row.host_us))
                 if not settings.cuda_graph:
-                    row.loop_us = _slowest(eager_loop_us(lambda: fn(inputs), settings.loop_calls))
+                    calls = loop_calls(row.us, settings)
+                    row.loop_us = _slowest(eager_loop_us(lambda: fn(inputs), calls))
                 row.gbps = nbytes / (row.us * 1e3)
             rows.append(row)
     return rows
