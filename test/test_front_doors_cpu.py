@@ -76,12 +76,11 @@ def test_plan_is_the_chosen_recipes_plan(op, world_size, size):
     assert door.plan(*args, {"shot": forced}) == {"shot": forced, **(one if forced == "one" else two).plan(*args, {})}
 
 
-CALLS = {  # op -> (the kraken front door, how to call it on x)
-    "all_reduce": (kraken.all_reduce, lambda fn, x, **config: fn(x, **config)),
-    "all_reduce_bias": (kraken.fused.all_reduce_bias, lambda fn, x, **config: fn(x, torch.empty(x.shape[-1]), **config)),
-    "all_reduce_bias_rms_norm": (
-        kraken.fused.all_reduce_bias_rms_norm,
-        lambda fn, x, **config: fn(x, torch.empty(x.shape[-1]), torch.empty(x.shape[-1]), 1e-6, **config)),
+CALLS = {  # op -> how to call its front door ``fn`` on x
+    "all_reduce": lambda fn, x, **config: fn(x, **config),
+    "all_reduce_bias": lambda fn, x, **config: fn(x, torch.empty(x.shape[-1]), **config),
+    "all_reduce_bias_rms_norm": lambda fn, x, **config: fn(x, torch.empty(x.shape[-1]), torch.empty(x.shape[-1]),
+                                                          1e-6, **config),
 }
 
 
@@ -105,12 +104,12 @@ def test_front_door_calls_the_chosen_recipe(monkeypatch, package, op):
         world["size"] = world_size
         x = torch.empty(size) if op == "all_reduce" else torch.empty(size, 96)
         calls.clear()
-        CALLS[op][1](fn, x, block_size=1024)
+        CALLS[op](fn, x, block_size=1024)
         ((shot, args, config),) = calls
         assert shot == expected, (world_size, tuple(x.shape))
         assert args[0] is x and config == {"block_size": 1024}
         calls.clear()
-        CALLS[op][1](fn, x, shot="two" if expected == "one" else "one")
+        CALLS[op](fn, x, shot="two" if expected == "one" else "one")
         assert calls[0][0] != expected and calls[0][2] == {}
 
 
@@ -137,8 +136,11 @@ GATHER = "comm.all_gather_with_progress"
 def test_gather_twin_mirrors_its_recipe():
     recipe, twin = (importlib.import_module(f"{p}.{GATHER}") for p in ("kraken", "helion_ports"))
     assert helion_ports.comm.all_gather_with_progress is twin.all_gather_with_progress
-    for name in ("all_gather_with_progress", "start", "barrier"):
+    for name in ("all_gather_with_progress", "start"):
         assert inspect.signature(getattr(twin, name)) == inspect.signature(getattr(recipe, name)), name
+    # The twin's barrier also takes Helion's process-group name, after the recipe's arguments.
+    recipe_params = list(inspect.signature(recipe.barrier).parameters.values())
+    assert list(inspect.signature(twin.barrier).parameters.values())[:len(recipe_params)] == recipe_params
     # What is host code is shared, not copied.
     assert twin.GatherInProgress is recipe.GatherInProgress and twin.check_progress is recipe.check_progress
 

@@ -9,13 +9,16 @@ front doors (auto and both forced), their Helion twins, the copy-engine gather a
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_utils import POISON, WORLD_SIZE, assert_close, heartbeat, needs_gpus, run_on_gpus
+from check_all import check_all
+from benchmark.launch import spawn
+from gpu_utils import POISON, WORLD_SIZE, assert_close, heartbeat, needs_gpus
 
 pytestmark = [
     needs_gpus,
@@ -154,12 +157,11 @@ def mesh_worker() -> None:
         g = Group(mesh.get_group(dim), dim)
         others = [r for r in range(dist.get_world_size()) if r not in g.members]
         assert g.size == mesh.size(mesh.mesh_dim_names.index(dim)) and others, (dim, g.members)
-        for package in ("kraken", "helion_ports"):
-            check_front_doors(package, g, seed=100)
-            check_collectives(package, g, seed=200)
-            check_gemms(package, g, seed=300)
-            check_tp_mlp(package, g, seed=400)
+        check_all([(f"{package} {check.__name__} on {dim}", functools.partial(check, package, g, seed))
+                   for package in ("kraken", "helion_ports")
+                   for check, seed in ((check_front_doors, 100), (check_collectives, 200), (check_gemms, 300),
+                                       (check_tp_mlp, 400))])
 
 
 def test_every_op_on_both_mesh_dimensions_at_once():
-    run_on_gpus(mesh_worker, name="mesh")
+    spawn(mesh_worker, name="mesh", stall_s=180.0)  # Helion compiles with ranks sharing a host

@@ -4,10 +4,14 @@ async-TP backend must really run torch's fused ops (inductor's generated code na
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-from gpu_utils import assert_close, check_graph_replays, heartbeat, needs_gpus, run_on_gpus
+from benchmark.launch import spawn
+from check_all import check_all
+from gpu_utils import assert_close, check_graph_replays, heartbeat, needs_gpus
 
 pytestmark = needs_gpus
 BF16 = torch.bfloat16
@@ -49,21 +53,13 @@ def worker(backend: str) -> None:
         check_graph_replays(f"tp_mlp {backend}", block, inputs, range(3))
 
 
-def test_tp_mlp_nccl():
-    run_on_gpus(worker, "nccl", name="tp_mlp nccl")
+BACKENDS = ("nccl", "triton", "helion", "torch_fused", "torch_async_tp")  # the compile last
 
 
-def test_tp_mlp_torch_fused():
-    run_on_gpus(worker, "torch_fused", name="tp_mlp torch_fused")
+def all_backends_worker() -> None:
+    check_all([(backend, functools.partial(worker, backend)) for backend in BACKENDS])
 
 
-def test_tp_mlp_torch_async_tp():
-    run_on_gpus(worker, "torch_async_tp", name="tp_mlp torch_async_tp")
-
-
-def test_tp_mlp_triton():
-    run_on_gpus(worker, "triton", name="tp_mlp triton")
-
-
-def test_tp_mlp_helion():
-    run_on_gpus(worker, "helion", name="tp_mlp helion")
+def test_tp_mlp_every_backend():
+    # torch.compile of the async-TP block can take minutes with ranks sharing a GPU's host: a longer stall limit.
+    spawn(all_backends_worker, name="tp_mlp", stall_s=300.0)

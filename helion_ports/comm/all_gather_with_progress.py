@@ -48,23 +48,24 @@ def compiled() -> helion.Kernel:
 _anchors: dict[torch.device, torch.Tensor] = {}
 
 
-def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=host.jit_launch) -> None:
-    """One cross-rank barrier on the current stream (one block, one warp); mirrors the recipe's ``barrier``."""
+def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=host.jit_launch, group_name: str = "") -> None:
+    """One cross-rank barrier on the current stream (one block, one warp); mirrors the recipe's ``barrier``
+    (``group_name``: Helion's ``hl.ProcessGroupName``, unused by the recipe)."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     anchor = _anchors.setdefault(device, torch.empty(0, dtype=torch.int32, device=device))
-    run(compiled(), (anchor, signal_pad_ptrs, rank, world_size, ""), launcher)
+    run(compiled(), (anchor, signal_pad_ptrs, rank, world_size, group_name), launcher)
 
 
 class HelionBarrier:
     """A launcher for the recipe's ``start``: where it launches its Triton barrier (the only kernel it
     launches), run the Helion barrier instead, through ``launcher``."""
 
-    def __init__(self, launcher):
-        self.launcher = launcher
+    def __init__(self, launcher, group_name: str = ""):
+        self.launcher, self.group_name = launcher, group_name
 
     def __call__(self, kernel, grid, signal_pad_ptrs, rank, world_size, **meta):
         assert kernel is shard_barrier_kernel and tuple(grid) == (1,) and meta["BLOCK_ID"] == BARRIER_BLOCK, kernel
-        barrier(signal_pad_ptrs, rank, world_size, self.launcher)
+        barrier(signal_pad_ptrs, rank, world_size, self.launcher, self.group_name)
 
 
 def start(
@@ -107,4 +108,5 @@ def all_gather_with_progress(
         progress = torch.empty(ctx.world_size, dtype=torch.int32, device=shard.device)
     else:
         check_progress(progress, ctx.world_size, shard.device, OP)
-    return start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress)
+    return recipe_start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress,
+                        launcher=HelionBarrier(host.jit_launch, ctx.group_name))
