@@ -359,6 +359,23 @@ def symm_workspace(
     return buf[:numel]
 
 
+_symmetric_storages: tuple[int, frozenset] = (0, frozenset())  # (len(_contexts) when built, their storages)
+
+
+def is_symmetric(tensor: object) -> bool:
+    """Whether ``tensor`` lies in a symmetric allocation that ``symm_context`` has rendezvoused (every
+    ``symm_empty`` tensor, and any view of one a recipe took before): a storage lookup, about 0.3 us, no
+    collective. A symmetric tensor that torch allocated and no recipe has seen yet reads False; a recipe
+    then stages it as it stages an ordinary tensor (correct, one copy more). The storages stay alive
+    (``_contexts`` holds them), so their ids are never reused by an ordinary tensor's."""
+    global _symmetric_storages
+    built, storages = _symmetric_storages
+    if built != len(_contexts):
+        storages = frozenset(key[1] for key in _contexts)
+        _symmetric_storages = (len(_contexts), storages)
+    return isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata in storages
+
+
 # ---------------------------------------------------------------------------
 # Block-owned, double-buffered symmetric workspace (kernels with no trailing barrier)
 # ---------------------------------------------------------------------------

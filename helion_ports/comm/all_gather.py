@@ -21,7 +21,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, flat_view, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.all_gather import plan, prepare  # shared with the Triton recipe
+from kraken.comm.all_gather import plan, prepare, prepare_staged  # shared with the Triton recipe
+from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' shards are ready" (acquire) and "done reading peers" (release).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -71,8 +72,12 @@ def launch(
     chunk: int,
     group_name: str = "",
     launcher=host.jit_launch,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.all_gather.launch``."""
+    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.all_gather.launch`` (an ordinary ``x`` is staged by a
+    copy launch: ``staging.stage_by_copy``)."""
+    if x is not None:
+        stage_by_copy(peers, rank, x)
     flat = views(peers, -1)
     sources = flat[rank + 1:] + flat[:rank + 1]
     args = (
@@ -84,6 +89,10 @@ def launch(
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """Every rank's ``tensor`` stacked along the first dimension in rank order (see the kraken recipe)."""
-    ctx, launch_cfg = prepare(tensor, group, "helion all_gather", config)
+    staged = not host.is_symmetric(tensor)
+    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "helion all_gather", config)
     out = tensor.new_empty((ctx.world_size * tensor.shape[0], *tensor.shape[1:]))
-    return launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return launch(
+        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
+        x=tensor if staged else None,
+    )

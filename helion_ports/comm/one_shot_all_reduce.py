@@ -24,7 +24,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, flat_view, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.one_shot_all_reduce import plan, prepare  # shared with the Triton recipe
+from kraken.comm.one_shot_all_reduce import plan, prepare, prepare_staged  # shared with the Triton recipe
+from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -78,8 +79,12 @@ def launch(
     chunk: int,
     group_name: str = "",
     launcher=host.jit_launch,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.one_shot_all_reduce.launch``."""
+    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.one_shot_all_reduce.launch`` (an ordinary
+    ``x`` is staged by a copy launch: ``staging.stage_by_copy``)."""
+    if x is not None:
+        stage_by_copy(peers, rank, x)
     flat_peers = views(peers, -1)
     args = (flat_peers, flat_view(out), signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name)
     run(compiled(block_size, num_warps), args, launcher)
@@ -90,6 +95,10 @@ def one_shot_all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """Sum ``tensor`` over the group; returns a new tensor (see the kraken recipe)."""
-    ctx, launch_cfg = prepare(tensor, group, "helion one_shot_all_reduce", config)
+    staged = not host.is_symmetric(tensor)
+    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "helion one_shot_all_reduce", config)
     out = torch.empty_like(tensor)
-    return launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return launch(
+        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
+        x=tensor if staged else None,
+    )

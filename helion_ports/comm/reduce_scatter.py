@@ -20,7 +20,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, flat_view, run
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.reduce_scatter import plan, prepare  # shared with the Triton recipe
+from kraken.comm.reduce_scatter import plan, prepare, prepare_staged  # shared with the Triton recipe
+from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -75,8 +76,12 @@ def launch(
     chunk: int,
     group_name: str = "",
     launcher=host.jit_launch,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.reduce_scatter.launch``."""
+    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.reduce_scatter.launch`` (an ordinary ``x`` is staged by a
+    copy launch: ``staging.stage_by_copy``)."""
+    if x is not None:
+        stage_by_copy(peers, rank, x)
     args = (
         flat_view(out), shard_views(peers, rank, out.numel()), signal_pad_ptrs, num_blocks, chunk, rank, len(peers),
         group_name,
@@ -105,6 +110,10 @@ def shard_views(peers: tuple[torch.Tensor, ...], rank: int, shard: int) -> tuple
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """This rank's ``[M / world_size, ...]`` rows of the sum over the group (see the kraken recipe)."""
-    ctx, launch_cfg = prepare(tensor, group, "helion reduce_scatter", config)
+    staged = not host.is_symmetric(tensor)
+    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "helion reduce_scatter", config)
     out = tensor.new_empty((tensor.shape[0] // ctx.world_size, *tensor.shape[1:]))
-    return launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return launch(
+        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
+        x=tensor if staged else None,
+    )

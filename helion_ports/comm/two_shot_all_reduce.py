@@ -18,7 +18,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.two_shot_all_reduce import plan, prepare  # shared with the Triton recipe
+from kraken.comm.two_shot_all_reduce import plan, prepare, prepare_staged  # shared with the Triton recipe
+from kraken.comm.staging import stage_by_copy
 
 # "Peers' inputs are ready" (acquire), then "my pushes are visible / yours are" (release + acquire).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -76,19 +77,30 @@ def launch(
     chunk: int,
     group_name: str = "",
     launcher=host.jit_launch,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch``."""
+    """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch`` (an ordinary
+    ``x`` is staged by a copy launch, ``staging.stage_by_copy``, and the sum copied back into it)."""
+    if x is not None:
+        stage_by_copy(peers, rank, x)
     flat_peers = views(peers, -1)
     args = (
         flat_peers[rank], flat_peers, signal_pad_ptrs, num_blocks, shard, chunk, rank, len(peers), group_name,
     )
     run(compiled(block_size, num_warps), args, launcher)
-    return peers[rank]
+    if x is None:
+        return peers[rank]
+    return x.copy_(peers[rank].view(x.shape))
 
 
 def two_shot_all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """Sum ``tensor`` over the group in place and return it (see the kraken recipe)."""
-    ctx, launch_cfg = prepare(tensor, group, "helion two_shot_all_reduce", config)
-    return launch(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    staged = not host.is_symmetric(tensor)
+    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "helion two_shot_all_reduce", config)
+    launch(
+        ctx.peers, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
+        x=tensor if staged else None,
+    )
+    return tensor

@@ -19,6 +19,10 @@ uses barrier slot ``b``:
    quickest, is issued after the remote ones;
 3. barrier (release): "I am done reading your shard", so when the kernel
    returns every rank may overwrite its input.
+
+An ordinary tensor (not in symmetric memory) is staged (``kraken.comm.staging``):
+block ``b`` first copies chunk ``b`` of it into kraken's symmetric workspace,
+and its first barrier releases those writes; the peers are the workspace.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import triton.language as tl
 
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
+from kraken.comm import staging
+from kraken.comm.one_shot_all_reduce import copy_slice
 from kraken.comm.reduce_scatter import MAX_NUMEL, shard_plan
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): the best at 4M and 32M
@@ -43,17 +49,23 @@ DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 132}
 def all_gather_kernel(
     sources,  # tuple of world_size pointers: ranks rank+1, rank+2, ..., rank (own shard last)
     out_ptr,  # world_size * shard elements
+    x_ptr,  # STAGED: the ordinary input, copied into workspace_ptr first
+    workspace_ptr,  # STAGED: this rank's workspace (= sources[world_size - 1])
     signal_pad_ptrs,
     shard,  # elements per rank
     chunk,  # elements per block, a multiple of CHUNK_ALIGN
     rank,
     world_size: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    STAGED: tl.constexpr,
 ):
     block_id = tl.program_id(0)
-    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=False, hasSubsequentMemAccess=True)
     start = block_id * chunk
     end = tl.minimum(start + chunk, shard)
+    if STAGED:  # the peers' block b reads exactly chunk b
+        copy_slice(x_ptr, workspace_ptr, start, end, BLOCK_SIZE)
+    # Acquire: every peer's shard is complete (staged: release mine too).
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=STAGED, hasSubsequentMemAccess=True)
     for offset in tl.range(start, end, BLOCK_SIZE):
         offsets = offset + tl.arange(0, BLOCK_SIZE)
         mask = offsets < end
@@ -77,16 +89,19 @@ def launch(
     chunk: int,
     group_name: str = "",
     launcher=host.jit_launch,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
     ``peers[r]`` is rank r's shard; ``out`` has ``world_size`` shards. ``group_name`` is unused
-    here; Helion takes it as its ``hl.ProcessGroupName``.
+    here; Helion takes it as its ``hl.ProcessGroupName``. ``x``: an ordinary input to stage into
+    ``peers[rank]`` (the workspace) first; None when the peers are the input.
     """
+    local = peers[rank]
     sources = peers[rank + 1:] + peers[:rank + 1]
     launcher(
-        all_gather_kernel, (num_blocks,), sources, out, signal_pad_ptrs, peers[rank].numel(), chunk, rank, len(peers),
-        BLOCK_SIZE=block_size, num_warps=num_warps,
+        all_gather_kernel, (num_blocks,), sources, out, local if x is None else x, local, signal_pad_ptrs,
+        local.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, STAGED=x is not None, num_warps=num_warps,
     )
     return out
 
@@ -110,25 +125,33 @@ def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
         )
 
 
-@host.per_signature(host.symmetric_key)
-def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
-    with host.agreed(op, group, tensor=tensor, config=config):  # every rank raises if any rank's input is bad
+def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
+    """Validate and agree (first call of a signature), plan."""
+    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
         host.check_tensor(tensor, "tensor", op)
         world_size = host.world_size_of(group, op)
         check_shape(tuple(tensor.shape), world_size, op)
         launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return host.symm_context(tensor, group, op), {**launch_cfg, "launcher": host.Launcher(op)}
+    return launch_cfg
+
+
+# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
+prepare, prepare_staged = staging.prepares(check)
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """Every rank's ``tensor`` stacked along the first dimension in rank order, as a new
     ``[world_size * M, ...]`` tensor.
 
-    ``tensor`` (this rank's shard, ``[M, ...]``) must live in symmetric memory
-    (``kraken.symm_empty``), bf16/fp16/fp32; it is left unchanged. ``config`` overrides
-    ``DEFAULT_CONFIG``.
+    ``tensor`` (this rank's shard, ``[M, ...]``): contiguous, bf16/fp16/fp32, on the GPU; in symmetric
+    memory (``kraken.symm_empty``) it is read in place, otherwise staged inside the kernel; it is left
+    unchanged. ``config`` overrides ``DEFAULT_CONFIG``.
     """
-    ctx, launch_cfg = prepare(tensor, group, "all_gather", config)
+    staged = not host.is_symmetric(tensor)
+    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "all_gather", config)
     out = tensor.new_empty((ctx.world_size * tensor.shape[0], *tensor.shape[1:]))
-    return launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return launch(
+        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
+        x=tensor if staged else None,
+    )

@@ -15,6 +15,11 @@ chunks. Block ``b`` of every rank handles chunk ``b`` and uses barrier slot
    every rank), accumulate in fp32, write the local output;
 3. barrier (release): "I am done reading your buffer", so when the kernel
    returns every rank may overwrite its input.
+
+An ordinary tensor (not in symmetric memory) is staged (``kraken.comm.staging``):
+block ``b`` copies chunk ``b`` of it into kraken's symmetric workspace before
+its first barrier, which then also releases those writes; the peers are the
+workspace. A symmetric tensor is read in place.
 """
 
 from __future__ import annotations
@@ -26,26 +31,42 @@ import triton.language as tl
 
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
+from kraken.comm import staging
 
 # Tuned on 2x H200 with benchmark/tune.py (within 3% of the best config at every size, 4K..4M bf16).
 DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 64}
 
 
 @triton.jit
+def copy_slice(src_ptr, dst_ptr, start, end, BLOCK_SIZE: tl.constexpr):
+    """``dst[start:end] = src[start:end]``, one tile at a time (an empty range copies nothing)."""
+    for offset in tl.range(start, end, BLOCK_SIZE):
+        offsets = offset + tl.arange(0, BLOCK_SIZE)
+        mask = offsets < end
+        tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask), mask=mask)
+
+
+@triton.jit
 def one_shot_all_reduce_kernel(
     peers,  # tuple of world_size pointers, peers[r] = rank r's buffer
     out_ptr,
+    x_ptr,  # STAGED: the ordinary input, copied into workspace_ptr first
+    workspace_ptr,  # STAGED: this rank's workspace (= peers[rank])
     signal_pad_ptrs,
     numel,
     chunk,  # elements per block, a multiple of BLOCK_SIZE
     rank,
     world_size: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    STAGED: tl.constexpr,
 ):
     block_id = tl.program_id(0)
-    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=False, hasSubsequentMemAccess=True)
     start = block_id * chunk
     end = tl.minimum(start + chunk, numel)
+    if STAGED:  # the peers' block b reads exactly chunk b
+        copy_slice(x_ptr, workspace_ptr, start, end, BLOCK_SIZE)
+    # Acquire: every peer's input is complete (staged: release mine too).
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=STAGED, hasSubsequentMemAccess=True)
     for offset in tl.range(start, end, BLOCK_SIZE):
         offsets = offset + tl.arange(0, BLOCK_SIZE)
         mask = offsets < end
@@ -67,15 +88,18 @@ def launch(
     chunk: int,
     group_name: str = "",
     launcher=host.jit_launch,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
     ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``. ``launcher``: the
-    prepared call's ``host.Launcher`` (the host fast path), or Triton's own launch.
+    prepared call's ``host.Launcher`` (the host fast path), or Triton's own launch. ``x``: an ordinary
+    input to stage into ``peers[rank]`` (the workspace) first; None when the peers are the input.
     """
+    local = peers[rank]
     launcher(
-        one_shot_all_reduce_kernel, (num_blocks,), peers, out, signal_pad_ptrs, out.numel(), chunk, rank, len(peers),
-        BLOCK_SIZE=block_size, num_warps=num_warps,
+        one_shot_all_reduce_kernel, (num_blocks,), peers, out, local if x is None else x, local, signal_pad_ptrs,
+        out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, STAGED=x is not None, num_warps=num_warps,
     )
     return out
 
@@ -89,15 +113,18 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
     return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk}
 
 
-@host.per_signature(host.symmetric_key)
-def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
-    """Validate and agree (first call of a signature), plan, find the peers; kept per signature."""
-    with host.agreed(op, group, tensor=tensor, config=config):  # every rank raises if any rank's input is bad
+def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
+    """Validate and agree (first call of a signature), plan."""
+    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
         host.check_tensor(tensor, "tensor", op)
         world_size = host.world_size_of(group, op)
         launch_cfg = plan(tensor.numel(), world_size, config)
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return host.symm_context(tensor, group, op), {**launch_cfg, "launcher": host.Launcher(op)}
+    return launch_cfg
+
+
+# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
+prepare, prepare_staged = staging.prepares(check)
 
 
 def one_shot_all_reduce(
@@ -105,9 +132,14 @@ def one_shot_all_reduce(
 ) -> torch.Tensor:
     """Sum ``tensor`` over the group; returns a new tensor, the input is left unchanged.
 
-    ``tensor`` must live in symmetric memory (``kraken.symm_empty``), any shape,
-    bf16/fp16/fp32. ``config`` overrides ``DEFAULT_CONFIG``.
+    ``tensor``: any shape, contiguous, bf16/fp16/fp32, on the GPU; in symmetric memory
+    (``kraken.symm_empty``) it is read in place, otherwise staged inside the kernel. ``config``
+    overrides ``DEFAULT_CONFIG``.
     """
-    ctx, launch_cfg = prepare(tensor, group, "one_shot_all_reduce", config)
+    staged = not host.is_symmetric(tensor)
+    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "one_shot_all_reduce", config)
     out = torch.empty_like(tensor)
-    return launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return launch(
+        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
+        x=tensor if staged else None,
+    )

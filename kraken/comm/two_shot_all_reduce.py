@@ -17,6 +17,14 @@ barrier rounds: the bandwidth winner for large messages.
 Block ``b`` of every rank covers the same slice of its own shard and uses
 barrier slot ``b``; a block's final barrier therefore waits for exactly the
 peers' blocks that pushed into the slices it covers.
+
+An ordinary tensor (not in symmetric memory) is staged (``kraken.comm.staging``):
+block ``b`` first copies slice ``b`` of every shard into kraken's symmetric
+workspace (what the owners' block ``b`` reads), the kernel reduces in place in
+the workspace, and block ``b`` ends by copying slice ``b`` of every shard of the
+sum back into the tensor. One region suffices, as in place: only the owner
+touches a shard between the barriers, and the next call stages a slice only
+after its owner's pushes into it have passed this call's final barrier.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import triton.language as tl
 
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
+from kraken.comm import staging
+from kraken.comm.one_shot_all_reduce import copy_slice
 
 # Tuned on 2x H200 with benchmark/tune.py (within 3% of the best config at every size, 4K..4M bf16).
 DEFAULT_CONFIG = {"block_size": 4096, "num_warps": 16, "max_blocks": 132}
@@ -36,8 +46,18 @@ SHARD_ALIGN = 64  # elements: keeps every shard and chunk start 16-byte aligned 
 
 
 @triton.jit
+def block_range(owner, block_id, shard, chunk, numel):
+    """``[start, end)`` of slice ``block_id`` (``chunk`` long) of shard ``owner`` (``shard`` long), up to ``numel``."""
+    start = owner * shard + block_id * chunk
+    end = tl.minimum(tl.minimum(start + chunk, owner * shard + shard), numel)
+    return start, end
+
+
+@triton.jit
 def two_shot_all_reduce_kernel(
     peers,  # tuple of world_size pointers, peers[r] = rank r's buffer
+    x_ptr,  # STAGED: the ordinary input, staged into workspace_ptr and given the sum at the end
+    workspace_ptr,  # STAGED: this rank's workspace (= peers[rank])
     signal_pad_ptrs,
     numel,
     shard,  # elements per rank, a multiple of SHARD_ALIGN
@@ -45,12 +65,16 @@ def two_shot_all_reduce_kernel(
     rank,
     world_size: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    STAGED: tl.constexpr,
 ):
     block_id = tl.program_id(0)
-    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=False, hasSubsequentMemAccess=True)
-    shard_end = tl.minimum(rank * shard + shard, numel)
-    start = rank * shard + block_id * chunk
-    end = tl.minimum(start + chunk, shard_end)
+    if STAGED:  # slice b of every shard: what each owner's block b reads
+        for owner in tl.static_range(world_size):
+            start, end = block_range(owner, block_id, shard, chunk, numel)
+            copy_slice(x_ptr, workspace_ptr, start, end, BLOCK_SIZE)
+    # Acquire: every peer's input is complete (staged: release mine too).
+    symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=STAGED, hasSubsequentMemAccess=True)
+    start, end = block_range(rank, block_id, shard, chunk, numel)
     for offset in tl.range(start, end, BLOCK_SIZE):
         offsets = offset + tl.arange(0, BLOCK_SIZE)
         mask = offsets < end
@@ -61,6 +85,10 @@ def two_shot_all_reduce_kernel(
         for r in tl.static_range(world_size):
             tl.store(peers[r] + offsets, result, mask=mask)
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+    if STAGED:  # every owner's pushes into slice b of its shard are visible: the sum goes back to x
+        for owner in tl.static_range(world_size):
+            start, end = block_range(owner, block_id, shard, chunk, numel)
+            copy_slice(workspace_ptr, x_ptr, start, end, BLOCK_SIZE)
 
 
 def launch(
@@ -74,18 +102,21 @@ def launch(
     chunk: int,
     group_name: str = "",
     launcher=host.jit_launch,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
-    ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``.
+    ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``. ``x``: an ordinary
+    input, staged into ``peers[rank]`` (the workspace) and given the sum; None when the peers are the input.
+    Returns the summed tensor (``x``, or ``peers[rank]``).
     """
     local = peers[rank]
     launcher(
         two_shot_all_reduce_kernel, (num_blocks,),
-        peers, signal_pad_ptrs, local.numel(), shard, chunk, rank, len(peers),
-        BLOCK_SIZE=block_size, num_warps=num_warps,
+        peers, local if x is None else x, local, signal_pad_ptrs, local.numel(), shard, chunk, rank, len(peers),
+        BLOCK_SIZE=block_size, STAGED=x is not None, num_warps=num_warps,
     )
-    return local
+    return local if x is None else x
 
 
 def plan(numel: int, world_size: int, config: dict) -> dict:
@@ -103,14 +134,18 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
     }
 
 
-@host.per_signature(host.symmetric_key)
-def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
-    with host.agreed(op, group, tensor=tensor, config=config):  # every rank raises if any rank's input is bad
+def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
+    """Validate and agree (first call of a signature), plan."""
+    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
         host.check_tensor(tensor, "tensor", op)
         world_size = host.world_size_of(group, op)
         launch_cfg = plan(tensor.numel(), world_size, config)
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return host.symm_context(tensor, group, op), {**launch_cfg, "launcher": host.Launcher(op)}
+    return launch_cfg
+
+
+# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
+prepare, prepare_staged = staging.prepares(check)
 
 
 def two_shot_all_reduce(
@@ -118,8 +153,14 @@ def two_shot_all_reduce(
 ) -> torch.Tensor:
     """Sum ``tensor`` over the group *in place* and return it.
 
-    ``tensor`` must live in symmetric memory (``kraken.symm_empty``), any shape,
-    bf16/fp16/fp32. ``config`` overrides ``DEFAULT_CONFIG``.
+    ``tensor``: any shape, contiguous, bf16/fp16/fp32, on the GPU; in symmetric memory
+    (``kraken.symm_empty``) it is reduced where it lies, otherwise staged through the workspace inside the
+    kernel (and the sum written back). ``config`` overrides ``DEFAULT_CONFIG``.
     """
-    ctx, launch_cfg = prepare(tensor, group, "two_shot_all_reduce", config)
-    return launch(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    staged = not host.is_symmetric(tensor)
+    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "two_shot_all_reduce", config)
+    launch(
+        ctx.peers, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
+        x=tensor if staged else None,
+    )
+    return tensor

@@ -28,7 +28,8 @@ slot ``b``:
 
 This module also holds what the distributed members of the family share:
 ``prepare_staged`` (validation, workspace, plan) and the device helpers
-``copy_slice`` and ``sum_peers``.
+``copy_slice`` (the plain collectives' staging copy, from ``kraken.comm.one_shot_all_reduce``) and
+``sum_peers``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import triton.language as tl
 
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
-from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
+from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG, copy_slice  # the family stages with it
 from kraken.fused.rms_norm import NO_EPS, check_inputs
 
 # Not tuned on its own: the tuned one-shot all-reduce's configuration (same loop plus a staging copy).
@@ -52,15 +53,6 @@ DEFAULT_CONFIG = dict(ONE_SHOT_CONFIG)
 # ---------------------------------------------------------------------------
 # Device helpers shared by the family
 # ---------------------------------------------------------------------------
-
-
-@triton.jit
-def copy_slice(src_ptr, dst_ptr, start, end, BLOCK_SIZE: tl.constexpr):
-    """``dst[start:end] = src[start:end]``, one tile at a time (an empty range copies nothing)."""
-    for offset in tl.range(start, end, BLOCK_SIZE):
-        offsets = offset + tl.arange(0, BLOCK_SIZE)
-        mask = offsets < end
-        tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask), mask=mask)
 
 
 @triton.jit

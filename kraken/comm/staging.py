@@ -1,0 +1,56 @@
+"""Ordinary tensors into the symmetric-memory collectives (shared by the four and their twins).
+
+A compiled graph's intermediates, and most of a model's tensors, are not in symmetric memory. Each
+collective therefore has two prepared calls per signature:
+
+* symmetric (``host.is_symmetric(tensor)``): the tensor's own peers, zero copy, as before. Keyed with
+  the tensor's address (it finds the peers).
+* staged: the peers are kraken's shared symmetric workspace (``host.symm_workspace``), and the kernel
+  first copies, block by block, the part of the input that the peers' same block will read into it,
+  before its first barrier (which then releases those writes), as torch's ``one_shot_all_reduce_copy``
+  does: no separate copy launch. Keyed without the address, so a model's fresh activations hit it.
+
+Ranks must agree on which: the choice is part of the signature agreed on its first call, so a rank that
+passes a symmetric tensor where another passes an ordinary one raises on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kraken import host
+
+
+def staged_key(tensor: torch.Tensor, group, op: str, config: dict) -> tuple:
+    """``per_signature``'s key of a staged call: the tensor's signature, not its address."""
+    return (op, group, host.tensor_key(tensor), host.config_key(config))
+
+
+def prepares(check: Callable[[torch.Tensor, object, str, dict, bool], dict]) -> tuple[Callable, Callable]:
+    """A collective's two prepared calls, ``(prepare, prepare_staged)``, from its ``check(tensor, group, op,
+    config, staged)``: validate (agreed across ranks, ``staged`` part of the signature) and plan. Each
+    returns (symmetric context of the peers, launch configuration with its ``host.Launcher``)."""
+
+    @host.per_signature(host.symmetric_key)
+    def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
+        launch_cfg = check(tensor, group, op, config, False)
+        return host.symm_context(tensor, group, op), {**launch_cfg, "launcher": host.Launcher(op)}
+
+    @host.per_signature(staged_key)
+    def prepare_staged(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
+        launch_cfg = check(tensor, group, op, config, True)
+        workspace = host.symm_workspace(max(tensor.numel(), 1), tensor.dtype, tensor.device, group, op)
+        return host.symm_context(workspace, group, op, name="workspace"), {**launch_cfg, "launcher": host.Launcher(op)}
+
+    return prepare, prepare_staged
+
+
+def stage_by_copy(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor) -> torch.Tensor:
+    """The Helion twins' staging: ``x`` copied into this rank's workspace (``peers[rank]``) by a copy launch
+    before the twin's kernel, whose first barrier needs no release then (the copy finished before it
+    started, as any input written earlier on the stream). Returns the workspace, flat."""
+    local = peers[rank].view(-1)
+    local.copy_(x.view(-1))
+    return local
