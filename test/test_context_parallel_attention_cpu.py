@@ -367,7 +367,7 @@ def test_torch_cp_failure_leaves_sdpa_unpatched_and_the_sdpa_baseline_is_right(o
     try/finally); that made every later SDPA call of the GPU baselines go through context parallelism and fail.
     On the CPU its body always raises (no DTensor rule for the CPU flash kernel): ``torch_cp`` reports it as a
     NotImplementedError (the harness's "error (...)" column) and SDPA is the real one again. Then the SDPA
-    baseline (flash alone, causal through the lower-right mask, GQA through ``enable_gqa``) is right."""
+    baseline (flash alone, at one rank one causal call over the sequence, GQA through ``enable_gqa``) is right."""
     import torch.nn.functional as F
 
     sdpa_fn = F.scaled_dot_product_attention

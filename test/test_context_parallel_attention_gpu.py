@@ -6,8 +6,8 @@ per-rank lengths (tails in every chunk, one row per rank), causal and not, GQA a
 bf16 and fp16, a custom scale, several flag pieces, into NaN-poisoned outputs with a NaN-poisoned gather
 buffer; ``attention_on_gathered`` (the no-communication kernel) alike; 200 back-to-back launches
 alternating shapes; CUDA-graph replays equal to eager; bad input raising on every rank. A third spawn checks
-the benchmark's baselines (NCCL + SDPA, SDPA on gathered K/V) against the same reference, so the harness's
-comparisons stand on a checked baseline.
+the benchmark's baselines (NCCL + SDPA and SDPA on gathered K/V, each on cuDNN and on flash) against the same
+reference, so the harness's comparisons stand on a checked baseline.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def baseline_worker() -> None:
     for seed, (s_local, mask, kv_heads) in enumerate(((256, NONE, 8), (256, CAUSAL, 2), (130, CAUSAL, 8)), start=1):
         shape = shape_of(1, s_local, 8, kv_heads, 128, mask, world_size)
         ref = reference(shape, BF16, seed)
-        for name in ("nccl", "sdpa", "triton_local", "torch_cp"):
+        for name in ("nccl_cudnn", "nccl_flash", "sdpa_cudnn", "sdpa_flash", "triton_local", "torch_cp"):
             heartbeat(f"baseline {name} {shape}")
             backend = REGISTRY["context_parallel_attention"].backends[name]
             if name != "torch_cp":
@@ -226,9 +226,10 @@ def baseline_worker() -> None:
                 out = backend(inputs)
                 torch.cuda.synchronize()
                 assert_close(out, ref, f"baseline {name} {shape}")
-                if name in ("nccl", "sdpa"):  # SDPA's flash backend and nothing else (no efficient/math fallback)
+                if name.startswith(("nccl_", "sdpa_")):  # the named SDPA backend and nothing else (no fallback)
+                    sdpa_backend = name.split("_")[1]
                     ran = op.attention_ops(lambda: (backend(inputs), torch.cuda.synchronize()))
-                    assert ran and all("flash" in op_name for op_name in ran), f"{name} {shape}: SDPA ran {ran}"
+                    assert ran and all(sdpa_backend in op_name for op_name in ran), f"{name} {shape}: SDPA ran {ran}"
                 continue
             if dist.get_backend() == "gloo":  # ranks sharing a GPU (KRAKEN_WORLD_SIZE, see benchmark.launch)
                 print(f"rank {dist.get_rank()}: torch_cp skipped: its ring attention segfaults on gloo", flush=True)

@@ -5,17 +5,20 @@ world size; by twice the world size for causal) and MASK 1 (none) or 2 (causal).
 q [BATCH, HEADS, SEQ / ws, HEAD_DIM] and k, v [BATCH, KV_HEADS, SEQ / ws, HEAD_DIM], its shard of the
 sequence: the r-th contiguous part, or with causal the load-balanced layout of
 ``kraken.fused.context_parallel_attention`` (chunks r and 2 ws - 1 - r of 2 ws). Every rank needs
-its queries' output. Backends:
+its queries' output. SDPA runs on one named backend at a time, inside ``sdpa_kernel`` with that
+backend alone (nothing else may run, so a layout it refused would raise rather than fall back):
+``cudnn`` (cuDNN's fused attention, the fastest on Hopper) or ``flash`` (FlashAttention-2). GQA goes
+through ``enable_gqa`` (both read the fewer K/V heads themselves: no repeated copy). Under causal,
+one call per query chunk over the keys up to that chunk's end: a square one with ``is_causal=True``;
+the others, on flash, with a lower-right causal mask (``torch.nn.attention.bias.causal_lower_right``,
+which calls the flash kernel directly); on cuDNN, which has no lower-right mask, as the keys before
+the chunk (no mask) and the chunk's own keys (``is_causal=True``), merged through their
+log-sum-exps (``torch.ops.aten._scaled_dot_product_cudnn_attention``, the op SDPA's cuDNN backend
+calls). At world size 1 the query chunks are the sequence in order: one causal call. Backends:
 
-* ``nccl``: ``dist.all_gather_into_tensor`` of k and of v, the gathered K/V put in sequence order,
-  then ``torch.nn.functional.scaled_dot_product_attention`` on its flash backend alone
-  (``sdpa_kernel([SDPBackend.FLASH_ATTENTION])``: FlashAttention-2; nothing else may run, so a layout
-  flash refused would raise rather than fall back to the memory-efficient or math kernel). GQA goes
-  through ``enable_gqa`` (flash reads the fewer K/V heads itself: no repeated copy). Under causal, one
-  call per query chunk over the keys up to that chunk's end: a square one with ``is_causal=True``, the
-  others with a lower-right causal mask (``torch.nn.attention.bias.causal_lower_right``, which calls
-  the flash kernel directly; its memory-efficient fallback is disabled by the same context). The GPU
-  baseline test checks from the profiler (``attention_ops``) that only flash ops ran;
+* ``nccl_cudnn`` / ``nccl_flash``: ``dist.all_gather_into_tensor`` of k and of v, the gathered K/V put
+  in sequence order, then SDPA on cuDNN / on flash. The GPU baseline test checks from the profiler
+  (``attention_ops``) that only the named backend's ops ran;
 * ``torch_cp``: torch's own context parallelism (``torch.distributed.tensor.experimental.
   context_parallel``, monkey-patch mode, all-gather rotation; under causal its head-tail load
   balancing, the same layout as ours; without, no load balancing, which it refuses to combine with a
@@ -23,13 +26,14 @@ its queries' output. Backends:
   flash calls merged through their log-sum-exp. It is a prototype; where it raises, the column says
   why instead of a time (and SDPA is un-patched again: the context manager does not restore it when
   its body raises);
-* ``sdpa``: the floor: this rank's queries against the whole sequence's K/V, gathered before the
-  timing (no communication), with the same flash calls as ``nccl``;
+* ``sdpa_cudnn`` / ``sdpa_flash``: the floor: this rank's queries against the whole sequence's K/V,
+  gathered before the timing (no communication), with the same calls as ``nccl_cudnn`` /
+  ``nccl_flash``; ``sdpa_cudnn`` is the one-GPU core table's library column;
 * ``triton_local``: the recipe's own attention kernel on K/V gathered before the timing
   (``attention_on_gathered``: no communication, no flag waits): the recipe minus its exchange;
 * ``triton`` / ``helion``: the kraken recipe and its Helion twin.
 
-All of them compute the same output and are checked against ``nccl``.
+All of them compute the same output and are checked against ``nccl_cudnn``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ NONE, CAUSAL = 1, 2  # the MASK field
 # CPU compile example: batch 2, 4 heads over 2 kv heads (GQA), S_local 150 (causal chunks of 75: a query tile
 # and a key tile end inside every chunk), head_dim 128.
 EXAMPLE_SHAPE = (2, 150, 4, 2, 128)  # batch, S_local, heads, kv_heads, head_dim
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION]  # flash alone: no silent fallback (module docstring)
+# SDPA's backends by name, each run alone: no silent fallback (module docstring).
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
 def unpack(shape, world_size: int) -> tuple[int, int, int, int, int, bool]:
@@ -113,9 +118,9 @@ def make_inputs(shape, dtype, seed):
 # ---------------------------------------------------------------------------
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """SDPA on its flash backend alone; fewer K/V heads through ``enable_gqa`` (flash takes them as they are)."""
-    with sdpa_kernel(SDPA_BACKENDS):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "flash", **kwargs) -> torch.Tensor:
+    """SDPA on one backend alone (``SDPA_BACKENDS``); fewer K/V heads through ``enable_gqa``."""
+    with sdpa_kernel([SDPA_BACKENDS[backend]]):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kwargs)
 
 
@@ -130,26 +135,54 @@ def attention_ops(fn) -> set[str]:
             if e.key.startswith(("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention"))}
 
 
-def sdpa_on_sequence(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, causal: bool) -> torch.Tensor:
-    """This rank's output from the whole sequence's K/V (in order): one SDPA call, or one per query chunk."""
-    if not causal:
-        return attention(q, k_seq, v_seq)
+def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """cuDNN attention's output and its log-sum-exp per query row ([batch, heads, L, 1], float32); GQA as SDPA's
+    ``enable_gqa`` passes it to cuDNN (the fewer K/V heads as they are)."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
+    return out, lse.reshape(*q.shape[:-1], 1).float()
+
+
+def cudnn_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Lower-right causal attention of ``L`` queries over ``S >= L`` keys on cuDNN: the first ``S - L`` keys (all
+    visible) and the last ``L`` (a square causal call), merged through their log-sum-exps."""
+    before = k.shape[2] - q.shape[2]
+    o_diag, lse_diag = cudnn_with_lse(q, k[:, :, before:], v[:, :, before:], True)
+    o_prev, lse_prev = cudnn_with_lse(q, k[:, :, :before], v[:, :, :before], False)
+    lse = torch.logaddexp(lse_prev, lse_diag)
+    return (o_prev.float() * torch.exp(lse_prev - lse) + o_diag.float() * torch.exp(lse_diag - lse)).to(q.dtype)
+
+
+def sdpa_on_sequence(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, causal: bool,
+                     backend: str = "flash") -> torch.Tensor:
+    """This rank's output from the whole sequence's K/V (in order) on one SDPA backend: one call, or one per query
+    chunk (module docstring)."""
+    world_size = dist.get_world_size()
+    if not causal or world_size == 1:  # (at world size 1 my two chunks are the sequence in order)
+        return attention(q, k_seq, v_seq, backend, is_causal=causal)
     chunk = q.shape[2] // 2
     outs = []
-    for half, c in enumerate(shard_chunks(dist.get_rank(), dist.get_world_size(), True)):
+    for half, c in enumerate(shard_chunks(dist.get_rank(), world_size, True)):
         keys = (c + 1) * chunk  # the keys up to this chunk's end; the last chunk of them on the diagonal
-        outs.append(attention(q[:, :, half * chunk:(half + 1) * chunk], k_seq[:, :, :keys], v_seq[:, :, :keys],
-                              attn_mask=causal_lower_right(chunk, keys)))
+        q_c, k_c, v_c = q[:, :, half * chunk:(half + 1) * chunk], k_seq[:, :, :keys], v_seq[:, :, :keys]
+        if keys == chunk:
+            outs.append(attention(q_c, k_c, v_c, backend, is_causal=True))
+        elif backend == "cudnn":
+            with sdpa_kernel([SDPA_BACKENDS[backend]]):
+                outs.append(cudnn_lower_right(q_c, k_c, v_c))
+        else:
+            outs.append(attention(q_c, k_c, v_c, backend, attn_mask=causal_lower_right(chunk, keys)))
     return torch.cat(outs, dim=2)
 
 
-def nccl(i):
-    k_seq, v_seq = sequence_kv(gather_kv(i["k"], i["v"]), i["k"], i["causal"])
-    return sdpa_on_sequence(i["q"], k_seq, v_seq, i["causal"])
+def nccl(backend: str):
+    def run(i):
+        k_seq, v_seq = sequence_kv(gather_kv(i["k"], i["v"]), i["k"], i["causal"])
+        return sdpa_on_sequence(i["q"], k_seq, v_seq, i["causal"], backend)
+    return run
 
 
-def sdpa(i):
-    return sdpa_on_sequence(i["q"], i["k_seq"], i["v_seq"], i["causal"])
+def sdpa(backend: str):
+    return lambda i: sdpa_on_sequence(i["q"], i["k_seq"], i["v_seq"], i["causal"], backend)
 
 
 _meshes: dict = {}
@@ -172,7 +205,7 @@ def torch_cp(i):
     try:
         with context_parallel(_meshes[q.device.type], buffers=[stand_in], buffer_seq_dims=[0],
                               no_restore_buffers={stand_in}):
-            out = attention(q, k, v, is_causal=causal)
+            out = attention(q, k, v, "flash", is_causal=causal)
     except Exception as exc:  # a prototype, whatever it raises: report it in the column, do not crash the run
         raise NotImplementedError(f"torch context_parallel: {type(exc).__name__}: {exc}"[:300]) from exc
     finally:
@@ -229,6 +262,13 @@ def nvlink_bytes(shape, dtype, world_size):
     return (world_size - 1) * 2 * batch * kv_heads * s_local * head_dim * dtype.itemsize
 
 
+def work(shape, dtype):
+    # One call at world size 1: the whole sequence's attention (causal: half the score matrix).
+    batch, seq, heads, _, head_dim, causal = unpack(shape, 1)
+    flops = 4 * batch * heads * seq * seq * head_dim
+    return (flops / 2 if causal else flops), "flop"
+
+
 def floor_us(shape, dtype, world_size):
     # This rank's attention at the measured dense peak (causal: half the score matrix); the exchange can hide.
     batch, s_local, heads, _, head_dim, causal = unpack(shape, world_size)
@@ -242,7 +282,8 @@ register(
         description="attention of each rank's sequence shard over the whole sequence (q, k, v [B, H, S/ws, D] per "
                     "rank); shapes BATCHxSEQxHEADSxKV_HEADSxHEAD_DIMxMASK, SEQ the total, MASK 1 none / 2 causal",
         make_inputs=make_inputs,
-        backends={"nccl": nccl, "torch_cp": torch_cp, "sdpa": sdpa, "triton_local": triton_local,
+        backends={"nccl_cudnn": nccl("cudnn"), "nccl_flash": nccl("flash"), "torch_cp": torch_cp,
+                  "sdpa_cudnn": sdpa("cudnn"), "sdpa_flash": sdpa("flash"), "triton_local": triton_local,
                   "triton": fused("kraken"), "helion": fused("helion_ports")},
         default_shapes=[(1, seq, 32, kv_heads, 128, mask) for mask in (NONE, CAUSAL) for kv_heads in (32, 8)
                         for seq in (8192, 32768, 131072)],
@@ -250,5 +291,7 @@ register(
         nvlink_bytes=nvlink_bytes,
         floor_us=floor_us,
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
+        library="sdpa_cudnn",  # the one-GPU core table's library column (world size 1)
+        work=work,
     )
 )
