@@ -129,7 +129,8 @@ def opcheck_every_operator(backend: str) -> None:
     from kraken import library
 
     _, namespace = PACKAGES[backend]
-    importlib.import_module(f"{PACKAGES[backend][0]}.fused")  # registers the package's operators
+    for package in ("comm", "fused"):  # importing a package registers its operators
+        importlib.import_module(f"{PACKAGES[backend][0]}.{package}")
     cases = operator_cases()
     assert set(cases) == set(library.ENTRIES)
     failures = []
