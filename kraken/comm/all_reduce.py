@@ -55,7 +55,8 @@ def launch(
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """The sum of ``tensor`` over the group, one-shot or two-shot as ``kraken.crossover`` says.
 
-    ``tensor`` lives in symmetric memory (``kraken.symm_empty``), any shape, bf16/fp16/fp32. Returns the
+    ``tensor``: any shape, contiguous, bf16/fp16/fp32, on the GPU; in symmetric memory (``kraken.symm_empty``,
+    with ``group``) it is read in place, otherwise staged inside the kernel, as the recipes do. Returns the
     sum: a new tensor (one-shot) or ``tensor`` itself (two-shot, in place); afterwards treat ``tensor``'s
     values as spent. ``config``: ``shot="one"|"two"`` forces a recipe; the rest overrides its config.
     """
