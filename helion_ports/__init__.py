@@ -64,13 +64,21 @@ def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
-def views(tensors: tuple[torch.Tensor, ...], shape) -> tuple[torch.Tensor, ...]:
-    """``tuple(t.view(shape) for t in tensors)``, kept per (tuple, shape): a twin views the same peer buffers
-    (its prepared call's ``peers`` tuple) on every call, and each view costs about half a microsecond."""
-    key = (id(tensors), shape)
+def views(tensors: tuple[torch.Tensor, ...], shape, row: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``tuple(t.view(shape) for t in tensors)`` (with ``row``: ``t.view(shape)[row]``), kept per (tuple, shape,
+    row): a twin views the same peer buffers (its prepared call's ``peers`` tuple) on every call, and each view
+    costs about half a microsecond.
+
+    A twin that pushes into one region of every peer's buffer takes that region as views of their own
+    (``row``), not ``peers[r][row, ...]``: each tensor of a tuple gets its own stride parameters, so the
+    latter adds ``peers[r].stride(0)`` per peer to a thread's offset, a register per peer live through the
+    loop, and ptxas then held back a peer's load (see docs/helion-notes.md). A view's own base pointer
+    costs no register, as the recipe's ``peers[r] + numel``."""
+    key = (id(tensors), shape, row)
     hit = _views.get(key)
     if hit is None or hit[0] is not tensors:  # the tuple object is kept with its views, so its id stays its own
-        hit = _views[key] = (tensors, tuple(t.view(shape) for t in tensors))
+        viewed = (t.view(shape) for t in tensors)
+        hit = _views[key] = (tensors, tuple(viewed if row is None else (v[row] for v in viewed)))
     return hit[1]
 
 

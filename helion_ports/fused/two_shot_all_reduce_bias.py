@@ -2,9 +2,11 @@
 
 Same five steps as the Triton recipe. The workspaces arrive as ``[2, numel]``
 views (row 0: staged input, row 1: pushed result), so "the result region" is
-index ``1`` rather than a pointer offset. ``hl.static_range(world_size)`` over
-the shard owners unrolls the staging and gathering loops exactly like
-``tl.static_range`` in the Triton kernel; the pushes are ``hl.store(peers[r], ...)``.
+index ``1`` rather than a pointer offset, and their result rows once more as
+views of their own (``results``: see ``helion_ports.views``), which the pushes
+``hl.store(results[r], ...)`` write. ``hl.static_range(world_size)`` over the
+shard owners unrolls the staging and gathering loops exactly like
+``tl.static_range`` in the Triton kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def two_shot_all_reduce_bias_body(
     bias: torch.Tensor,
     workspace: torch.Tensor,
     peers: tuple[torch.Tensor, ...],
+    results: tuple[torch.Tensor, ...],
     out: torch.Tensor,
     signal_pad_ptrs: int,
     num_blocks: int,
@@ -58,8 +61,10 @@ def two_shot_all_reduce_bias_body(
                     acc = acc + hl.load(peers[r], [0, tile]).to(torch.float32)
             acc = acc + hl.load(bias, [tile.index % hidden]).to(torch.float32)
             result = acc.to(out.dtype)
+            # Into views of the result regions, not peers[r][1, ...]: ptxas then issued 3 of the 4 peers' loads
+            # before the first add at 4 ranks (the recipe 4) and 3 of 8 at 8 (the recipe 5); see helion_ports.views.
             for r in hl.static_range(world_size):
-                hl.store(peers[r], [1, tile], result)
+                hl.store(results[r], [tile], result)
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         for owner in hl.static_range(world_size):
             start = owner * shard + block * chunk
@@ -97,7 +102,8 @@ def launch(
     # `workspace` through its own storage object: see helion_ports.own_storage.
     region_peers = views(peers, regions)
     args = (
-        x.view(-1), bias, own_storage(peers[rank]).view(regions), region_peers, out.view(-1), signal_pad_ptrs, num_blocks,
+        x.view(-1), bias, own_storage(peers[rank]).view(regions), region_peers, views(peers, regions, 1), out.view(-1),
+        signal_pad_ptrs, num_blocks,
         shard, chunk, rank, len(peers), group_name,
     )
     run(compiled(block_size, num_warps), args, launcher)
