@@ -34,7 +34,7 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, own_storage, run
 from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SYNC
-from kraken.fused.gemm_one_shot_all_reduce import tma_operands
+from kraken._gemm_core import tma_operands
 from kraken.fused.gemm_reduce_scatter import chunk_tile, plan, prepare, rounds_of  # shared with the recipe
 
 __all__ = ["chunk_tile", "gemm_reduce_scatter", "launch", "plan", "prepare", "rounds_of"]

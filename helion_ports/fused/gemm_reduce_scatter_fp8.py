@@ -26,8 +26,9 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, own_storage, run
 from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter_body  # the bf16 twin's, scaled
 from kraken import host
-from kraken.fused.all_gather_matmul_fp8 import b_operand
-from kraken.fused.gemm_reduce_scatter_fp8 import OP, chunk_tile, plan, prepare, rounds_of, tma_a  # shared
+from kraken.fused.gemm_reduce_scatter_fp8 import (  # shared with the recipe
+    OP, b_operand, chunk_tile, plan, prepare, rounds_of, tma_a,
+)
 
 __all__ = ["chunk_tile", "gemm_reduce_scatter_fp8", "launch", "plan", "prepare", "rounds_of"]
 

@@ -22,11 +22,11 @@ making it wait for rows that are not there yet.
   load, then every thread fences the async proxy (``wait_async``): the rows are read
   through TMA. Within a chunk, tiles go in ``GROUP_M``-row bands (a band's rows and a
   column of ``b`` tiles stay in L2).
-* The gathered rows and ``b`` load through host-built TMA descriptors (zero-padded in k
-  and n where a base or a row is not 16-byte aligned, ``tma_operands``); a ``b`` stored
-  transposed (``w.t()`` of an [N, K] weight: strides (1, K)) is read as is, its tiles
-  transposed in registers (``b_layout``); any other layout is copied contiguous.
-  ``tl.dot`` accumulates in fp32; the output, in ``a``'s dtype, is stored through
+* The GEMM is ``kraken._gemm_core.mainloop``: the gathered rows and ``b`` load through
+  host-built TMA descriptors (zero-padded in k and n where a base or a row is not 16-byte
+  aligned, ``tma_operands``); a ``b`` stored transposed (``w.t()`` of an [N, K] weight:
+  strides (1, K)) is read as is, its tiles transposed in registers (``b_layout``); any
+  other layout is copied contiguous. ``tl.dot`` accumulates in fp32; the output, in ``a``'s dtype, is stored through
   pointers, masked to the chunk's rows (a tile at a chunk's end also reads some of the
   next chunk's rows, and discards them).
 
@@ -50,13 +50,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._ptx_utils import wait_async
+from kraken._gemm_core import INPUT_DTYPES, MAX_INDEX, TILE_CONFIGS, mainloop, tile_coords, tma_operands
 from kraken.comm.all_gather_with_progress import start as start_gather
-from kraken.fused.gemm_one_shot_all_reduce import TILE_CONFIGS, tma_operands
 
 OP = "all_gather_matmul"
-INPUT_DTYPES = (torch.bfloat16, torch.float16)
-MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
-# Tiles: the largest of the GEMM recipes' ``TILE_CONFIGS`` that still gives ``MIN_TILES_PER_SM`` of the SMs
+# Tiles: the largest of the GEMM core's ``TILE_CONFIGS`` that still gives ``MIN_TILES_PER_SM`` of the SMs
 # a tile (a small M leaves the 128x256 tiles too few to fill them), ``GROUP_M`` row tiles per band.
 MIN_TILES_PER_SM = 0.9
 GROUP_M = 8
@@ -102,22 +100,20 @@ def all_gather_matmul_kernel(
     OWN_STAGED: tl.constexpr = False,  # my rows were written by earlier kernels on this stream: no flag to wait on
     SCALED: tl.constexpr = False,  # the epilogue multiplies by the gathered rows' scales and b's column scales
     B_COLWISE: tl.constexpr = 0,
+    WARP_SPECIALIZE: tl.constexpr = False,  # the main loop's (kraken._gemm_core.mainloop)
 ):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     chunk_tiles = tiles_m * tiles_n
-    band_tiles = GROUP_M * tiles_n
     num_tiles = world_size * chunk_tiles
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         step = tile // chunk_tiles  # 0: my rows, then rank + 1's, rank + 2's, ...
         # The step of this block's previous tile (negative before its first: operands stay >= 0 for //).
         prev_step = (tile + num_tiles - tl.num_programs(0)) // chunk_tiles - world_size
         src = (rank + step) % world_size
-        within = tile % chunk_tiles
-        band = within // band_tiles
-        band_rows = tl.minimum(tiles_m - band * GROUP_M, GROUP_M)
-        m0 = (band * GROUP_M + within % band_tiles % band_rows) * BLOCK_M
-        n0 = within % band_tiles // band_rows * BLOCK_N
+        tile_m, tile_n = tile_coords(tile % chunk_tiles, tiles_m, tiles_n, GROUP_M)
+        m0 = tile_m * BLOCK_M
+        n0 = tile_n * BLOCK_N
         # These rows have landed (acquire), and TMA will see them (async-proxy fence). A block waits at its
         # first tile of each chunk, and at every own tile while my rows land piece by piece ("copy_engine").
         if OWN_STAGED:  # only at the first tile of each peer's chunk
@@ -127,14 +123,8 @@ def all_gather_matmul_kernel(
             own = 1 - tl.minimum(step, 1)
             if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
                 wait_async(progress_ptr + src + own * (world_size + m0 // piece_rows - src), 1)
-        row0 = src * M + m0
-        # TMA fills rows and columns past the tensors' ends with zeros: no masks in the k loop.
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            if B_TRANS:  # a transposed view of the [BLOCK_N, BLOCK_K] tile (fp8: wgmma reads it K-major)
-                acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([n0, k0]).T, acc)
-            else:
-                acc = tl.dot(gathered_desc.load([row0, k0]), b_desc.load([k0, n0]), acc)
+        acc = mainloop(gathered_desc, b_desc, src * M + m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
+                       WARP_SPECIALIZE)
         # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)

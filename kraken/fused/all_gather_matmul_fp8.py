@@ -44,24 +44,24 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
+from kraken._gemm_core import FP8, MAX_INDEX
+from kraken._gemm_core import check_fp8_inputs as check_inputs
+from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
+from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
+from kraken._gemm_core import fp8_b_operand as b_operand
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul import (  # noqa: F401 (RESERVED_SMS: the plan's, used by tests)
     GROUP_M, RESERVED_SMS, all_gather_matmul_kernel, chunk_views, progress_flags, tile_plan,
 )
 
 OP = "all_gather_matmul_fp8"
-FP8 = torch.float8_e4m3fn
 OUT_DTYPE = torch.bfloat16
-MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
 SCALE_BYTES = 16  # per gathered row: the fp32 scale, padded so that rows stay 16-byte aligned for TMA
 # The bf16 recipe's tiles with k steps twice as long: the same bytes per pipeline stage (fp8 wgmma's k is 32).
 TILE_CONFIGS = [
     {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3},
     {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4},
 ]
-# "auto": b as stored: column-major (``w.t()``) as [N, K] (K-major, what fp8 wgmma wants), row-major as [K, N];
-# anything else copied to [N, K]. "nk" / "kn": that layout, copying b if it is stored otherwise.
-B_LAYOUTS = ("auto", "nk", "kn")
 DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_layout": "auto"}
 
 
@@ -81,23 +81,6 @@ def buffer_views(gathered: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     values = gathered.view(FP8)[:, :k]
     scales = gathered.view(torch.float32)[:, host.round_up(k, 16) // 4]
     return values, scales
-
-
-def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
-    """``b`` as the kernel reads it: (tensor, transposed). [N, K] (``b.t()``, K-major) for a column-major ``b``
-    or layout "nk", [K, N] for a row-major one or "kn" (``B_LAYOUTS``). Rows that TMA cannot address (a row
-    stride not a multiple of 16 bytes, an unaligned base) or the other layout are copied into a zero-padded
-    [rows, cols rounded up to 16] buffer, read through its [rows, cols] view."""
-    column_major = b.stride(0) == 1 and b.stride(1) >= max(b.shape[0], 1)
-    row_major = b.stride(1) == 1 and b.stride(0) >= max(b.shape[1], 1)
-    trans = layout == "nk" or (layout == "auto" and (column_major or not row_major))
-    w = b.t() if trans else b
-    rows, cols = w.shape
-    if w.stride(1) == 1 and w.stride(0) % 16 == 0 and w.stride(0) >= cols and w.data_ptr() % 16 == 0:
-        return w, trans
-    padded = torch.zeros(rows, host.round_up(cols, 16), dtype=torch.uint8, device=b.device)
-    padded[:, :cols].copy_(w.view(torch.uint8))  # (bytes: copies of fp8 tensors go through their bytes)
-    return padded.view(FP8)[:, :cols], trans
 
 
 @triton.jit
@@ -223,49 +206,12 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     the SMs a tile, a persistent grid of at most one block per SM but ``RESERVED_SMS``."""
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     cfg, num_blocks = tile_plan(m, n, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP, least_block_k=32)
-    if cfg["block_k"] > 128:
+    if cfg["block_k"] > MAX_BLOCK_K:
         raise ValueError(f"{OP}: block_k must be <= 128 (128 fp8 bytes: one TMA swizzle row), got {cfg['block_k']}")
     if cfg["b_layout"] not in B_LAYOUTS:
         raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
     keys = ("b_layout", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
     return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
-
-
-def check_scale(scale: object, name: str, rows: int, cols: int, device: torch.device, op: str) -> None:
-    """A ``torch._scaled_mm`` scale: float32 on ``device`` (a's), one element (per tensor) or [rows, cols]."""
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(scale).__name__}")
-    if scale.dtype != torch.float32:
-        raise ValueError(f"{op}: {name} must be float32, got {str(scale.dtype).removeprefix('torch.')}")
-    if scale.numel() != 1 and tuple(scale.shape) != (rows, cols):
-        raise ValueError(f"{op}: {name} must have one element (per tensor) or shape ({rows}, {cols}), "
-                         f"got {tuple(scale.shape)}")
-    if not scale.is_contiguous():
-        raise ValueError(f"{op}: {name} must be contiguous (got strides {scale.stride()})")
-    if scale.device != device:
-        raise ValueError(f"{op}: {name} must be on {device} (with a), got {scale.device}")
-
-
-def check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, op: str) -> None:
-    """Argument checks that need neither a GPU nor torch.distributed: fp8 e4m3 ``a`` [M, K] (contiguous) and
-    ``b`` [K, N] (any layout), float32 scales per tensor or ``scale_a`` [M, 1], ``scale_b`` [1, N]."""
-    for name, tensor in (("a", a), ("b", b)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != FP8 or tensor.dim() != 2:
-            raise ValueError(f"{op}: {name} must be a 2-D float8_e4m3fn tensor, got "
-                             f"{str(tensor.dtype).removeprefix('torch.')} of shape {tuple(tensor.shape)}")
-    if not a.is_contiguous():
-        raise ValueError(f"{op}: a must be contiguous (got strides {a.stride()}); call .contiguous() first")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
-                         "(need a [M, K], b [K, N])")
-    if a.numel() == 0 or b.numel() == 0:
-        raise ValueError(f"{op}: empty operand (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    check_scale(scale_a, "scale_a", a.shape[0], 1, a.device, op)
-    check_scale(scale_b, "scale_b", 1, b.shape[1], a.device, op)
-    if a.device.type != "cuda" or b.device != a.device:
-        raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
 
 
 @host.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (

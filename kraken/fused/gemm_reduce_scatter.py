@@ -10,7 +10,7 @@ the same ``j`` on every rank, so block ``b`` of a rank exchanges only with block
 of the others (``host.BlockWorkspace``: block ``b`` writes only chunk ``b``).
 
 1. Peers' bands, owners ``rank + 1, rank + 2, ...`` (so the ranks do not all push to
-   one peer at once): GEMM each tile (TMA loads, ``tl.dot`` into fp32) and push the
+   one peer at once): GEMM each tile (``kraken._gemm_core.mainloop``) and push the
    partial, in ``out_dtype``, into this rank's slot of chunk ``b`` of the owner's
    workspace: posted NVLink stores that drain while the next tiles compute.
 2. Own band: GEMM each tile; after the first one, one epoch barrier with block ``b``
@@ -41,45 +41,22 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
+from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too)
+    SKINNY_M, check_inputs, check_tiles, mainloop, scaled, skinny_or_large_tiles, tile_coords, tma_operands,
+)
 from kraken._ptx_utils import epoch_sync
-from kraken.fused.gemm_one_shot_all_reduce import SKINNY_M as all_reduce_skinny_m
-from kraken.fused.gemm_one_shot_all_reduce import check_inputs, tma_operands
-from kraken.fused.gemm_one_shot_all_reduce import default_config as all_reduce_tiles
 
 OP = "gemm_reduce_scatter"
 GROUP_M = 8  # tile rows per group of the tile order (L2 reuse across the blocks running at once)
 DEFAULT_CONFIG = {"block_m": None, "block_n": None, "block_k": None, "group_m": GROUP_M, "num_warps": None,
                   "num_stages": None, "max_blocks": None}
-TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 # Above 256 rows per band the tensor cores bind, and each phase ends in a partial wave of tiles. 128x128 tiles
-# (8 warps, 4 stages) replace the all-reduce recipe's 128x256 where they fill the waves ``WAVE_GAIN`` better:
+# (8 warps, 4 stages) replace the core's 128x256 where they fill the waves ``WAVE_GAIN`` better:
 # on 2x H200, 2048x14336x4096 (448 tiles of 128x256 in 4 waves of 132, 85% full; 896 of 128x128, 97%) took
 # 390-392 us against 411-418; 1024x6656x2560 (79% either way) 83 us against 78, and 8192x14336x4096 (97%
 # either way) 1643 (1603 on 4 warps) against 1523-1556.
 MID_TILE = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}
 WAVE_GAIN = 0.05
-
-
-@triton.jit
-def tile_coords(j, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    """Band-local tile ``j`` -> (tile row, tile column), ``GROUP_M`` tile rows at a time, column-major
-    within a group: consecutive ``j`` (the blocks running at once) share rows of ``a`` and columns of ``b``."""
-    width = GROUP_M * tiles_n
-    first_m = j // width * GROUP_M
-    rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (j % width) % rows, (j % width) // rows
-
-
-@triton.jit
-def scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           A_ROWWISE: tl.constexpr, B_COLWISE: tl.constexpr):
-    """``acc * scale_a[rows, None] * scale_b[None, cols]`` for the tile at (m0, n0) (rows past M and columns
-    past N, zeros from TMA, get scale 0): the fp8 recipe's epilogue."""
-    rows = m0 + tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    scale_a = tl.load(scale_a_ptr + rows * A_ROWWISE, mask=rows < M, other=0.0)
-    scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=cols < N, other=0.0)
-    return acc * scale_a[:, None] * scale_b[None, :]
 
 
 @triton.jit
@@ -112,6 +89,7 @@ def gemm_reduce_scatter_kernel(
     SCALED: tl.constexpr = False,
     A_ROWWISE: tl.constexpr = 0,
     B_COLWISE: tl.constexpr = 0,
+    WARP_SPECIALIZE: tl.constexpr = False,  # the main loop's (kraken._gemm_core.mainloop)
 ):
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLOTS: tl.constexpr = world_size - 1  # a slot per sending peer in each round of a chunk
@@ -131,13 +109,7 @@ def gemm_reduce_scatter_kernel(
         tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
         m0 = owner * band_m + tile_m * BLOCK_M
         n0 = tile_n * BLOCK_N
-        # TMA fills rows and columns past M, N and K with zeros: no masks in the GEMM.
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            if B_TRANS:  # a transposed view of the [BLOCK_N, BLOCK_K] tile: wgmma reads it K-major
-                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
-            else:
-                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+        acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, WARP_SPECIALIZE)
         if SCALED:
             acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
                          B_COLWISE)
@@ -152,12 +124,7 @@ def gemm_reduce_scatter_kernel(
         tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
         m0 = rank * band_m + tile_m * BLOCK_M
         n0 = tile_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            if B_TRANS:
-                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
-            else:
-                acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+        acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, WARP_SPECIALIZE)
         if SCALED:
             acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
                          B_COLWISE)
@@ -215,33 +182,23 @@ def launch(
 
 
 def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dict:
-    """The tiles for one band (``M / world_size`` rows): those of ``gemm_one_shot_all_reduce.default_config``
-    (up to 256 rows one warpgroup on narrow tiles that fit one wave, bound by streaming ``b``; above, the
-    largest tile that gives more than half the SMs a tile), or ``MID_TILE`` where that fills the waves of
-    ``num_sms`` blocks by ``WAVE_GAIN`` better."""
+    """The tiles for one band (``M / world_size`` rows): ``kraken._gemm_core.skinny_or_large_tiles`` (up to 256
+    rows one warpgroup on narrow tiles that fit one wave, bound by streaming ``b``, 64 wide on 64-row tiles up
+    to 2 ranks; above, the largest tile that gives more than half the SMs a tile), or ``MID_TILE`` where that
+    fills the waves of ``num_sms`` blocks by ``WAVE_GAIN`` better."""
     band_m = max(m // world_size, 1)
-    cfg = {key: value for key, value in all_reduce_tiles(band_m, n, k, num_sms, world_size).items() if key in TILE_KEYS}
+    cfg = skinny_or_large_tiles(band_m, n, k, num_sms, push=band_m <= SKINNY_M and world_size <= 2)
 
     def fill(tile: dict) -> float:  # the share of the rounds' block slots (rounds x blocks) that get a tile
         tiles = host.cdiv(band_m, tile["block_m"]) * host.cdiv(n, tile["block_n"])
         return tiles / (host.cdiv(tiles, num_sms) * num_sms)
 
-    if band_m > all_reduce_skinny_m and fill(MID_TILE) > fill(cfg) + WAVE_GAIN:
+    if band_m > SKINNY_M and fill(MID_TILE) > fill(cfg) + WAVE_GAIN:
         return dict(MID_TILE)
     return cfg
 
 
 LAUNCH_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
-
-
-def check_tiles(cfg: dict, op: str, least_block_k: int = 16) -> None:
-    """Tile sizes powers of two, at least 16 (``block_k`` at least ``least_block_k``), ``group_m`` >= 1."""
-    for key in ("block_m", "block_n", "block_k"):
-        least = least_block_k if key == "block_k" else 16
-        if cfg[key] < least or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"{op}: {key} must be a power of two >= {least}, got {cfg[key]}")
-    if cfg["group_m"] < 1:
-        raise ValueError(f"{op}: group_m must be >= 1, got {cfg['group_m']}")
 
 
 def with_grid(cfg: dict, m: int, n: int, world_size: int, num_sms: int, keys=LAUNCH_KEYS) -> dict:

@@ -22,7 +22,7 @@ then the own band, one epoch barrier after its first GEMM, the peers' partials a
 * ``b``: Hopper's fp8 wgmma takes both operands K-major from shared memory, so a column-major ``b``
   (``w.t()`` of an [N, K] weight, what ``_scaled_mm`` wants) is read in place as [N, K] and each tile
   is transposed as a shared-memory view (``B_TRANS``); a row-major ``b`` is read as stored, at the cost
-  that ``kraken.fused.all_gather_matmul_fp8`` measures in its docstring (``b_layout``, shared with it).
+  that ``kraken.fused.all_gather_matmul_fp8`` measures in its docstring (``b_layout``: ``kraken._gemm_core.fp8_b_operand``).
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ import torch.distributed as dist
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
-from kraken.fused.all_gather_matmul_fp8 import B_LAYOUTS, FP8, b_operand, check_inputs as check_fp8_inputs
-from kraken.fused.gemm_one_shot_all_reduce import MAX_INDEX, OUT_DTYPES, TMA_ALIGN
-from kraken.fused.gemm_reduce_scatter import (
-    GROUP_M, LAUNCH_KEYS, check_tiles, chunk_tile, default_config, gemm_reduce_scatter_kernel, planned, rounds_of,
-    with_grid, with_workspace,
+from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
+from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
+from kraken._gemm_core import MAX_INDEX, check_fp8_inputs, check_out_dtype, check_tiles
+from kraken._gemm_core import fp8_b_operand as b_operand
+from kraken._gemm_core import tma_fp8 as tma_a
+from kraken.fused.gemm_reduce_scatter import (  # the bf16 recipe's kernel and host plan: the same recipe in fp8
+    GROUP_M, LAUNCH_KEYS, chunk_tile, default_config, gemm_reduce_scatter_kernel, planned, rounds_of, with_grid,
+    with_workspace,
 )
 
 OP = "gemm_reduce_scatter_fp8"
-MAX_BLOCK_K = 128  # fp8 bytes per TMA box row: one 128-byte swizzle row
 DEFAULT_CONFIG = {"block_m": None, "block_n": None, "block_k": None, "group_m": GROUP_M, "num_warps": None,
                   "num_stages": None, "max_blocks": None, "b_layout": "auto"}
 
@@ -91,17 +93,6 @@ def launch(
     return out
 
 
-def tma_a(a: torch.Tensor) -> torch.Tensor:
-    """``a`` as TMA can load it: itself, or (a row stride or base not 16-byte aligned) a zero-padded copy; the
-    k loop's bound is the true K either way (the descriptor's shape), TMA fills past it with zeros."""
-    m, k = a.shape
-    if k % TMA_ALIGN == 0 and a.data_ptr() % TMA_ALIGN == 0:
-        return a
-    padded = torch.zeros(m, host.round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
-    padded[:, :k].copy_(a.view(torch.uint8))
-    return padded.view(FP8)[:, :k]
-
-
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
     """Resolve the launch configuration (shared with the Helion port): the bf16 recipe's tiles for the band
     (``gemm_reduce_scatter.default_config``) with k steps twice as long, up to ``MAX_BLOCK_K`` (the same
@@ -121,11 +112,9 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
 
 def check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  out_dtype: torch.dtype, op: str) -> None:
-    """Argument checks that need neither a GPU nor torch.distributed (those of ``all_gather_matmul_fp8``, and
+    """Argument checks that need neither a GPU nor torch.distributed (``kraken._gemm_core``'s fp8 checks, and
     the output dtype)."""
-    if out_dtype not in OUT_DTYPES:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in OUT_DTYPES)
-        raise ValueError(f"{op}: out_dtype {out_dtype} is not supported; supported: {allowed}")
+    check_out_dtype(out_dtype, op)
     check_fp8_inputs(a, b, scale_a, scale_b, op)
     if max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > MAX_INDEX:
         raise ValueError(f"{op}: a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")

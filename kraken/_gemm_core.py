@@ -1,0 +1,252 @@
+"""The GEMM core every fused GEMM recipe runs: main loop, tile order, tiles, operands, checks.
+
+CUTLASS's split between mainloop and epilogue: this module is the mainloop (TMA loads through host-built
+descriptors, ``tl.dot`` into fp32 on wgmma, the k loop's software pipeline) and the persistent schedule's
+tile order; a recipe adds its prologue (flag waits, barriers) and its epilogue (push, reduce, scale,
+store). The recipes import from here, never from each other (an fp8 recipe runs its bf16 sibling's
+kernel with constexpr switches). An improvement to the main loop reaches every recipe at once.
+
+* ``mainloop``: one output tile's k loop over ``[k_begin, k_end)``; TMA fills rows and columns past the
+  tensors' ends with zeros, so there are no masks. ``B_TRANS``: ``b`` stored as [N, K] (fp8 wgmma takes
+  both operands K-major; the tile is transposed as a shared-memory view).
+* ``tile_coords``: tile ``j`` of a ``tiles_m x tiles_n`` grid in ``GROUP_M``-row bands, column-major within
+  a band, so that the blocks running at once share rows of ``a`` and columns of ``b`` in L2 (``GROUP_M``
+  1: row-major).
+* ``scaled``: the fp8 epilogue's ``acc * scale_a[rows] * scale_b[cols]``.
+* Host: ``tma_operands`` / ``tma_fp8`` / ``fp8_b_operand`` (operands TMA can address), the tile choices
+  (``TILE_CONFIGS``, ``skinny_or_large_tiles``), and the argument checks the recipes share.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kraken import host
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
+MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twins
+TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides; others are padded (``tma_operands``)
+
+# bf16/fp16 tiles, largest first: 128x256 on two consumer warpgroups where the shape has the tiles to fill the
+# SMs, else 128x128. fp8 takes the same tiles with k steps twice as long (the same bytes per stage).
+TILE_CONFIGS = [
+    {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4},
+]
+FP8_MAX_BLOCK_K = 128  # fp8 bytes per TMA box row: one 128-byte swizzle row
+
+# Tile choice for the reduce recipes (see ``skinny_or_large_tiles``), swept on 2x H200 (``probe`` runs of the
+# all-reduce recipe and its twin, ``python -m benchmark.tune``). Up to ``SKINNY_M`` rows the GEMM is bound by
+# streaming ``b`` from HBM: one warpgroup per tile, 128-deep k steps (fewer, larger TMA loads), and the
+# narrowest tile (32 wide, 64 when pushing 64-row tiles) that still fits all tiles in one wave of the SMs.
+# Larger M is bound by the tensor cores and takes the largest of ``TILE_CONFIGS`` that still gives
+# ``MIN_TILES_PER_SM`` of the SMs a tile.
+SKINNY_M = 256
+SKINNY_BLOCK_K = 128
+SKINNY_STAGE_BYTES = 192 * 1024  # shared memory for the pipeline stages (of the 227 KiB an SM offers)
+SKINNY_MAX_STAGES = 5
+MIN_TILES_PER_SM = 0.55
+
+
+@triton.jit
+def tile_coords(j, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile ``j`` -> (tile row, tile column), ``GROUP_M`` tile rows at a time, column-major within a group:
+    consecutive ``j`` (the blocks running at once) share rows of ``a`` and columns of ``b``. ``GROUP_M`` 1:
+    row-major, and a ``j`` past the last tile gets a tile row past the last (a persistent loop's empty round)."""
+    if GROUP_M == 1:
+        return j // tiles_n, j % tiles_n
+    width = GROUP_M * tiles_n
+    first_m = j // width * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (j % width) % rows, (j % width) // rows
+
+
+@triton.jit
+def mainloop(a_desc, b_desc, m0, n0, k_begin, k_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
+    """The fp32 product of rows ``m0...`` of ``a`` and columns ``n0...`` of ``b`` over ``[k_begin, k_end)``:
+    TMA loads (zeros past the tensors' ends: no masks), ``tl.dot`` on wgmma, pipelined by the caller's
+    ``num_stages``. ``b_desc`` holds [K, N] boxes, or (``B_TRANS``) [N, K] boxes read as their transpose.
+    ``WARP_SPECIALIZE``: Triton's warp specialization of the k loop (a producer warp issues the TMA loads,
+    consumer warpgroups the wgmma; on sm_90 it takes effect with ``num_warps=4``)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+        if B_TRANS:
+            acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
+        else:
+            acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+    return acc
+
+
+@triton.jit
+def scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           A_ROWWISE: tl.constexpr, B_COLWISE: tl.constexpr):
+    """``acc * scale_a[rows, None] * scale_b[None, cols]`` for the tile at (m0, n0) (rows past M and columns
+    past N, zeros from TMA, get scale 0): the fp8 epilogue."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    scale_a = tl.load(scale_a_ptr + rows * A_ROWWISE, mask=rows < M, other=0.0)
+    scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=cols < N, other=0.0)
+    return acc * scale_a[:, None] * scale_b[None, :]
+
+
+# ---------------------------------------------------------------------------
+# Host: operands
+# ---------------------------------------------------------------------------
+
+
+def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` as TMA can load them: if a base or a row is not 16-byte aligned, zero-padded copies
+    (k and n rounded up; the zeros add nothing to the product, and the output keeps the true N)."""
+    (m, k), n = a.shape, b.shape[1]
+    step = TMA_ALIGN // a.element_size()
+    if k % step == 0 and n % step == 0 and a.data_ptr() % TMA_ALIGN == 0 and b.data_ptr() % TMA_ALIGN == 0:
+        return a, b
+    k_pad, n_pad = host.round_up(k, step), host.round_up(n, step)
+    a_pad, b_pad = a.new_zeros(m, k_pad), b.new_zeros(k_pad, n_pad)
+    a_pad[:, :k], b_pad[:k, :n] = a, b
+    return a_pad, b_pad
+
+
+def tma_fp8(a: torch.Tensor) -> torch.Tensor:
+    """An fp8 ``a`` as TMA can load it: itself, or (a row stride or base not 16-byte aligned) a zero-padded copy;
+    the k loop's bound is the true K either way (the descriptor's shape), TMA fills past it with zeros."""
+    m, k = a.shape
+    if k % TMA_ALIGN == 0 and a.data_ptr() % TMA_ALIGN == 0:
+        return a
+    padded = torch.zeros(m, host.round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
+    padded[:, :k].copy_(a.view(torch.uint8))
+    return padded.view(FP8)[:, :k]
+
+
+# "auto": an fp8 b as stored: column-major (``w.t()``) as [N, K] (K-major, what fp8 wgmma wants), row-major as
+# [K, N]; anything else copied to [N, K]. "nk" / "kn": that layout, copying b if it is stored otherwise.
+FP8_B_LAYOUTS = ("auto", "nk", "kn")
+
+
+def fp8_b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
+    """An fp8 ``b`` as the kernel reads it: (tensor, transposed). [N, K] (``b.t()``, K-major) for a column-major
+    ``b`` or layout "nk", [K, N] for a row-major one or "kn" (``FP8_B_LAYOUTS``). Rows that TMA cannot address
+    (a row stride not a multiple of 16 bytes, an unaligned base) or the other layout are copied into a
+    zero-padded [rows, cols rounded up to 16] buffer, read through its [rows, cols] view."""
+    column_major = b.stride(0) == 1 and b.stride(1) >= max(b.shape[0], 1)
+    row_major = b.stride(1) == 1 and b.stride(0) >= max(b.shape[1], 1)
+    trans = layout == "nk" or (layout == "auto" and (column_major or not row_major))
+    w = b.t() if trans else b
+    rows, cols = w.shape
+    if w.stride(1) == 1 and w.stride(0) % 16 == 0 and w.stride(0) >= cols and w.data_ptr() % 16 == 0:
+        return w, trans
+    padded = torch.zeros(rows, host.round_up(cols, 16), dtype=torch.uint8, device=b.device)
+    padded[:, :cols].copy_(w.view(torch.uint8))  # (bytes: copies of fp8 tensors go through their bytes)
+    return padded.view(FP8)[:, :cols], trans
+
+
+# ---------------------------------------------------------------------------
+# Host: tiles
+# ---------------------------------------------------------------------------
+
+
+def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool) -> dict:
+    """Tiles for an M x N output (M rows of one rank's partial): for M <= ``SKINNY_M``, one warpgroup on 64- or
+    128-row tiles (128 from M = 128), as narrow (>= 32, or 64 when ``push``-ing 64-row tiles) as fits one
+    wave of ``num_sms``, 128-deep k steps and as many stages as ``SKINNY_STAGE_BYTES`` hold; above, the
+    largest of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a tile, else the smallest."""
+    if m <= SKINNY_M:
+        # Boxes no larger than the operands where they can be (Helion loads a box larger than its tensor
+        # through pointers, not TMA).
+        block_m = 128 if m >= 128 else 64
+        block_n = 64 if block_m == 64 and push else 32
+        block_k = SKINNY_BLOCK_K if k >= SKINNY_BLOCK_K else 64
+        while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
+            block_n *= 2
+        stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * block_k * 2)  # bf16/fp16 operands
+        return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
+                "num_stages": min(stages, SKINNY_MAX_STAGES)}
+
+    def fills(cfg: dict) -> bool:
+        return host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
+
+    return dict(next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1]))
+
+
+def check_tiles(cfg: dict, op: str, least_block_k: int = 16) -> None:
+    """Tile sizes powers of two, at least 16 (``block_k`` at least ``least_block_k``), ``group_m`` >= 1."""
+    for key in ("block_m", "block_n", "block_k"):
+        least = least_block_k if key == "block_k" else 16
+        if cfg[key] < least or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"{op}: {key} must be a power of two >= {least}, got {cfg[key]}")
+    if cfg["group_m"] < 1:
+        raise ValueError(f"{op}: group_m must be >= 1, got {cfg['group_m']}")
+
+
+# ---------------------------------------------------------------------------
+# Host: argument checks
+# ---------------------------------------------------------------------------
+
+
+def check_out_dtype(out_dtype: torch.dtype, op: str) -> None:
+    if out_dtype not in OUT_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in OUT_DTYPES)
+        raise ValueError(f"{op}: out_dtype {out_dtype} is not supported; supported: {allowed}")
+
+
+def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str) -> None:
+    """Checks of a bf16/fp16 reduce GEMM's arguments that need neither a GPU nor torch.distributed."""
+    check_out_dtype(out_dtype, op)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype:
+            raise ValueError(f"{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+        if a.dim() == 2 and b.dim() == 2 and a.shape[1] != b.shape[0]:
+            raise ValueError(
+                f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (need a [M, K], b [K, N])"
+            )
+        if a.dim() == 2 and b.dim() == 2 and (a.shape[0] == 0 or b.shape[1] == 0):
+            raise ValueError(f"{op}: the output would be empty (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
+    host.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
+    host.check_tensor(b, "b", op, INPUT_DTYPES, ndim=2)
+    if a.device != b.device:
+        raise ValueError(f"{op}: a and b are on different devices ({a.device}, {b.device})")
+    if max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > MAX_INDEX:
+        raise ValueError(f"{op}: a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
+
+
+def check_scale(scale: object, name: str, rows: int, cols: int, device: torch.device, op: str) -> None:
+    """A ``torch._scaled_mm`` scale: float32 on ``device`` (a's), one element (per tensor) or [rows, cols]."""
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{op}: {name} must be float32, got {str(scale.dtype).removeprefix('torch.')}")
+    if scale.numel() != 1 and tuple(scale.shape) != (rows, cols):
+        raise ValueError(f"{op}: {name} must have one element (per tensor) or shape ({rows}, {cols}), "
+                         f"got {tuple(scale.shape)}")
+    if not scale.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (got strides {scale.stride()})")
+    if scale.device != device:
+        raise ValueError(f"{op}: {name} must be on {device} (with a), got {scale.device}")
+
+
+def check_fp8_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, op: str) -> None:
+    """Checks of an fp8 GEMM's arguments that need neither a GPU nor torch.distributed: fp8 e4m3 ``a`` [M, K]
+    (contiguous) and ``b`` [K, N] (any layout), float32 scales per tensor or ``scale_a`` [M, 1], ``scale_b``
+    [1, N]."""
+    for name, tensor in (("a", a), ("b", b)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != FP8 or tensor.dim() != 2:
+            raise ValueError(f"{op}: {name} must be a 2-D float8_e4m3fn tensor, got "
+                             f"{str(tensor.dtype).removeprefix('torch.')} of shape {tuple(tensor.shape)}")
+    if not a.is_contiguous():
+        raise ValueError(f"{op}: a must be contiguous (got strides {a.stride()}); call .contiguous() first")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
+                         "(need a [M, K], b [K, N])")
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"{op}: empty operand (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
+    check_scale(scale_a, "scale_a", a.shape[0], 1, a.device, op)
+    check_scale(scale_b, "scale_b", 1, b.shape[1], a.device, op)
+    if a.device.type != "cuda" or b.device != a.device:
+        raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
