@@ -25,7 +25,6 @@ one write, no second copy of the workspace).
 
 from __future__ import annotations
 
-import bisect
 import math
 
 import torch
@@ -55,7 +54,7 @@ def one_shot_up_to(op: str, world_size: int) -> float:
     sizes = sorted(table)
     if not 1 <= world_size <= sizes[-1]:
         raise ValueError(f"{op}: no crossover for world size {world_size} (measured: {sizes})")
-    return table[sizes[bisect.bisect_left(sizes, world_size)]]
+    return table[min(ws for ws in sizes if ws >= world_size)]
 
 
 def choose(op: str, size: int, world_size: int, shot: str | None = None) -> str:

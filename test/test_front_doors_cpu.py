@@ -175,3 +175,41 @@ def test_gather_twin_start_launches_only_the_helion_barrier():
     assert launch.kernel is not recipe.shard_barrier_kernel
     with pytest.raises(AssertionError):
         twin.HelionBarrier(host.jit_launch)(object(), (1,), sm90.FAKE_SIGNAL_PADS, 0, 2, BLOCK_ID=0)
+
+
+@pytest.fixture
+def fake_world():
+    """A 4-rank process group in this one process (torch's ``fake`` backend: no peers, no collectives run)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+def test_front_doors_trace_to_the_chosen_operators(fake_world, package):
+    """Under Dynamo (``torch.export``, strict: no graph break) a front door makes its choice at trace time and
+    leaves the chosen recipe's operator in the graph (``kraken/library.py``), forced choices included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    comm, fused = (importlib.import_module(f"{package}.{sub}") for sub in ("comm", "fused"))
+
+    class Block(torch.nn.Module):
+        def forward(self, x, bias, weight):
+            y = fused.all_reduce_bias(x, bias, fake_world)  # 40 tokens at 4 ranks: two-shot
+            z = fused.all_reduce_bias_rms_norm(y[:3], bias, weight, 1e-5, fake_world, shot="two")
+            return comm.all_reduce(z.reshape(-1), fake_world), comm.all_reduce(y.reshape(-1), fake_world)
+
+    with FakeTensorMode():
+        args = (torch.empty(40, 16, device="cuda"), torch.empty(16, device="cuda"), torch.empty(16, device="cuda"))
+        program = torch.export.export(Block(), args, strict=True)
+    namespace = "kraken" if package == "kraken" else "kraken_helion"
+    ops = [str(n.target).removesuffix(".default") for n in program.graph.nodes
+           if str(n.target).startswith(f"{namespace}.")]
+    # 48 elements: one-shot; 640 elements at 4 ranks: one-shot too (up to 32K).
+    assert ops == [f"{namespace}.{name}" for name in ("two_shot_all_reduce_bias", "two_shot_all_reduce_bias_rms_norm",
+                                                       "one_shot_all_reduce", "one_shot_all_reduce")], ops
