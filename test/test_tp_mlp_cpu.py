@@ -51,7 +51,8 @@ def test_block_is_the_llama_mlp(world_size):
 
 def test_registry_entry():
     op = registry.get("tp_mlp")
-    assert list(op.backends) == ["nccl", "torch_fused", "torch_async_tp", "triton", "helion", "matmul"]
+    assert list(op.backends) == ["nccl", "torch_fused", "torch_async_tp", "triton", "helion", "triton_compiled",
+                                 "helion_compiled", "matmul"]
     assert op.reference_free == {"matmul"} and op.library == "matmul"
     for tokens, hidden, ffn in op.default_shapes:  # Llama-3 8B and 70B, splittable over 2, 4 and 8 ranks
         assert (hidden, ffn) in tp_mlp.LLAMA3.values() and tokens % 8 == 0 and ffn % 8 == 0
@@ -59,3 +60,43 @@ def test_registry_entry():
         tp_mlp.check_shape((100, 64, 96), torch.bfloat16, 8)
     with pytest.raises(ValueError, match="bf16"):
         tp_mlp.check_shape((16, 64, 96), torch.float16, 2)
+
+
+@pytest.fixture
+def fake_world():
+    """A 4-rank process group in this one process (torch's ``fake`` backend: no peers, no collectives run)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+def test_block_traces_as_one_graph_of_two_operators_and_the_swiglu(fake_world, package):
+    """What ``triton_compiled`` / ``helion_compiled`` hand to inductor: the two recipes as operators, the SwiGLU
+    between them as aten ops it can fuse (``torch.export``, strict: no graph break)."""
+    import importlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recipes = importlib.import_module(f"{package}.fused")
+
+    class Block(torch.nn.Module):
+        def forward(self, x, w_gate_up, w_down):
+            return tp_mlp.tp_mlp(x, w_gate_up, w_down, fake_world, recipes=recipes)
+
+    with FakeTensorMode():
+        shapes = ((64, 256), (256, 272), (136, 256))  # x [T, H], w_gate_up [H, 2 f], w_down [f, H]
+        args = tuple(torch.empty(shape, dtype=torch.bfloat16, device="cuda") for shape in shapes)
+        program = torch.export.export(Block(), args, strict=True)
+    namespace = "kraken" if package == "kraken" else "kraken_helion"
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    ours = [t for t in targets if t.startswith(f"{namespace}.")]
+    assert ours == [f"{namespace}.all_gather_matmul.default", f"{namespace}.gemm_reduce_scatter.default"], targets
+    assert "aten.silu.default" in targets and "aten.mul.Tensor" in targets
+    (out,) = (n.meta["val"] for n in program.graph.output_node().args[0])
+    assert tuple(out.shape) == (64, 256) and out.dtype == torch.bfloat16

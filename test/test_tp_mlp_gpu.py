@@ -53,7 +53,7 @@ def worker(backend: str) -> None:
         check_graph_replays(f"tp_mlp {backend}", block, inputs, range(3))
 
 
-BACKENDS = ("nccl", "triton", "helion", "torch_fused", "torch_async_tp")  # the compile last
+BACKENDS = ("nccl", "triton", "helion", "torch_fused", "triton_compiled", "helion_compiled", "torch_async_tp")
 
 
 def all_backends_worker() -> None:

@@ -20,6 +20,8 @@ and gets back its [TOKENS / ws, HIDDEN] rows of ``down(silu(gate(X)) * up(X))`` 
   ``_micro_pipeline_tp`` (inductor rewrites it into those two fused ops: torch's async tensor parallelism);
 * ``triton`` / ``helion``: ``tp_mlp`` with the kraken recipes (``kraken.fused.all_gather_matmul``,
   ``kraken.fused.gemm_reduce_scatter``) or with their Helion twins;
+* ``triton_compiled`` / ``helion_compiled``: the same under ``torch.compile``: the recipes are operators that
+  inductor leaves alone (``kraken/library.py``), and it fuses the SwiGLU between them into one kernel;
 * ``matmul``: the two GEMMs and SwiGLU on an already gathered ``x`` (no exchange, its own partial product
   only): the floor the fused blocks aim for, timed, not checked.
 """
@@ -170,12 +172,24 @@ def recipes(package):
     return lambda i: tp_mlp(i["x"], i["w_gate_up"], i["w_down"], i["group"], recipes=package)
 
 
+@functools.cache
+def compiled_block(recipes, group: dist.ProcessGroup):
+    """``tp_mlp`` with ``recipes`` under ``torch.compile``, one compile per shape (static)."""
+    return torch.compile(functools.partial(tp_mlp, group=group, recipes=recipes), fullgraph=True, dynamic=False)
+
+
+def compiled(package):
+    return lambda i: compiled_block(package, group_of(i))(i["x"], i["w_gate_up"], i["w_down"])
+
+
 def matmul(i):
     return swiglu(i["gathered"] @ i["w_gate_up"]) @ i["w_down"]
 
 
 BACKENDS = {"nccl": nccl, "torch_fused": torch_fused, "torch_async_tp": torch_async_tp,
-            "triton": recipes(kraken.fused), "helion": recipes(helion_ports.fused), "matmul": matmul}
+            "triton": recipes(kraken.fused), "helion": recipes(helion_ports.fused),
+            "triton_compiled": compiled(kraken.fused), "helion_compiled": compiled(helion_ports.fused),
+            "matmul": matmul}
 
 
 # ---------------------------------------------------------------------------
