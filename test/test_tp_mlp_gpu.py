@@ -31,7 +31,8 @@ def worker(backend: str) -> None:
         what = f"tp_mlp {backend} {shape}"
         heartbeat(what)
         inputs = tp_mlp.make_inputs(shape, BF16, seed)
-        if backend == "torch_async_tp" and seed == 0:
+        # Checked with 2 ranks sharing a GPU; a group of one may leave inductor nothing to rewrite.
+        if backend == "torch_async_tp" and seed == 0 and dist.get_world_size() > 1:
             from torch._inductor.utils import run_and_get_code
 
             out, code = run_and_get_code(tp_mlp.async_tp(dist.group.WORLD), inputs["x"], inputs["w_gate_up"],
