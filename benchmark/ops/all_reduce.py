@@ -57,7 +57,8 @@ def auto_example(module, world_size: int, shape=(10007,)) -> None:
     """A CPU stand-in launch of the front door (or its twin): the recipe its ``plan`` picks at this size."""
     (numel,) = shape
     peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
-    module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, example_rank(world_size), **module.plan(numel, world_size, {}))
+    cfg = module.plan(numel, world_size, {})
+    module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, example_rank(world_size), **cfg)
 
 
 def nvlink_bytes(shape, dtype, world_size):
