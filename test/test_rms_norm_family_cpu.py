@@ -51,10 +51,12 @@ def compiled(module_path: str, world_size: int, hidden: int) -> dict:
 
 def test_registry_lists_the_family():
     names = {p.triton_module.rsplit(".", 1)[1] for p in PAIRS}
-    assert names == set(FAMILY) | {"rms_norm"}
+    # The recipes, rms_norm, and the front doors that choose between the one-shot and two-shot recipes.
+    assert names == set(FAMILY) | {"rms_norm", "all_reduce_bias", "all_reduce_bias_rms_norm"}
     for op in ("all_reduce_bias", "all_reduce_bias_rms_norm"):
         assert list(registry.get(op).backends) == [
-            "nccl", "chain", "triton_1shot", "helion_1shot", "triton_2shot", "helion_2shot",
+            "nccl", "chain", "triton_1shot", "helion_1shot", "triton_2shot", "helion_2shot", "triton_auto",
+            "helion_auto", "copy",
         ]
 
 
