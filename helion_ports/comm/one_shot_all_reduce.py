@@ -24,7 +24,7 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, flat_view, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.one_shot_all_reduce import plan, prepare, prepare_staged  # shared with the Triton recipe
+from kraken.comm.one_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
@@ -95,8 +95,7 @@ def one_shot_all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """Sum ``tensor`` over the group; returns a new tensor (see the kraken recipe)."""
-    staged = not host.is_symmetric(tensor)
-    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "helion one_shot_all_reduce", config)
+    ctx, launch_cfg, staged = prepare_call(tensor, group, "helion one_shot_all_reduce", config)
     out = torch.empty_like(tensor)
     return launch(
         ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,

@@ -137,7 +137,7 @@ def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> d
 
 
 # Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
-prepare, prepare_staged = staging.prepares(check)
+prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
@@ -148,8 +148,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = Non
     memory (``kraken.symm_empty``) it is read in place, otherwise staged inside the kernel; it is left
     unchanged. ``config`` overrides ``DEFAULT_CONFIG``.
     """
-    staged = not host.is_symmetric(tensor)
-    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "all_gather", config)
+    ctx, launch_cfg, staged = prepare_call(tensor, group, "all_gather", config)
     out = tensor.new_empty((ctx.world_size * tensor.shape[0], *tensor.shape[1:]))
     return launch(
         ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,

@@ -124,7 +124,7 @@ def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> d
 
 
 # Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
-prepare, prepare_staged = staging.prepares(check)
+prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 
 def one_shot_all_reduce(
@@ -136,8 +136,7 @@ def one_shot_all_reduce(
     (``kraken.symm_empty``) it is read in place, otherwise staged inside the kernel. ``config``
     overrides ``DEFAULT_CONFIG``.
     """
-    staged = not host.is_symmetric(tensor)
-    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "one_shot_all_reduce", config)
+    ctx, launch_cfg, staged = prepare_call(tensor, group, "one_shot_all_reduce", config)
     out = torch.empty_like(tensor)
     return launch(
         ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,

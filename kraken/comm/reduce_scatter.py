@@ -161,7 +161,7 @@ def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> d
 
 
 # Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
-prepare, prepare_staged = staging.prepares(check)
+prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
@@ -172,8 +172,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None =
     is left unchanged. The sum runs in rank order in fp32 and is rounded once. ``config`` overrides
     ``DEFAULT_CONFIG``.
     """
-    staged = not host.is_symmetric(tensor)
-    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "reduce_scatter", config)
+    ctx, launch_cfg, staged = prepare_call(tensor, group, "reduce_scatter", config)
     out = tensor.new_empty((tensor.shape[0] // ctx.world_size, *tensor.shape[1:]))
     return launch(
         ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,

@@ -28,10 +28,15 @@ def staged_key(tensor: torch.Tensor, group, op: str, config: dict) -> tuple:
     return (op, group, host.tensor_key(tensor), host.config_key(config))
 
 
-def prepares(check: Callable[[torch.Tensor, object, str, dict, bool], dict]) -> tuple[Callable, Callable]:
-    """A collective's two prepared calls, ``(prepare, prepare_staged)``, from its ``check(tensor, group, op,
-    config, staged)``: validate (agreed across ranks, ``staged`` part of the signature) and plan. Each
-    returns (symmetric context of the peers, launch configuration with its ``host.Launcher``)."""
+def prepares(check: Callable[[torch.Tensor, object, str, dict, bool], dict]) -> tuple[Callable, Callable, Callable]:
+    """A collective's prepared calls, ``(prepare, prepare_staged, prepare_call)``, from its ``check(tensor, group,
+    op, config, staged)``: validate (agreed across ranks, ``staged`` part of the signature) and plan.
+
+    ``prepare`` (symmetric) and ``prepare_staged`` return (symmetric context of the peers, launch configuration
+    with its ``host.Launcher``), each kept per signature. ``prepare_call``, what the public function calls,
+    returns (context, launch configuration, staged): a tensor whose address has a symmetric prepared call is
+    symmetric (symmetric tensors stay alive once rendezvoused, so their addresses are never an ordinary
+    tensor's), which keeps that path one key and one lookup as before; any other asks ``host.is_symmetric``."""
 
     @host.per_signature(host.symmetric_key)
     def prepare(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict]:
@@ -44,7 +49,20 @@ def prepares(check: Callable[[torch.Tensor, object, str, dict, bool], dict]) -> 
         workspace = host.symm_workspace(max(tensor.numel(), 1), tensor.dtype, tensor.device, group, op)
         return host.symm_context(workspace, group, op, name="workspace"), {**launch_cfg, "launcher": host.Launcher(op)}
 
-    return prepare, prepare_staged
+    symmetric_calls = prepare.cache
+
+    def prepare_call(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict, bool]:
+        try:
+            hit = symmetric_calls.get(host.symmetric_key(tensor, group, op, config))
+        except TypeError:  # unhashable: a bad argument, or a list in the config (prepare skips its cache)
+            hit = None
+        if hit is not None:
+            return hit[0], hit[1], False
+        if host.is_symmetric(tensor):
+            return (*prepare(tensor, group, op, config), False)
+        return (*prepare_staged(tensor, group, op, config), True)
+
+    return prepare, prepare_staged, prepare_call
 
 
 def stage_by_copy(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor) -> torch.Tensor:

@@ -145,7 +145,7 @@ def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> d
 
 
 # Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
-prepare, prepare_staged = staging.prepares(check)
+prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 
 def two_shot_all_reduce(
@@ -157,8 +157,7 @@ def two_shot_all_reduce(
     (``kraken.symm_empty``) it is reduced where it lies, otherwise staged through the workspace inside the
     kernel (and the sum written back). ``config`` overrides ``DEFAULT_CONFIG``.
     """
-    staged = not host.is_symmetric(tensor)
-    ctx, launch_cfg = (prepare_staged if staged else prepare)(tensor, group, "two_shot_all_reduce", config)
+    ctx, launch_cfg, staged = prepare_call(tensor, group, "two_shot_all_reduce", config)
     launch(
         ctx.peers, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
         x=tensor if staged else None,
