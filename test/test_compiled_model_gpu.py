@@ -140,7 +140,10 @@ def opcheck_every_operator(backend: str) -> None:
             try:
                 torch.library.opcheck(op, args)
             except Exception as exc:  # every operator is checked; the failures are listed together
-                failures.append(f"{namespace}::{name}: {type(exc).__name__}: {str(exc)[:400]}")
+                cause = exc.__cause__ or exc
+                failures.append(f"{namespace}::{name}: {type(exc).__name__}: {str(exc)[:300]} | "
+                                f"{type(cause).__name__}: {str(cause)[:600]}")
+                print(f"rank {dist.get_rank()} opcheck failure: {failures[-1]}", flush=True)
         heartbeat(f"opcheck {namespace}::{name}")
     assert not failures, "\n".join(failures)
 
