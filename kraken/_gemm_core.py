@@ -67,14 +67,12 @@ def tile_coords(j, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def mainloop(a_desc, b_desc, m0, n0, k_begin, k_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
+             BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr):
     """The fp32 product of rows ``m0...`` of ``a`` and columns ``n0...`` of ``b`` over ``[k_begin, k_end)``:
     TMA loads (zeros past the tensors' ends: no masks), ``tl.dot`` on wgmma, pipelined by the caller's
-    ``num_stages``. ``b_desc`` holds [K, N] boxes, or (``B_TRANS``) [N, K] boxes read as their transpose.
-    ``WARP_SPECIALIZE``: Triton's warp specialization of the k loop (a producer warp issues the TMA loads,
-    consumer warpgroups the wgmma; on sm_90 it takes effect with ``num_warps=4``)."""
+    ``num_stages``. ``b_desc`` holds [K, N] boxes, or (``B_TRANS``) [N, K] boxes read as their transpose."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in tl.range(k_begin, k_end, BLOCK_K):
         if B_TRANS:
             acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([n0, k0]).T, acc)
         else:

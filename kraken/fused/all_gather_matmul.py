@@ -100,7 +100,6 @@ def all_gather_matmul_kernel(
     OWN_STAGED: tl.constexpr = False,  # my rows were written by earlier kernels on this stream: no flag to wait on
     SCALED: tl.constexpr = False,  # the epilogue multiplies by the gathered rows' scales and b's column scales
     B_COLWISE: tl.constexpr = 0,
-    WARP_SPECIALIZE: tl.constexpr = False,  # the main loop's (kraken._gemm_core.mainloop)
 ):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -123,8 +122,7 @@ def all_gather_matmul_kernel(
             own = 1 - tl.minimum(step, 1)
             if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
                 wait_async(progress_ptr + src + own * (world_size + m0 // piece_rows - src), 1)
-        acc = mainloop(gathered_desc, b_desc, src * M + m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
-                       WARP_SPECIALIZE)
+        acc = mainloop(gathered_desc, b_desc, src * M + m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
         # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)

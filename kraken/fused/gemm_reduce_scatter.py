@@ -89,7 +89,6 @@ def gemm_reduce_scatter_kernel(
     SCALED: tl.constexpr = False,
     A_ROWWISE: tl.constexpr = 0,
     B_COLWISE: tl.constexpr = 0,
-    WARP_SPECIALIZE: tl.constexpr = False,  # the main loop's (kraken._gemm_core.mainloop)
 ):
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLOTS: tl.constexpr = world_size - 1  # a slot per sending peer in each round of a chunk
@@ -109,7 +108,7 @@ def gemm_reduce_scatter_kernel(
         tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
         m0 = owner * band_m + tile_m * BLOCK_M
         n0 = tile_n * BLOCK_N
-        acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, WARP_SPECIALIZE)
+        acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
         if SCALED:
             acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
                          B_COLWISE)
@@ -124,7 +123,7 @@ def gemm_reduce_scatter_kernel(
         tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
         m0 = rank * band_m + tile_m * BLOCK_M
         n0 = tile_n * BLOCK_N
-        acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, WARP_SPECIALIZE)
+        acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
         if SCALED:
             acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
                          B_COLWISE)
