@@ -1,10 +1,12 @@
 """Helion twin of ``kraken.fused.two_shot_all_reduce_bias_rms_norm``: same function, same arguments.
 
-The Triton recipe's five steps in rows: workspaces arrive as
-``[2, tokens, hidden]`` views (0: staged input, 1: pushed result), a row is one
-``[1, hidden]`` tile of ``hl.tile(..., block_size=1)``, the shard owners are
-unrolled with ``hl.static_range``, and the row math is the shared
-``helion_ports.fused.rms_norm.rms_normalize``.
+The Triton recipe's five steps in rows: this rank's workspace arrives as a
+``[2, tokens, hidden]`` view (0: staged input, 1: pushed result), a row is one
+``[1, hidden]`` tile of ``hl.tile(..., block_size=1)``, and the shard owners
+are unrolled with ``hl.static_range``. The peers' workspaces arrive as flat
+views of their two regions (``staged``, ``results``: see
+``helion_ports.views``), read and written at the recipe's offsets
+``row * hidden + cols``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import helion
 import helion.language as hl
 import torch
 import torch.distributed as dist
+import triton
 
-from helion_ports.fused.rms_norm import rms_normalize
 from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
@@ -32,17 +34,20 @@ def two_shot_all_reduce_bias_rms_norm_body(
     weight: torch.Tensor,
     eps: float,
     workspace: torch.Tensor,
-    peers: tuple[torch.Tensor, ...],
+    staged: tuple[torch.Tensor, ...],
+    results: tuple[torch.Tensor, ...],
     out: torch.Tensor,
     signal_pad_ptrs: int,
     num_blocks: int,
     shard: int,
     chunk: int,
     rank: int,
+    shard_end: int,
     world_size: hl.constexpr,
+    block_h: hl.constexpr,
     group_name: hl.ProcessGroupName,
 ) -> torch.Tensor:
-    tokens = x.size(0)
+    tokens, hidden = x.size(0), x.size(1)
     for block in hl.grid(num_blocks):
         barrier = {"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size}
         for owner in hl.static_range(world_size):
@@ -52,23 +57,30 @@ def two_shot_all_reduce_bias_rms_norm_body(
                 row = hl.load(x, [rows, slice(None)], extra_mask=valid)
                 hl.store(workspace, [0, rows, slice(None)], row, extra_mask=valid)
         # The same for every row, and not written by peers: loaded once, while the barrier waits.
-        bias_row = hl.load(bias, [slice(None)]).to(torch.float32)[None, :]
-        weight_row = hl.load(weight, [slice(None)]).to(torch.float32)[None, :]
+        cols = hl.arange(block_h)
+        in_row = cols < hidden
+        bias_row = hl.load(bias, [cols], extra_mask=in_row).to(torch.float32)[None, :]
+        weight_row = hl.load(weight, [cols], extra_mask=in_row).to(torch.float32)[None, :]
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         start = rank * shard + block * chunk
-        # Masked rows rather than a clipped range, unlike the other twins: here clipping made ptxas issue
-        # fewer peers' loads before the first add (2 of 4 at 4 ranks, 3 with the mask; the recipe 4).
-        for rows in hl.tile(start, start + chunk, block_size=1):
-            valid = ((rows.index < tokens) & (rows.index < rank * shard + shard))[:, None]
+        # As the recipe: a clipped range of rows, and every peer's row at the one offset row * hidden + cols
+        # from its flat view's base. With [2, tokens, hidden] views (peers[r][0, rows, :]: a stride parameter
+        # per peer, so an offset per peer) or with masked rows, ptxas issued 3 of the 4 peers' loads before
+        # the first add at 4 ranks (the recipe 4); see docs/helion-notes.md. `shard_end` (my shard's end,
+        # clipped to `tokens`) comes from the host: with `min(start + chunk, min(rank * shard + shard, tokens))`
+        # here the same happened at 8 ranks (3 of 8, the recipe 4) when the barriers have their timeout.
+        for rows in hl.tile(start, min(start + chunk, shard_end), block_size=1):
+            offsets = rows.index[:, None] * hidden + cols[None, :]
             # Start from rank 0's row (as sum_peers does): hl.zeros([rows, hidden]) would need hidden specialized.
-            h = hl.load(peers[0], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
+            h = hl.load(staged[0], [offsets], extra_mask=in_row[None, :]).to(torch.float32)
             for r in hl.static_range(world_size):  # not (1, world_size): docs/helion-notes.md
                 if r > 0:  # rank order, from rank 0's value, as in the recipe (folded at compile time)
-                    h = h + hl.load(peers[r], [0, rows, slice(None)], extra_mask=valid).to(torch.float32)
+                    h = h + hl.load(staged[r], [offsets], extra_mask=in_row[None, :]).to(torch.float32)
             h = h + bias_row
-            y = rms_normalize(h, weight_row, eps).to(out.dtype)
+            # rms_normalize with the row's width: torch.mean over the block_h columns would divide by block_h.
+            y = (h * torch.rsqrt(torch.sum(h * h, dim=-1, keepdim=True) / hidden + eps) * weight_row).to(out.dtype)
             for r in hl.static_range(world_size):
-                hl.store(peers[r], [1, rows, slice(None)], y, extra_mask=valid)
+                hl.store(results[r], [offsets], y, extra_mask=in_row[None, :])
         hl.inline_triton(SYNC, args=barrier, output_like=None)
         for owner in hl.static_range(world_size):
             start = owner * shard + block * chunk
@@ -105,12 +117,13 @@ def launch(
     launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
-    regions = (2, *x.shape)
+    tokens, hidden = x.shape
+    flat = (2, tokens * hidden)
     # `workspace` through its own storage object: see helion_ports.own_storage.
-    region_peers = views(peers, regions)
     args = (
-        x, bias, weight, float(eps), own_storage(peers[rank]).view(regions), region_peers, out, signal_pad_ptrs, num_blocks,
-        shard, chunk, rank, len(peers), group_name,
+        x, bias, weight, float(eps), own_storage(peers[rank]).view(2, tokens, hidden), views(peers, flat, 0),
+        views(peers, flat, 1), out, signal_pad_ptrs, num_blocks, shard, chunk, rank, min((rank + 1) * shard, tokens),
+        len(peers), triton.next_power_of_2(hidden), group_name,
     )
     run(compiled(num_warps), args, launcher)
     return out
