@@ -440,7 +440,7 @@ def test_every_rank_compiles(path):
 def test_registry_entries():
     for name in ("moe_dispatch", "moe_combine"):
         entry = registry.get(name)
-        assert list(entry.backends) == ["nccl", "triton", "helion"]
+        assert list(entry.backends) == ["nccl", "triton", "helion", "copy"]  # copy: the one-GPU library column
         assert len(entry.default_shapes) == 48 and entry.shape_format == "TxHxExKxSKEW"
         assert (4096, 4096, 8, 2, 1) in entry.default_shapes and (128, 7168, 64, 8, 2) in entry.default_shapes
         # 4096 tokens x top-2 x 4096 x bf16 at 2 ranks: half of the 64 MiB of rows cross NVLink.
