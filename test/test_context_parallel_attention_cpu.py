@@ -72,16 +72,19 @@ def test_plan_defaults(world_size):
     for head_dim in (64, 128):
         cfg = recipe.plan(1, 32, 8, 4096, head_dim, world_size, True, {}, sm90.H200_NUM_SMS)
         assert cfg["block_m"] % cfg["block_n"] == 0
-        assert cfg["num_blocks"] == sm90.H200_NUM_SMS - recipe.RESERVED_SMS  # leaves the barrier kernel an SM
+        # Leaves the barrier kernel an SM's worth of block slots.
+        assert cfg["num_blocks"] == recipe.TILES[head_dim]["blocks_per_sm"] * (sm90.H200_NUM_SMS - recipe.RESERVED_SMS)
         # 8 kv heads: one per piece at 1 to 3 ranks, two per piece at 8 (pieces: 32 // world_size, at least 2)
         assert (cfg["pieces"], cfg["piece_rows"]) == ((8, 1) if world_size < 8 else (4, 2))
     cfg = recipe.plan(1, 32, 32, 4096, 128, world_size, False, {}, sm90.H200_NUM_SMS)
     assert (cfg["pieces"], cfg["piece_rows"]) == {1: (32, 1), 2: (16, 2), 3: (8, 4), 8: (4, 8)}[world_size]
     # Few tiles: never more blocks than tiles.
-    assert recipe.plan(1, 1, 1, 100, 64, world_size, False, {}, 132)["num_blocks"] == 1
+    assert recipe.plan(1, 1, 1, 60, 64, world_size, False, {}, 132)["num_blocks"] == 1
     assert recipe.plan(2, 4, 2, 150, 128, world_size, True, {}, 132)["num_blocks"] == 2 * 4 * 2 * 1
     assert recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"pieces": 3}, 132)["pieces"] == 3
     assert recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"max_blocks": 7}, 132)["num_blocks"] == 7
+    two = recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"blocks_per_sm": 2, "max_blocks": 1000}, 132)
+    assert two["num_blocks"] == 2 * (132 - recipe.RESERVED_SMS)
 
 
 def test_plan_refuses_bad_config():
@@ -93,6 +96,9 @@ def test_plan_refuses_bad_config():
         recipe.plan(1, 4, 4, 64, 64, 2, False, {"block_m": 64, "block_n": 128}, 132)
     with pytest.raises(ValueError, match="pieces must be >= 1"):
         recipe.plan(1, 4, 4, 64, 64, 2, False, {"pieces": 0}, 132)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="blocks_per_sm must be an int >= 1"):
+            recipe.plan(1, 4, 4, 64, 64, 2, False, {"blocks_per_sm": bad}, 132)
 
 
 # ---------------------------------------------------------------------------
@@ -176,13 +182,26 @@ def test_bad_input_on_one_rank_raises_on_every_rank(monkeypatch):
 # ---------------------------------------------------------------------------
 
 
-def compile_stats(module, world_size: int, causal: bool, head_dim: int) -> dict:
+def compile_stats(module, world_size: int, causal: bool, head_dim: int, **config) -> dict:
     batch, s_local, heads, kv_heads, _ = op.EXAMPLE_SHAPE
     shape = (batch, s_local * world_size, heads, kv_heads, head_dim, op.CAUSAL if causal else op.NONE)
     with sm90.capture_launches() as captured:
-        op.example(module, world_size, shape=shape)
+        op.example(module, world_size, shape=shape, **config)
     (launch,) = captured
     return sm90.kernel_stats(launch)
+
+
+# What an H200 SM holds: registers (allocated per warp in units of 256) and shared memory (the driver reserves 1 KB
+# per block).
+SM_REGISTERS, SM_SHARED_BYTES, BLOCK_RESERVED_SHARED = 65536, 233472, 1024
+
+
+def check_residency(stats: dict, num_warps: int, blocks_per_sm: int) -> None:
+    """``blocks_per_sm`` blocks of this kernel fit on one SM together: the persistent grid counts on it (a block
+    spinning on a flag must not wait for a block that never gets an SM)."""
+    warp_registers = -(-stats["registers"] * 32 // 256) * 256
+    assert blocks_per_sm * num_warps * warp_registers <= SM_REGISTERS, (stats["registers"], num_warps, blocks_per_sm)
+    assert blocks_per_sm * (stats["shared_bytes"] + BLOCK_RESERVED_SHARED) <= SM_SHARED_BYTES, stats["shared_bytes"]
 
 
 def check_kernel(stats: dict, world_size: int) -> None:
@@ -202,7 +221,9 @@ def check_kernel(stats: dict, world_size: int) -> None:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_recipe_compiles_for_sm90(head_dim, causal, world_size):
-    check_kernel(compile_stats(recipe, world_size, causal, head_dim), world_size)
+    stats = compile_stats(recipe, world_size, causal, head_dim)
+    check_kernel(stats, world_size)
+    check_residency(stats, recipe.TILES[head_dim]["num_warps"], recipe.TILES[head_dim]["blocks_per_sm"])
 
 
 # The twin takes about a minute per variant to compile on the CPU: two variants at 1 and 2 ranks here, and the
@@ -213,6 +234,7 @@ def test_twin_compiles_for_sm90_and_matches_its_recipe(causal, head_dim, world_s
     t = compile_stats(recipe, world_size, causal, head_dim)
     h = compile_stats(twin, world_size, causal, head_dim)
     check_kernel(h, world_size)
+    check_residency(h, recipe.TILES[head_dim]["num_warps"], recipe.TILES[head_dim]["blocks_per_sm"])
     assert h["shared_bytes"] == t["shared_bytes"]
     # Both on wgmma and TMA (check_kernel). The instruction counts differ: Triton pipelines and peels the
     # twin's masked key loops differently from the recipe's (60 wgmma to 72 under causal).

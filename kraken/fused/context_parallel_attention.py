@@ -13,8 +13,8 @@ its own K/V at once:
   peer's K/V is copied in ``pieces`` (a range of (batch, kv head) rows of K, then of V), piece-major
   and, within a piece, ``rank + 1`` first, each piece flagged as it lands; a last barrier says
   "done reading". No SM moves data, so attention blocks spinning on a flag cannot starve the copies.
-* The attention kernel is persistent (one block per SM but ``RESERVED_SMS``, left to the barrier
-  kernel) and walks query tiles (batch, head)-major, so its first tiles need only the first pieces.
+* The attention kernel is persistent (``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, left
+  to the barrier kernel) and walks query tiles (batch, head)-major, so its first tiles need only the first pieces.
   Each tile keeps its online-softmax state (row max, row sum, fp32 accumulator) in registers across
   every chunk of keys: its own K/V first, read straight from ``k`` and ``v``, then ``rank + 1``'s,
   ``rank + 2``'s, ... from the gather buffer. Before a peer's piece a block waits on its flag once
@@ -68,21 +68,27 @@ LOG2E = 1.4426950408889634
 # turn into NaN (its weights are wiped by the rescale at its first real key; none occurs here).
 MASKED_SCORE = -1.0e30
 _MASKED_SCORE = tl.constexpr(MASKED_SCORE)  # Triton reads module globals only as constexprs
-# The kernel leaves this many SMs free: its blocks spin on flags that follow the gather's one-block barrier
-# kernel, which must find an SM while every attention block is resident.
+# The kernel leaves this many SMs' worth of block slots free: its blocks spin on flags that follow the gather's
+# one-block barrier kernel, which must find room on some SM while every attention block is resident.
 RESERVED_SMS = 1
-# Tiles per head_dim: (block_m, block_n, num_warps, num_stages). 128 x 64 key tiles keep the 8-warp block under
-# 255 registers with no spills in every variant of both kernels (128 x 128 spilled; checked for sm_90 on the CPU).
+# Tiles per head_dim: (block_m, block_n, num_warps, num_stages) and the blocks resident per SM (the persistent
+# grid is blocks_per_sm * (SMs - RESERVED_SMS); the CPU test checks that the compiled kernels' registers and shared
+# memory let that many share an SM, else spinning blocks could wait on blocks never scheduled). Head_dim 128: one
+# 8-warp block of 128 x 64 tiles, under 255 registers with no spills in every variant of both kernels at 1 to 8
+# ranks (128 x 128 spills under causal from 2 ranks; two 4-warp blocks of 64 rows need 255 registers and spill at 8).
+# Head_dim 64: two 4-warp blocks of 64 x 64 tiles: a block's CTA barriers (around its TMA loads) hold only its own
+# warps, so one block's softmax runs under the other's GEMMs, where one 8-warp block keeps its two warpgroups in
+# step (checked for sm_90 on the CPU).
 TILES = {
-    64: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
-    128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    64: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 2},
+    128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "blocks_per_sm": 1},
 }
 # ``pieces``: each peer's K/V is copied (and flagged) in up to this many ranges of (batch, kv head) rows; by
 # default ``PIECE_BUDGET // world_size`` (at least 2): finer pieces let the first tiles start sooner, but each
 # costs the host two copies and a flag write per peer.
 PIECE_BUDGET = 32
-DEFAULT_CONFIG = {"block_m": None, "block_n": None, "num_warps": None, "num_stages": None, "pieces": None,
-                  "max_blocks": None}
+DEFAULT_CONFIG = {"block_m": None, "block_n": None, "num_warps": None, "num_stages": None, "blocks_per_sm": None,
+                  "pieces": None, "max_blocks": None}
 
 
 # ---------------------------------------------------------------------------
@@ -269,9 +275,9 @@ def sequence_positions(s_local: int, rank: int, world_size: int, causal: bool = 
 
 def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, world_size: int, causal: bool,
          config: dict, num_sms: int) -> dict:
-    """Resolve the launch configuration (shared with the Helion port). The grid is persistent: at most one
-    block per SM but ``RESERVED_SMS``, never more blocks than query tiles. ``piece_rows``: the (batch, kv head)
-    rows of each flagged piece of a peer's K/V."""
+    """Resolve the launch configuration (shared with the Helion port). The grid is persistent: at most
+    ``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, never more blocks than query tiles.
+    ``piece_rows``: the (batch, kv head) rows of each flagged piece of a peer's K/V."""
     cfg = host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     tiles = TILES.get(head_dim, TILES[128])
     cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in tiles.items()}}
@@ -282,6 +288,8 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"{OP}: block_n must divide block_m (the causal diagonal starts at a query tile), "
                          f"got block_m={cfg['block_m']}, block_n={cfg['block_n']}")
+    if isinstance(cfg["blocks_per_sm"], bool) or not isinstance(cfg["blocks_per_sm"], int) or cfg["blocks_per_sm"] < 1:
+        raise ValueError(f"{OP}: blocks_per_sm must be an int >= 1, got {cfg['blocks_per_sm']!r}")
     pieces = max(2, PIECE_BUDGET // world_size) if cfg["pieces"] is None else cfg["pieces"]
     if pieces < 1:
         raise ValueError(f"{OP}: pieces must be >= 1, got {pieces}")
@@ -289,8 +297,8 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     piece_rows = host.cdiv(kv_rows, min(pieces, kv_rows))
     chunk = s_local // 2 if causal else s_local
     num_tiles = batch * heads * (2 if causal else 1) * host.cdiv(max(chunk, 1), cfg["block_m"])
-    sms = max(1, num_sms - RESERVED_SMS)
-    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
+    slots = cfg["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
+    max_blocks = slots if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], slots))
     keys = ("block_m", "block_n", "num_warps", "num_stages")
     return {**{key: cfg[key] for key in keys}, "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows),
             "num_blocks": max(1, min(num_tiles, max_blocks))}
@@ -494,7 +502,7 @@ def context_parallel_attention(
     shard of the sequence (``shard_sequence``; with ``causal``, the load-balanced layout), contiguous CUDA
     tensors, bf16 or fp16, head_dim 64 or 128, kv_heads dividing heads, the same shapes on every rank.
     ``scale`` defaults to 1 / sqrt(head_dim). ``config`` overrides ``block_m``, ``block_n``, ``num_warps``,
-    ``num_stages``, ``pieces`` and ``max_blocks`` (see ``plan``).
+    ``num_stages``, ``blocks_per_sm``, ``pieces`` and ``max_blocks`` (see ``plan``).
     """
     return attend_to_sequence(q, k, v, group, causal, scale, config)
 
