@@ -51,15 +51,16 @@ def test_launcher_replays_the_jit_bound_arguments(launches):
     out = torch.zeros(8)
     launcher = host.Launcher("op")
     for _ in range(3):
-        launcher(kernel, (3,), peers, out, 77, 8, 1024, 1, 2, BLOCK_SIZE=1024, num_warps=4)
+        launcher(kernel, (3,), peers, out, peers[0], peers[0], 77, 8, 1024, 1, 2, BLOCK_SIZE=1024, STAGED=False,
+                 num_warps=4)
     (_, _, args, meta, grid), *fast = launches
-    assert grid == (3,) and meta == {"BLOCK_SIZE": 1024, "num_warps": 4}
+    assert grid == (3,) and meta == {"BLOCK_SIZE": 1024, "STAGED": False, "num_warps": 4}
     assert [kind for kind, _ in fast] == ["fast", "fast"]
     for _, run_args in fast:
         # grid x, y, z, the current stream, the function, its metadata, no hooks, then every parameter in
         # order: the ones passed positionally, then the constexpr passed by keyword.
         assert run_args[:9] == (3, 1, 1, 1234, "cufunction", "packed metadata", None, None, None)
-        assert run_args[9:] == (*args, 1024)
+        assert run_args[9:] == (*args, 1024, False)
         assert run_args[9] is peers and run_args[10] is out
 
 
@@ -86,11 +87,11 @@ def test_launcher_calls_the_c_launch_function_when_no_scratch_is_needed(monkeypa
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     launcher = host.Launcher("op")
-    args = ((torch.zeros(8), torch.zeros(8)), torch.zeros(8), 77, 8, 1024, 1, 2)
+    args = ((torch.zeros(8), torch.zeros(8)), torch.zeros(8), torch.zeros(8), torch.zeros(8), 77, 8, 1024, 1, 2)
     for _ in range(2):
-        launcher(kernel, (5,), *args, BLOCK_SIZE=1024, num_warps=4)
+        launcher(kernel, (5,), *args, BLOCK_SIZE=1024, STAGED=False, num_warps=4)
     assert log == [(5, 1, 1, 1234, "cufunction", False, True, None, None, "packed metadata", None, None, None,
-                    *args, 1024)]
+                    *args, 1024, False)]
 
 
 def test_launcher_takes_the_jit_path_while_a_launch_hook_is_set(launches, monkeypatch):
@@ -98,15 +99,15 @@ def test_launcher_takes_the_jit_path_while_a_launch_hook_is_set(launches, monkey
 
     kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
     launcher = host.Launcher("op")
-    args = ((torch.zeros(8), torch.zeros(8)), torch.zeros(8), 77, 8, 1024, 1, 2)
-    launcher(kernel, (1,), *args, BLOCK_SIZE=1024, num_warps=4)
+    args = ((torch.zeros(8), torch.zeros(8)), torch.zeros(8), torch.zeros(8), torch.zeros(8), 77, 8, 1024, 1, 2)
+    launcher(kernel, (1,), *args, BLOCK_SIZE=1024, STAGED=False, num_warps=4)
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        launcher(kernel, (1,), *args, BLOCK_SIZE=1024, num_warps=4)
+        launcher(kernel, (1,), *args, BLOCK_SIZE=1024, STAGED=False, num_warps=4)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    launcher(kernel, (1,), *args, BLOCK_SIZE=1024, num_warps=4)
+    launcher(kernel, (1,), *args, BLOCK_SIZE=1024, STAGED=False, num_warps=4)
     assert [entry[0] for entry in launches] == ["jit", "jit", "fast"]
 
 

@@ -169,6 +169,7 @@ def test_bad_rows_raise_on_every_rank_before_any_launch(path, monkeypatch):
     world = FakeWorld(monkeypatch)  # rank 1 passes the same arguments
     monkeypatch.setattr(host, "check_tensor", every_check_but_the_device)
     monkeypatch.setattr(host, "symm_context", lambda t, group, op: FakeContext(t))
+    monkeypatch.setattr(host, "is_symmetric", lambda tensor: True)  # the CPU stand-ins take the symmetric path
     launches = []
     monkeypatch.setattr(mod, "launch", lambda *args, **kwargs: launches.append(args))
     fn = getattr(mod, path.rsplit(".", 1)[1])
