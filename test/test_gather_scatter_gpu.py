@@ -163,8 +163,7 @@ def bad_input(backend: str) -> None:
     buf = kraken.symm_empty(4096, torch.bfloat16)
     for fn in (rs_fn, ag_fn):
         heartbeat(f"{backend} {fn.__module__} errors")
-        with pytest.raises(ValueError, match="not in symmetric memory"):
-            fn(torch.randn(ws * 64, device="cuda", dtype=torch.bfloat16))
+        fn(torch.randn(ws * 64, device="cuda", dtype=torch.bfloat16))  # an ordinary tensor is staged, not refused
         if ws > 1:  # ranks passing different shapes: every rank raises (first-use agreement), nothing hangs
             with pytest.raises(ValueError, match="ranks disagree"):
                 fn(buf[:ws * (100 + rank)])
