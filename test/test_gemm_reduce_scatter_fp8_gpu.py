@@ -120,14 +120,15 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
 
 def bad_input(backend: str, module, fn) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Ranks disagreeing on M (fresh shapes, so this is the first use): every rank raises, nothing hangs.
-    a, b, sa, sb = operands((4 * world_size + rank, 48, 32), 7, rank)
-    with pytest.raises(ValueError, match="ranks disagree"):
-        fn(a, b, sa, sb)
-    # M not divisible by the world size, the same on every rank.
-    a, b, sa, sb = operands((4 * world_size + 1, 48, 32), 7, rank)
-    with pytest.raises(ValueError, match="do not split evenly"):
-        fn(a, b, sa, sb)
+    if world_size > 1:  # a group of one cannot disagree, and any M splits over it
+        # Ranks disagreeing on M (fresh shapes, so this is the first use): every rank raises, nothing hangs.
+        a, b, sa, sb = operands((4 * world_size + rank, 48, 32), 7, rank)
+        with pytest.raises(ValueError, match="ranks disagree"):
+            fn(a, b, sa, sb)
+        # M not divisible by the world size, the same on every rank.
+        a, b, sa, sb = operands((4 * world_size + 1, 48, 32), 7, rank)
+        with pytest.raises(ValueError, match="do not split evenly"):
+            fn(a, b, sa, sb)
     shape = (4 * world_size, 48, 32)
     a, b, sa, sb = operands(shape, 7, rank)
     with pytest.raises(TypeError, match="unknown config"):

@@ -109,19 +109,20 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
 
 def bad_input(backend: str, module, fn) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Ranks disagreeing on M (fresh shapes, so this is the first use): every rank raises, nothing hangs,
-    # whether or not a rank's own M would split evenly.
-    a, b = rank_operands((4 * world_size + rank, 48, 32), BF16, 7, rank)
-    with pytest.raises(ValueError, match="ranks disagree"):
-        fn(a, b)
-    # Same M and N, different K.
-    a, b = rank_operands((4 * world_size, 48, 32 + 16 * rank), BF16, 7, rank)
-    with pytest.raises(ValueError, match="ranks disagree"):
-        fn(a, b)
-    # M not divisible by the world size, the same on every rank: every rank raises before any launch.
-    a, b = rank_operands((4 * world_size + 1, 48, 32), BF16, 7, rank)
-    with pytest.raises(ValueError, match="do not split evenly"):
-        fn(a, b)
+    if world_size > 1:  # a group of one cannot disagree, and any M splits over it
+        # Ranks disagreeing on M (fresh shapes, so this is the first use): every rank raises, nothing hangs,
+        # whether or not a rank's own M would split evenly.
+        a, b = rank_operands((4 * world_size + rank, 48, 32), BF16, 7, rank)
+        with pytest.raises(ValueError, match="ranks disagree"):
+            fn(a, b)
+        # Same M and N, different K.
+        a, b = rank_operands((4 * world_size, 48, 32 + 16 * rank), BF16, 7, rank)
+        with pytest.raises(ValueError, match="ranks disagree"):
+            fn(a, b)
+        # M not divisible by the world size, the same on every rank: every rank raises before any launch.
+        a, b = rank_operands((4 * world_size + 1, 48, 32), BF16, 7, rank)
+        with pytest.raises(ValueError, match="do not split evenly"):
+            fn(a, b)
     a, b = rank_operands((4 * world_size, 48, 32), BF16, 7, rank)
     with pytest.raises(TypeError, match="unknown config"):
         fn(a, b, bogus=1)

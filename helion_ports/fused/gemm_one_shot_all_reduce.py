@@ -22,10 +22,14 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
   barrier for the split group, and after the last round the epoch barrier across
   ranks; then a second ``hl.grid(rounds)`` sums every rank's partial (from the local
   ``workspace`` with ``push``, else from ``peers[r]``), and the block's parity flips and
-  its epoch count advances at the end (``host.BlockWorkspace``: no trailing barrier).
+  its epoch count advances at the end (``host.BlockWorkspace``: no trailing barrier);
+* ``keep_last`` (the recipe's ``KEEP_LAST``, ``keeps_last``): the last round is its own GEMM tile
+  loop, which also holds the epoch barrier and that tile's sum (my partial from registers, the
+  peer's from memory), before the earlier rounds' reduce.
 
 The config is explicit: ``block_sizes`` follow the loops (the GEMM tile m, n, its k step, the
-slice's rows and columns, the reduce tile m, n), from the recipe's ``plan``.
+slice's rows and columns, with ``keep_last`` the last round's tile m, n and k step, the reduce
+tile m, n), from the recipe's ``plan``.
 Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
 """
 
@@ -41,14 +45,23 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, own_storage, run
 from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SYNC, SYMM_MEM_SYNC
-from kraken.fused.gemm_one_shot_all_reduce import chunk_tile, plan, prepare, rounds_of, tma_operands  # shared with the recipe
+from kraken._gemm_core import tma_operands
+from kraken.fused.gemm_one_shot_all_reduce import chunk_tile, keeps_last, plan, prepare, rounds_of  # shared with the recipe
 
 # Both barriers are "my writes are visible to you, yours to me" (release + acquire): the k-split
 # group's CAS barrier over local pads, then the ranks' epoch barrier over the workspace's own pad.
 SPLIT_SYNC = SYMM_MEM_SYNC[(True, True)]
-# Per load/store, in program order: the parity and epoch loads, the ``a`` and ``b`` loads through
-# tensor descriptors (TMA, as in the recipe), then pointers.
-INDEXING = ("pointer",) * 2 + ("tensor_descriptor",) * 2 + ("pointer",) * 40
+
+
+def indexing(split_k: int, push: bool, keep_last: int, world_size: int) -> tuple[str, ...]:
+    """Per load/store, in program order: the parity and epoch loads, the ``a`` and ``b`` loads through tensor
+    descriptors (TMA, as in the recipe), the partial's stores; with ``keep_last`` the last round's ``a`` and
+    ``b`` (TMA) after them; then pointers."""
+    tma = ("tensor_descriptor",) * 2
+    if not keep_last:
+        return ("pointer",) * 2 + tma + ("pointer",) * 40
+    stores = world_size if push else 1  # every push target, or my slot
+    return ("pointer",) * 2 + tma + ("pointer",) * stores + tma + ("pointer",) * 40
 
 
 def gemm_one_shot_all_reduce_body(
@@ -70,6 +83,7 @@ def gemm_one_shot_all_reduce_body(
     block_m: hl.constexpr,
     block_n: hl.constexpr,
     push: hl.constexpr,
+    keep_last: hl.constexpr,  # the recipe's KEEP_LAST (``keeps_last``): the last round's partial stays in registers
     group_name: hl.ProcessGroupName,
 ) -> torch.Tensor:
     m, n = out.size()  # a and b may be zero-padded in k and n for TMA (``tma_operands``)
@@ -84,7 +98,7 @@ def gemm_one_shot_all_reduce_body(
         epoch = epochs[block]
         k_begin = split * k_per_split
         rounds = (num_tiles + num_groups - 1) // num_groups
-        for rnd in hl.grid(rounds):
+        for rnd in hl.grid(rounds - keep_last):
             tile = group + rnd * num_groups
             m0 = tile // tiles_n * block_m
             n0 = tile % tiles_n * block_n
@@ -113,8 +127,39 @@ def gemm_one_shot_all_reduce_body(
                             hl.store(peers[r], [half, block, rnd, rank, tile_r, tile_c], partial)
                     else:
                         workspace[half, block, rnd, 0, tile_r, tile_c] = partial
-        hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
-        for rnd in hl.grid(rounds):
+        if keep_last:
+            # The last round: my partial to the peer, then the barrier and my sum with it still in registers.
+            last = rounds - 1
+            last_tile = group + last * num_groups
+            last_m0 = last_tile // tiles_n * block_m
+            last_n0 = last_tile % tiles_n * block_n
+            for tile_m, tile_n in hl.tile([last_m0, last_n0], [last_m0 + block_m, last_n0 + block_n]):
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(k_begin, min(k_begin + k_per_split, k)):
+                    acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_n], acc=acc)
+                mine = acc.to(workspace.dtype)
+                if world_size > 1:
+                    if push:
+                        for r in hl.static_range(world_size):
+                            if r != rank:
+                                hl.store(peers[r], [half, block, last, rank, tile_m.index - last_m0, tile_n.index - last_n0], mine)
+                    else:
+                        workspace[half, block, last, 0, tile_m.index - last_m0, tile_n.index - last_n0] = mine
+                hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+                # At most 2 ranks: a + b == b + a, the same sum on both.
+                total = mine.to(torch.float32)
+                if world_size > 1:
+                    if push:
+                        total = total + workspace[half, block, last, 1 - rank, tile_m.index - last_m0, tile_n.index - last_n0].to(torch.float32)
+                    else:
+                        for r in hl.static_range(world_size):
+                            if r != rank:
+                                total = total + hl.load(peers[r], [half, block, last, 0, tile_m.index - last_m0, tile_n.index - last_n0]).to(torch.float32)
+                inside = (tile_m.index < m)[:, None] & (tile_n.index < n)[None, :]
+                hl.store(out, [tile_m, tile_n], total.to(out.dtype), extra_mask=inside)
+        else:
+            hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+        for rnd in hl.grid(rounds - keep_last):
             tile = group + rnd * num_groups
             m0 = tile // tiles_n * block_m
             n0 = tile % tiles_n * block_n
@@ -136,7 +181,8 @@ def gemm_one_shot_all_reduce_body(
 
 @functools.cache
 def compiled(
-    block_m: int, block_n: int, block_k: int, split_k: int, reduce_m: int, push: bool, num_warps: int, num_stages: int
+    block_m: int, block_n: int, block_k: int, split_k: int, reduce_m: int, push: bool, num_warps: int, num_stages: int,
+    keep_last: int, world_size: int,
 ) -> helion.Kernel:
     """One Helion kernel per launch configuration, each with an explicit config.
 
@@ -146,8 +192,11 @@ def compiled(
     recipe's; built in every program, they cost 5-12% at M <= 256), pointers elsewhere.
     ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
     """
-    block_sizes = (block_m, block_n, block_k, *((block_m // split_k, block_n) if split_k > 1 else ()), reduce_m, block_n)
-    return flat_kernel(gemm_one_shot_all_reduce_body, block_sizes, num_warps, num_stages, indexing=INDEXING, host_tensor_descriptors=True)
+    gemm = (block_m, block_n, block_k)
+    block_sizes = (*gemm, *((block_m // split_k, block_n) if split_k > 1 else ()), *(gemm if keep_last else ()), reduce_m,
+                   block_n)
+    return flat_kernel(gemm_one_shot_all_reduce_body, block_sizes, num_warps, num_stages,
+                       indexing=indexing(split_k, push, keep_last, world_size), host_tensor_descriptors=True)
 
 
 def launch(
@@ -185,6 +234,7 @@ def launch(
     changes bucket (it ignores sizes inside tuples).
     """
     a, b = tma_operands(a, b)
+    keep = keeps_last(split_k, len(peers), out.dtype)
     # Helion 1.5.0 specialises a size-1 dimension and then drops the row mask of a store through a
     # taller tile (every row of the tile lands on row 0). So M = 1 runs on two rows, the second zero.
     staged = out if a.shape[0] > 1 else out.new_empty(2, out.shape[1])
@@ -192,9 +242,10 @@ def launch(
         a = torch.cat([a, a.new_zeros(a.shape)])
     args = (
         a, b, partials, own_storage(peers[rank]), peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
-        rank, len(peers), split_k, block_m, block_n, push, group_name,
+        rank, len(peers), split_k, block_m, block_n, push, keep, group_name,
     )
-    run(compiled(block_m, block_n, block_k, split_k, reduce_m, push, num_warps, num_stages), args, launcher)
+    run(compiled(block_m, block_n, block_k, split_k, reduce_m, push, num_warps, num_stages, keep, len(peers)), args,
+        launcher)
     if staged is not out:
         out.copy_(staged[:1])
     return out

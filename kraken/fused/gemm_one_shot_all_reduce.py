@@ -7,7 +7,7 @@ The output is cut into ``BLOCK_M x BLOCK_N`` tiles. The persistent grid is
 per round (small M has too few tiles to keep the SMs streaming ``b``; splitting k
 over the ``SPLIT_K`` blocks of a group keeps them busy). Block ``b`` of every rank:
 
-1. GEMM, every round: loads ``a`` and ``b`` through TMA descriptors, ``tl.dot`` into fp32;
+1. GEMM, every round: the main loop of ``kraken._gemm_core`` (TMA loads, ``tl.dot`` into fp32);
 2. with a k split, stores its fp32 partial, meets its group at a local barrier
    (the same CAS barrier as across GPUs, over pads in local memory), and sums its
    ``BLOCK_M / SPLIT_K`` rows of the tile over the group's partials;
@@ -22,6 +22,20 @@ over the ``SPLIT_K`` blocks of a group keeps them busy). Block ``b`` of every ra
 5. reduce, every round: sums its rows over every rank's partial, in rank order (bitwise
    identical on every rank), in fp32, and writes ``out``. With ``PUSH`` they are all in
    its local chunk; else it loads them from every rank's chunk ``b``.
+
+With no k split at 1 or 2 ranks (``keeps_last``), the last round skips the round trip: its
+partial goes only to the peer (pushed, or left in the workspace for it to pull) and stays in
+registers through the barrier, where the block adds the peer's to it and writes ``out``
+(two partials sum the same in either order: still bitwise identical); then the earlier
+rounds are reduced as above. At one rank the kernel then costs its GEMM, one barrier with
+itself and the earlier rounds' partials (M = 1024, 4096 x 4096: one round, none).
+
+With no k split at 1 or 2 ranks (``keeps_last``), the last round skips the round trip: its
+partial goes only to the peer (pushed, or left in the workspace for it to pull) and stays in
+registers through the barrier, where the block adds the peer's to it and writes ``out``
+(two partials sum the same in either order: still bitwise identical); then the earlier
+rounds are reduced as above. At one rank the kernel then costs what its GEMM costs plus
+one barrier with itself and the earlier rounds' partials (M = 1024, 4096 x 4096: none).
 
 Pushing keeps the NVLink round trip of remote loads out of the tail (M = 64 on 2 H200s:
 13.9 us against 14.8 for the best tiles pulling). At 4 ranks pushing to 3 peers was
@@ -49,36 +63,22 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
+from kraken._gemm_core import (  # noqa: F401 (OUT_DTYPES, SKINNY_M: this recipe's, used by tests)
+    OUT_DTYPES, SKINNY_M, TILE_CONFIGS, check_inputs, mainloop, skinny_or_large_tiles, tile_coords, tma_operands,
+)
 from kraken._ptx_utils import epoch_sync, symm_mem_sync
 
-INPUT_DTYPES = (torch.bfloat16, torch.float16)
-OUT_DTYPES = (torch.bfloat16, torch.float32)
-MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twin
-TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides; others are padded (``tma_operands``)
-
-# Tile configs, swept on 2x H200 (``probe`` runs of the recipe and its twin, ``python -m benchmark.tune``).
-# Up to ``SKINNY_M`` rows the GEMM is bound by streaming ``b`` from HBM: one warpgroup per tile, 128-deep
-# k steps (fewer, larger TMA loads), and the narrowest tile (32 wide, 64 when pushing below M = 128) that
-# still fits all tiles in one wave of the SMs. ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of
+# Tiles: ``kraken._gemm_core.skinny_or_large_tiles`` (swept on 2x H200, ``probe`` runs of the recipe and its
+# twin, ``python -m benchmark.tune``), and for this recipe: ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of
 # them (M = 64: 64x64 tiles on 64 SMs, 10.5 us; 64x32 on 128, 10.4), and pushing, half the blocks push,
 # fence and meet half as often (13.9 us against 14.3 for the whole fused kernel), so those tiles take no
 # k split. Skinny tiles push at world size 2 (``PUSH_MAX_WORLD_SIZE``); at 4, pushing to 3 peers was
 # slower than pulling from them (M = 256: 53.8 us against 42.3), so they pull there.
-# Larger M is bound by the tensor cores and takes the largest of ``TILE_CONFIGS`` that still gives
-# ``MIN_TILES_PER_SM`` of the SMs a tile, and pulls. With too few tiles for the SMs (small N), ``split_k``
-# cuts k so that tiles x split_k fills them (up to ``MAX_SPLIT_K``).
+# Larger M pulls. With too few tiles for the SMs (small N), ``split_k`` cuts k so that tiles x split_k fills
+# them (up to ``MAX_SPLIT_K``).
 # Any key may be overridden per call. ``max_blocks`` None: one block per SM. ``split_k``/``reduce_m`` None: chosen.
-SKINNY_M = 256
-SKINNY_BLOCK_K = 128
-SKINNY_STAGE_BYTES = 192 * 1024  # shared memory for the pipeline stages (of the 227 KiB an SM offers)
-SKINNY_MAX_STAGES = 5
 SKINNY_FILL = 0.45
 PUSH_MAX_WORLD_SIZE = 2
-TILE_CONFIGS = [
-    {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
-    {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4},
-]
-MIN_TILES_PER_SM = 0.55
 MAX_SPLIT_K = 4
 MIN_K_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial than it saves
 DEFAULT_CONFIG = {**TILE_CONFIGS[0], "split_k": None, "reduce_m": None, "max_blocks": None, "push": False}
@@ -113,6 +113,7 @@ def gemm_one_shot_all_reduce_kernel(
     SPLIT_K: tl.constexpr,
     REDUCE_M: tl.constexpr,  # rows per reduce step: a slice of a tile, so world_size loads fit in registers
     PUSH: tl.constexpr,  # partials go to every rank's workspace (a slot per rank) or stay in mine (one slot)
+    KEEP_LAST: tl.constexpr,  # 1: the last round's partial stays in registers through the barrier (``keeps_last``)
 ):
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLICE_M: tl.constexpr = BLOCK_M // SPLIT_K  # rows of each tile this block sums over the ranks
@@ -123,6 +124,7 @@ def gemm_one_shot_all_reduce_kernel(
     parity = tl.load(parity_ptr + block)
     epoch = tl.load(epochs_ptr + block)
     chunk = parity.to(tl.int64) * half_stride + block * chunk_stride
+    tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
@@ -130,18 +132,17 @@ def gemm_one_shot_all_reduce_kernel(
     in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + cols[None, :]
     in_slice = (split * SLICE_M + tl.arange(0, SLICE_M))[:, None] * BLOCK_N + cols[None, :]
 
-    num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    num_tiles = tiles_m * tiles_n
     # Every block of a group runs every round, so the split barriers stay paired even in a last round
     # that has no tile for some groups (their GEMM is empty and their stores fall outside ``out``).
     rounds = tl.cdiv(num_tiles, num_groups)
-    for rnd in tl.range(0, rounds):
+    for rnd in tl.range(0, rounds - KEEP_LAST):
         tile = group + rnd * num_groups
-        m0 = tile // tiles_n * BLOCK_M
-        n0 = tile % tiles_n * BLOCK_N
-        # TMA fills rows and columns past M, N and K with zeros: no masks in the GEMM.
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(k_begin, tl.where(tile < num_tiles, k_end, k_begin), BLOCK_K):
-            acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([k0, n0]), acc)
+        tile_m, tile_n = tile_coords(tile, tiles_m, tiles_n, 1)  # row-major; past the last tile: m0 >= M
+        m0 = tile_m * BLOCK_M
+        n0 = tile_n * BLOCK_N
+        acc = mainloop(a_desc, b_desc, m0, n0, k_begin, tl.where(tile < num_tiles, k_end, k_begin), BLOCK_M,
+                       BLOCK_N, BLOCK_K, False)
         slots = chunk + rnd * SLOTS * TILE  # this round's slots in a chunk; mine is ``rank`` when pushing, else 0
         if SPLIT_K == 1:
             rows_of_mine = in_tile
@@ -161,14 +162,45 @@ def gemm_one_shot_all_reduce_kernel(
                 tl.store(peers[r] + slots + rank * TILE + rows_of_mine, partial)
         else:
             tl.store(workspace_ptr + slots + rows_of_mine, partial)
+    if KEEP_LAST:
+        # The last round's GEMM: my partial goes to the peer (pushed into its slot for me, or left in my
+        # workspace for it to pull) and stays in registers through the barrier for my own sum (no round trip
+        # through memory); the earlier rounds are reduced after it.
+        last = rounds - 1
+        last_tile = group + last * num_groups
+        last_m, last_n = tile_coords(last_tile, tiles_m, tiles_n, 1)
+        last_m0 = last_m * BLOCK_M
+        last_n0 = last_n * BLOCK_N
+        mine = mainloop(a_desc, b_desc, last_m0, last_n0, k_begin, tl.where(last_tile < num_tiles, k_end, k_begin),
+                        BLOCK_M, BLOCK_N, BLOCK_K, False).to(workspace_ptr.dtype.element_ty)
+        last_slots = chunk + last * SLOTS * TILE
+        if world_size > 1:
+            if PUSH:
+                tl.store(tl.where(rank == 0, peers[1], peers[0]) + last_slots + rank * TILE + in_tile, mine)
+            else:
+                tl.store(workspace_ptr + last_slots + in_tile, mine)
+        epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
+        # At most 2 ranks: a + b == b + a, so both ranks' sums are bitwise the same (mine rounded as theirs is).
+        last_sum = mine.to(tl.float32)
+        if world_size > 1:
+            if PUSH:
+                theirs = workspace_ptr + last_slots + (1 - rank) * TILE + in_tile
+            else:
+                theirs = tl.where(rank == 0, peers[1], peers[0]) + last_slots + in_tile
+            last_sum += tl.load(theirs).to(tl.float32)
+        last_rows = last_m0 + tl.arange(0, BLOCK_M)
+        last_cols = last_n0 + cols
+        tl.store(out_ptr + (last_rows[:, None] * N + last_cols[None, :]), last_sum.to(out_ptr.dtype.element_ty),
+                 mask=(last_rows[:, None] < M) & (last_cols[None, :] < N))
+    else:
+        # My partials are visible to every peer's block b, theirs (the same slices: same block id) to me.
+        epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
 
-    # My partials are visible to every peer's block b, theirs (the same slices: same block id) to me.
-    epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
-
-    for rnd in tl.range(0, rounds):
+    for rnd in tl.range(0, rounds - KEEP_LAST):
         tile = group + rnd * num_groups
-        m0 = tile // tiles_n * BLOCK_M
-        n0 = tile % tiles_n * BLOCK_N
+        tile_m, tile_n = tile_coords(tile, tiles_m, tiles_n, 1)
+        m0 = tile_m * BLOCK_M
+        n0 = tile_n * BLOCK_N
         for r0 in tl.static_range(0, SLICE_M, REDUCE_M):
             rows = split * SLICE_M + r0 + tl.arange(0, REDUCE_M)
             offsets = chunk + rnd * SLOTS * TILE + rows[:, None] * BLOCK_N + cols[None, :]
@@ -185,19 +217,6 @@ def gemm_one_shot_all_reduce_kernel(
     # The next launch writes the other half: no "done reading" barrier needed (host.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
     tl.store(epochs_ptr + block, epoch + 1)
-
-
-def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a`` and ``b`` as TMA can load them: if a base or a row is not 16-byte aligned, zero-padded copies
-    (k and n rounded up; the zeros add nothing to the product, and the output keeps the true N)."""
-    (m, k), n = a.shape, b.shape[1]
-    step = TMA_ALIGN // a.element_size()
-    if k % step == 0 and n % step == 0 and a.data_ptr() % TMA_ALIGN == 0 and b.data_ptr() % TMA_ALIGN == 0:
-        return a, b
-    k_pad, n_pad = host.round_up(k, step), host.round_up(n, step)
-    a_pad, b_pad = a.new_zeros(m, k_pad), b.new_zeros(k_pad, n_pad)
-    a_pad[:, :k], b_pad[:k, :n] = a, b
-    return a_pad, b_pad
 
 
 def launch(
@@ -239,37 +258,27 @@ def launch(
         partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_groups, k_per_split, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m, PUSH=push,
-        num_warps=num_warps, num_stages=num_stages,
+        KEEP_LAST=keeps_last(split_k, len(peers), out.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
+def keeps_last(split_k: int, world_size: int, out_dtype: torch.dtype) -> int:
+    """1 if the last round's partial stays in registers through the barrier (``KEEP_LAST``): with no k split
+    (a split sums slices of the tile, not the tile) and at most 2 ranks (where the sum of two partials is the
+    same in either order), bf16 partials at 2 ranks (a whole fp32 tile of the peer's beside mine spills)."""
+    return int(split_k == 1 and (world_size == 1 or (world_size == 2 and out_dtype.itemsize == 2)))
+
+
 def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dict:
-    """This shape's tile config (see ``TILE_CONFIGS``): for M <= ``SKINNY_M``, one warpgroup on 64- or
-    128-row tiles (128 from M = 128), as narrow (>= 32, or 64 when pushing 64-row tiles) as fits one wave
-    of ``num_sms``, no k split if that gives ``SKINNY_FILL`` of the SMs a tile, pushing up to
-    ``PUSH_MAX_WORLD_SIZE``; above, the largest of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of
-    the SMs a tile, else the smallest, pulling."""
-    if m <= SKINNY_M:
-        # Boxes no larger than the operands where they can be (Helion loads a box larger than its tensor
-        # through pointers, not TMA).
-        push = world_size <= PUSH_MAX_WORLD_SIZE
-        block_m = 128 if m >= 128 else 64
-        block_n = 64 if block_m == 64 and push else 32
-        block_k = SKINNY_BLOCK_K if k >= SKINNY_BLOCK_K else 64
-        while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
-            block_n *= 2
-        stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * block_k * 2)  # bf16/fp16 operands
-        cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
-               "num_stages": min(stages, SKINNY_MAX_STAGES), "push": push}
-        if host.cdiv(m, block_m) * host.cdiv(n, block_n) >= SKINNY_FILL * num_sms:
-            cfg["split_k"] = 1
-        return cfg
-
-    def fills(cfg: dict) -> bool:
-        return host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
-
-    return next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1])
+    """This shape's tiles (``kraken._gemm_core.skinny_or_large_tiles``): up to ``SKINNY_M`` rows pushing up to
+    ``PUSH_MAX_WORLD_SIZE`` ranks, with no k split if the tiles give ``SKINNY_FILL`` of the SMs a tile;
+    above, pulling."""
+    push = m <= SKINNY_M and world_size <= PUSH_MAX_WORLD_SIZE
+    cfg = {**skinny_or_large_tiles(m, n, k, num_sms, push), "push": push}
+    if m <= SKINNY_M and host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= SKINNY_FILL * num_sms:
+        cfg["split_k"] = 1
+    return cfg
 
 
 def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int) -> int:
@@ -346,28 +355,6 @@ def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
     """What block ``b``'s chunk of the workspace holds per round (``plan``'s ``cfg``): [slots, BLOCK_M,
     BLOCK_N], a slot per rank's partial of the round's tile when pushing, else one for this rank's."""
     return (world_size if cfg["push"] else 1, cfg["block_m"], cfg["block_n"])
-
-
-def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str) -> None:
-    """Argument checks that need neither a GPU nor torch.distributed."""
-    if out_dtype not in OUT_DTYPES:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in OUT_DTYPES)
-        raise ValueError(f"{op}: out_dtype {out_dtype} is not supported; supported: {allowed}")
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.dtype != b.dtype:
-            raise ValueError(f"{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
-        if a.dim() == 2 and b.dim() == 2 and a.shape[1] != b.shape[0]:
-            raise ValueError(
-                f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (need a [M, K], b [K, N])"
-            )
-        if a.dim() == 2 and b.dim() == 2 and (a.shape[0] == 0 or b.shape[1] == 0):
-            raise ValueError(f"{op}: the output would be empty (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    host.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
-    host.check_tensor(b, "b", op, INPUT_DTYPES, ndim=2)
-    if a.device != b.device:
-        raise ValueError(f"{op}: a and b are on different devices ({a.device}, {b.device})")
-    if max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > MAX_INDEX:
-        raise ValueError(f"{op}: a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
 
 
 @host.per_signature(lambda a, b, group, out_dtype, op, config: (
