@@ -12,7 +12,8 @@ kernel; it launches through ``helion_ports.run``). The attention kernel mirrors 
   sum, fp32 accumulator) lives across every key loop: ``hl.tile`` loops of ``block_n`` keys over my own
   K/V (from ``k``, ``v``), then, for ``rank + 1``, ``rank + 2``, ... (``hl.grid(world_size - 1)``), over the
   gather buffer; an unmasked loop over the full key tiles and a masked one for a chunk's last tile and
-  the causal diagonal, as the recipe;
+  the causal diagonal, as the recipe (the unmasked loops' extents are ``chunk_blocks * block_n``, which
+  ``symbolic_multiples`` lets Helion see as whole tiles: no bounds mask on their row max and sum);
 * before a peer's keys, a block's first tile of each piece waits on the piece's flag with the recipe's
   PTX (``GMEM_WAIT_ASYNC``: acquire spin by one thread, thread barrier, every thread's async-proxy
   fence), pasted in with ``hl.inline_triton``;
