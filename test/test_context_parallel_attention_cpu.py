@@ -408,6 +408,33 @@ def test_torch_cp_failure_leaves_sdpa_unpatched_and_the_sdpa_baseline_is_right(o
     assert err < 1e-2, err
 
 
+def test_cudnn_lower_right_merges_its_two_calls(monkeypatch):
+    """cuDNN has no lower-right causal mask: ``cudnn_lower_right`` is the keys before the queries' chunk (no mask)
+    and the chunk's own keys (square causal), merged through their log-sum-exps. Here each call is a float64
+    stand-in for cuDNN's (output, log-sum-exp [batch, heads, L]); the merge must give lower-right causal attention
+    over all the keys (GQA included: the stand-in repeats the heads as cuDNN reads them)."""
+    def stand_in(q, k, v, causal):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+        scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if causal:
+            scores = scores.masked_fill(~torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(), float("-inf"))
+        return (torch.softmax(scores, -1) @ v).to(q.dtype), torch.logsumexp(scores, -1).reshape(*q.shape[:-1], 1)
+
+    monkeypatch.setattr(op, "cudnn_with_lse", stand_in)
+    gen = torch.Generator().manual_seed(3)
+    chunk, keys = 24, 72
+    q = torch.randn(2, 4, chunk, 64, generator=gen).to(BF16)
+    k, v = (torch.randn(2, 2, keys, 64, generator=gen).to(BF16) for _ in range(2))
+    out = op.cudnn_lower_right(q, k, v)
+    group_k, group_v = k.repeat_interleave(2, 1).double(), v.repeat_interleave(2, 1).double()
+    scores = q.double() @ group_k.transpose(-1, -2) / 8.0
+    visible = torch.arange(keys)[None, :] <= torch.arange(chunk)[:, None] + keys - chunk  # lower right
+    ref = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ group_v
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
+
+
 # ---------------------------------------------------------------------------
 # The host fast path: warm calls plan nothing, agree on nothing, and launch through the compiled kernels
 # ---------------------------------------------------------------------------
