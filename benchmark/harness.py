@@ -172,7 +172,9 @@ def check_backend(op: Op, name: str, shape: Shape, dtype: torch.dtype, seed: int
             err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
             local = 0.0 if err <= op.rtol[dtype] else (err if err == err else float("inf"))
             message = f"FAIL (rel err {err:.1e})"
-    except (ValueError, TypeError, NotImplementedError) as exc:  # raised the same way on every rank
+    # Raised the same way on every rank: bad input, and a backend that torch.compile cannot compile.
+    except (ValueError, TypeError, NotImplementedError, torch._dynamo.exc.TorchDynamoException,
+            torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
         local, message = -1.0, f"error ({exc})"
     worst = _slowest(local)
     if worst == 0.0:

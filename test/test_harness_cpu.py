@@ -272,3 +272,15 @@ def test_eager_loop_length_follows_the_gpu_time():
     assert harness.loop_calls(4.0, settings) == settings.max_loop_calls  # a small collective: 200 calls
     assert harness.loop_calls(100.0, settings) == 50
     assert harness.loop_calls(300000.0, settings) == settings.loop_calls  # a long attention: the minimum
+
+
+def test_a_backend_that_cannot_compile_is_an_error_row_not_a_crash(monkeypatch):
+    monkeypatch.setattr(harness, "_slowest", lambda value: value)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def recompiles(inputs):
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+    op = registry.Op("demo", "demo", lambda *a: {}, {"nccl": lambda i: torch.ones(2), "compiled": recompiles}, [(1,)],
+                     "NUMEL", lambda *a: 1.0, lambda *a: 1.0)
+    assert harness.check_backend(op, "compiled", (1,), torch.float32, 0, torch.ones(2)).startswith("error (Hard failure")
