@@ -22,7 +22,7 @@ from helion_ports import flat_kernel, run
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather_with_progress import (  # shared with the Triton recipe
-    BARRIER_BLOCK, BARRIER_WARPS, OP, GatherInProgress, check_progress, shard_barrier_kernel,
+    BARRIER_BLOCK, BARRIER_WARPS, GatherInProgress, prepare, shard_barrier_kernel,
 )
 from kraken.comm.all_gather_with_progress import start as recipe_start
 
@@ -93,20 +93,6 @@ def all_gather_with_progress(
     progress: torch.Tensor | None = None,
 ) -> GatherInProgress:
     """Start gathering every rank's ``shard`` into ``out`` on the copy engine (see the kraken recipe)."""
-    host.check_tensor(shard, "shard", OP, host.SUPPORTED_DTYPES + (torch.int32, torch.uint8))
-    if shard.dim() < 1 or shard.shape[0] == 0:
-        raise ValueError(f"{OP}: shard must have at least one row, got shape {tuple(shard.shape)}")
-    ctx = host.symm_context(shard, group, OP, name="shard")
-    shape = (ctx.world_size * shard.shape[0], *shard.shape[1:])
-    if out is None:
-        out = torch.empty(shape, dtype=shard.dtype, device=shard.device)
-    else:
-        host.check_tensor(out, "out", OP, (shard.dtype,))
-        if tuple(out.shape) != shape or out.device != shard.device:
-            raise ValueError(f"{OP}: out must be {shape} on {shard.device}, got {tuple(out.shape)} on {out.device}")
-    if progress is None:
-        progress = torch.empty(ctx.world_size, dtype=torch.int32, device=shard.device)
-    else:
-        check_progress(progress, ctx.world_size, shard.device, OP)
+    ctx, out, progress = prepare(shard, group, out, progress)
     return recipe_start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress,
                         launcher=HelionBarrier(host.jit_launch, ctx.group_name))

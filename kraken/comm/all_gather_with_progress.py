@@ -131,12 +131,19 @@ def all_gather_with_progress(
     ``progress``: int32[world_size] (allocated if None), zeroed here on the current stream. Launch the
     consumer on the current stream, then call ``.wait()`` on the result.
     """
+    ctx, out, progress = prepare(shard, group, out, progress)
+    return start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress)
+
+
+def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torch.Tensor | None
+            ) -> tuple[host.SymmContext, torch.Tensor, torch.Tensor]:
+    """Check the arguments and find the peers (shared with the Helion twin): the shard's symmetric context, and
+    ``out`` and ``progress``, allocated where not given."""
     host.check_tensor(shard, "shard", OP, host.SUPPORTED_DTYPES + (torch.int32, torch.uint8))
     if shard.dim() < 1 or shard.shape[0] == 0:
         raise ValueError(f"{OP}: shard must have at least one row, got shape {tuple(shard.shape)}")
     ctx = host.symm_context(shard, group, OP, name="shard")
-    world_size, rank, rows = ctx.world_size, ctx.rank, shard.shape[0]
-    shape = (world_size * rows, *shard.shape[1:])
+    shape = (ctx.world_size * shard.shape[0], *shard.shape[1:])
     if out is None:
         out = torch.empty(shape, dtype=shard.dtype, device=shard.device)
     else:
@@ -144,10 +151,10 @@ def all_gather_with_progress(
         if tuple(out.shape) != shape or out.device != shard.device:
             raise ValueError(f"{OP}: out must be {shape} on {shard.device}, got {tuple(out.shape)} on {out.device}")
     if progress is None:
-        progress = torch.empty(world_size, dtype=torch.int32, device=shard.device)
+        progress = torch.empty(ctx.world_size, dtype=torch.int32, device=shard.device)
     else:
-        check_progress(progress, world_size, shard.device, OP)
-    return start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress)
+        check_progress(progress, ctx.world_size, shard.device, OP)
+    return ctx, out, progress
 
 
 def start(
