@@ -142,7 +142,7 @@ def test_gather_twin_mirrors_its_recipe():
     recipe_params = list(inspect.signature(recipe.barrier).parameters.values())
     assert list(inspect.signature(twin.barrier).parameters.values())[:len(recipe_params)] == recipe_params
     # What is host code is shared, not copied.
-    assert twin.GatherInProgress is recipe.GatherInProgress and twin.check_progress is recipe.check_progress
+    assert twin.GatherInProgress is recipe.GatherInProgress and twin.prepare is recipe.prepare
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 8])
