@@ -90,9 +90,10 @@ def all_gather_matmul_body(
                 n0 = within % band_tiles // band_rows * block_n
                 # The copy engine has landed these rows (acquire), and TMA will see them (async-proxy fence): at a
                 # block's first tile of each chunk, and at every own tile while my rows land piece by piece.
-                if own_staged:  # only at the first tile of each peer's chunk
-                    if step != prev_step and step > 0:
-                        hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src, "value": 1}, output_like=None)
+                if own_staged:  # only at the first tile of each peer's chunk (a group of one has none)
+                    if world_size > 1:
+                        if step != prev_step and step > 0:
+                            hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src, "value": 1}, output_like=None)
                 else:
                     own = 1 - min(step, 1)  # (Helion 1.5 has no dynamic conditional expression)
                     if (step - prev_step) * (step - prev_step) + own * piecewise > 0:

@@ -115,9 +115,10 @@ def all_gather_matmul_kernel(
         n0 = tile_n * BLOCK_N
         # These rows have landed (acquire), and TMA will see them (async-proxy fence). A block waits at its
         # first tile of each chunk, and at every own tile while my rows land piece by piece ("copy_engine").
-        if OWN_STAGED:  # only at the first tile of each peer's chunk
-            if (step != prev_step) & (step > 0):
-                wait_async(progress_ptr + src, 1)
+        if OWN_STAGED:  # only at the first tile of each peer's chunk (a group of one has none)
+            if world_size > 1:
+                if (step != prev_step) & (step > 0):
+                    wait_async(progress_ptr + src, 1)
         else:
             own = 1 - tl.minimum(step, 1)
             if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
