@@ -328,8 +328,8 @@ LOOP_LABEL = "Eager loop (back-to-back calls, no sleep in front: what a Python l
 
 
 def tables_markdown(op: Op, rows: list[Row], backends: list[str]) -> str:
-    """The GPU-time table and, for eager rows, the eager-loop table, each under its label (printed by the
-    benchmark and written into docs/results.md alike)."""
+    """At world size 1 the core table first (``core_rows``); then the GPU-time table and, for eager rows, the
+    eager-loop table, each under its label (printed by the benchmark and written into docs/results.md alike)."""
     from tabulate import tabulate
 
     lines = []
