@@ -112,8 +112,9 @@ def first_load_batch(sass: list[str]) -> int:
 # Shapes where one block's reduce step reads one vector per peer (latency-bound: the batch is the cost).
 SCHEDULE_SHAPES = {"all_reduce": (8192,), "all_reduce_bias": (4, 5120), "all_reduce_bias_rms_norm": (4, 5120),
                    "gemm_all_reduce": (64, 4096, 4096), "reduce_scatter": (8192,)}
-# (recipe, world size) where the twin's schedule still trails: ptxas holds back a load there, for
-# reasons not found yet (the generated code has the same loads; see the README's Helion notes).
+# (recipe, world size) where the twin's schedule still trails: ptxas holds back a load there. The two-shot
+# bias twins' gaps were a register per peer kept live by storing through the peer tuple (docs/helion-notes.md);
+# the gemm twin's at 8 ranks is not explained yet.
 SCHEDULE_GAPS = {("kraken.fused.gemm_one_shot_all_reduce", 8)}
 # Pairs that load their peers' buffers after a barrier, at the world sizes below: not the local RMSNorm. (The
 # GEMM pushes its partials at 2 ranks and reduces from local memory; from 3 ranks on it pulls.)
