@@ -37,22 +37,13 @@ import triton.language as tl
 
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
-from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG, SHARD_ALIGN
+from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG, SHARD_ALIGN, block_range
 from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
 from kraken.fused.rms_norm import NO_EPS
 
 # Not tuned on its own: the tuned two-shot all-reduce's configuration.
 DEFAULT_CONFIG = dict(TWO_SHOT_CONFIG)
 WORKSPACE_COPIES = 2  # staged input, then the pushed result
-
-
-@triton.jit
-def block_range(owner, block_id, shard, chunk, total):
-    """``[start, end)`` of slice ``block_id`` (``chunk`` long) of shard ``owner`` (``shard`` long), up to ``total``."""
-    shard_start = owner * shard
-    start = shard_start + block_id * chunk
-    end = tl.minimum(tl.minimum(start + chunk, shard_start + shard), total)
-    return start, end
 
 
 @triton.jit
