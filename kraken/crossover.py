@@ -67,6 +67,14 @@ def choose(op: str, size: int, world_size: int, shot: str | None = None) -> str:
     return ONE if size <= one_shot_up_to(op, world_size) else TWO
 
 
+def plan(op: str, one_shot, two_shot, size: int, world_size: int, config: dict, *plan_args) -> dict:
+    """A front door's ``plan`` (shared with its twin): the choice for ``size`` under ``"shot"``, and the chosen
+    recipe module's ``plan(*plan_args, world_size, config)`` with ``"shot"`` taken out of the config."""
+    config = dict(config)
+    shot = choose(op, size, world_size, config.pop("shot", None))
+    return {"shot": shot, **(one_shot if shot == ONE else two_shot).plan(*plan_args, world_size, config)}
+
+
 def size_of(op: str, x: object) -> int:
     """What the table counts for ``op`` in its input ``x``: elements (all_reduce) or rows (the bias family,
     ``x`` [..., hidden]). 0 for what is no tensor or no rows: the chosen recipe's checks then name the problem."""

@@ -29,9 +29,7 @@ TWO_SHOT = importlib.import_module("kraken.comm.two_shot_all_reduce")
 
 def plan(numel: int, world_size: int, config: dict) -> dict:
     """The chosen recipe's launch configuration, the choice under ``"shot"`` (shared with the twin)."""
-    config = dict(config)
-    shot = crossover.choose(OP, numel, world_size, config.pop("shot", None))
-    return {"shot": shot, **(ONE_SHOT if shot == crossover.ONE else TWO_SHOT).plan(numel, world_size, config)}
+    return crossover.plan(OP, ONE_SHOT, TWO_SHOT, numel, world_size, config, numel)
 
 
 def launch(

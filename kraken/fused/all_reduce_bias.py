@@ -22,10 +22,7 @@ TWO_SHOT = importlib.import_module("kraken.fused.two_shot_all_reduce_bias")
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """The chosen recipe's launch configuration, the choice under ``"shot"`` (shared with the twin)."""
-    config = dict(config)
-    shot = crossover.choose(OP, tokens, world_size, config.pop("shot", None))
-    recipe = ONE_SHOT if shot == crossover.ONE else TWO_SHOT
-    return {"shot": shot, **recipe.plan(tokens, hidden, world_size, config)}
+    return crossover.plan(OP, ONE_SHOT, TWO_SHOT, tokens, world_size, config, tokens, hidden)
 
 
 def launch(
