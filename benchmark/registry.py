@@ -127,9 +127,9 @@ def copy_backend(source: str | Callable[[dict], torch.Tensor]) -> Callable[[dict
     return copy
 
 
-def copy_work(shape: Shape, dtype: torch.dtype, numel: Callable[[Shape], int]) -> tuple[float, str]:
-    """Bytes a copy of ``numel(shape)`` elements moves through HBM: read once, written once."""
-    return 2.0 * numel(shape) * dtype.itemsize, "byte"
+def copy_work(numel: int, dtype: torch.dtype) -> tuple[float, str]:
+    """``Op.work`` of a copy of ``numel`` elements: the bytes it moves through HBM, read once and written once."""
+    return 2.0 * numel * dtype.itemsize, "byte"
 
 
 def nvlink_us(nbytes: float) -> float:

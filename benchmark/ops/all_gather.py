@@ -90,7 +90,7 @@ register(
         default_shapes=[(1 << k,) for k in range(12, 26)],  # 4K .. 32M output elements (64 MB of bf16)
         shape_format="NUMEL",
         library="copy",
-        work=lambda shape, dtype: copy_work(shape, dtype, lambda s: s[0]),
+        work=lambda shape, dtype: copy_work(shape[0], dtype),
         reference_free=frozenset({"copy"}),
         nvlink_bytes=nvlink_bytes,
         floor_us=lambda shape, dtype, ws: nvlink_us(nvlink_bytes(shape, dtype, ws)) + 2 * SYNC_US,

@@ -86,7 +86,7 @@ register(
         default_shapes=[(1 << k,) for k in range(12, 23)],  # 4K .. 4M elements
         shape_format="NUMEL",
         library="copy",
-        work=lambda shape, dtype: copy_work(shape, dtype, lambda s: s[0]),
+        work=lambda shape, dtype: copy_work(shape[0], dtype),
         reference_free=frozenset({"copy"}),
         nvlink_bytes=nvlink_bytes,
         floor_us=lambda shape, dtype, ws: nvlink_us(nvlink_bytes(shape, dtype, ws)) + 2 * SYNC_US,

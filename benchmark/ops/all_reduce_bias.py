@@ -173,7 +173,7 @@ for norm in (False, True):
             default_shapes=DEFAULT_SHAPES,
             shape_format="TOKENSxHIDDEN",
             library="copy",
-            work=lambda shape, dtype: copy_work(shape, dtype, lambda s: s[0] * s[1]),
+            work=lambda shape, dtype: copy_work(shape[0] * shape[1], dtype),
             reference_free=frozenset({"copy"}),
             nvlink_bytes=nvlink_bytes,
             floor_us=floor_us,

@@ -226,7 +226,7 @@ def routed_rows(i: dict) -> torch.Tensor:
 
 def work(shape, dtype):
     num_tokens, hidden, _, top_k, _ = shape
-    return copy_work(shape, dtype, lambda s: num_tokens * top_k * hidden)
+    return copy_work(num_tokens * top_k * hidden, dtype)
 
 
 def nvlink_bytes(shape, dtype, world_size):
