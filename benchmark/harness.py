@@ -67,6 +67,10 @@ class Row:
     us: float | None = None
     host_us: float | None = None
     loop_us: float | None = None  # eager only: per call in a loop of back-to-back calls with no sleep in front
+    # eager only: the GPU time of that same loop, its calls queued behind a GPU sleep (the host hidden): what
+    # ``loop_us`` would be with a free host. Long loops of big kernels run at lower clocks than the bursts of
+    # ``us`` (power), so ``loop_us - loop_gpu_us`` is the host's share, not ``loop_us - us``.
+    loop_gpu_us: float | None = None
     gbps: float | None = None
     floor_us: float | None = None
     mode: str = "eager"
@@ -112,18 +116,24 @@ def loop_calls(gpu_us: float, settings: Settings) -> int:
     return int(min(settings.max_loop_calls, max(settings.loop_calls, LOOP_US // max(gpu_us, 1e-3))))
 
 
-def eager_loop_us(fn: Callable[[], object], calls: int) -> float:
-    """What a user's eager Python loop sees per call: ``calls`` back-to-back calls with CUDA events around
-    them and nothing queued in front, so the host's launch path shows wherever it is slower than the GPU."""
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
+def eager_loop_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+    """What a user's eager Python loop sees per call, and its GPU time: ``calls`` back-to-back calls with CUDA
+    events around them and nothing queued in front, so the host's launch path shows wherever it is slower than
+    the GPU; then the same calls queued behind a GPU sleep (the host hidden), for the GPU time of that loop."""
+    per_call = []
+    for sleep_us in (0.0, None):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if sleep_us is None:  # enough to cover the host enqueueing every call, twice over, capped at 200 ms
+            _sleep_us(min(200000.0, 2.0 * per_call[0] * calls + 100.0))
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / calls)
+    return per_call[0], per_call[1]
 
 
 def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float) -> float:
@@ -207,7 +217,8 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
                 row.us = _slowest(device_time_us(lambda: fn(inputs), settings, row.host_us))
                 if not settings.cuda_graph:
                     calls = loop_calls(row.us, settings)
-                    row.loop_us = _slowest(eager_loop_us(lambda: fn(inputs), calls))
+                    loop_us, loop_gpu_us = eager_loop_us(lambda: fn(inputs), calls)
+                    row.loop_us, row.loop_gpu_us = _slowest(loop_us), _slowest(loop_gpu_us)
                 row.gbps = nbytes / (row.us * 1e3)
             rows.append(row)
     return rows
@@ -292,17 +303,26 @@ def rate(op: Op, shape_text: str, dtype: str, us: float | None) -> tuple[float |
     return (amount / us / 1e6, "TFLOP/s") if kind == "flop" else (amount / us / 1e3, "GB/s")
 
 
+def host_share(row: Row | None) -> float | None:
+    """How much longer an eager loop takes per call than its GPU work: ``loop_us`` minus the same loop's GPU time
+    (``us`` for rows measured before ``loop_gpu_us`` existed)."""
+    if row is None or row.loop_us is None:
+        return None
+    gpu = row.loop_gpu_us if row.loop_gpu_us is not None else row.us
+    return None if gpu is None else row.loop_us - gpu
+
+
 def core_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str], list[list[str]]]:
     """The one-GPU core table (world size 1): per shape and recipe/twin pair, the op's library backend, the
     recipe and the twin in us, the recipe's TFLOP/s or GB/s, recipe/library, twin/recipe, and the eager loop
-    per call of each with how far it is above its GPU time (the host path's cost where it shows)."""
+    per call of each with how far it is above the GPU time of that loop (``host_share``: the host path's cost)."""
     library = op.library if op.library in backends else None
     pairs = [p for p in op.pairs if p.triton in backends or p.helion in backends]
     if library is None or not pairs:
         return [], []
     unit = rate(op, rows[0].shape, rows[0].dtype, 1.0)[1] or "rate"
     header = ["shape", "recipe", f"{library} us", "recipe us", "twin us", f"recipe {unit}", "recipe/library",
-              "twin/recipe", "loop us: library", "recipe", "twin", "loop - GPU us: recipe", "twin"]
+              "twin/recipe", "loop us: library", "recipe", "twin", "loop over its GPU us: recipe", "twin"]
     body = []
     for shape in dict.fromkeys(r.shape for r in rows):
         by_backend = {r.backend: r for r in rows if r.shape == shape and r.status == "ok"}
@@ -310,7 +330,7 @@ def core_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str], 
         loop = {b: r.loop_us for b, r in by_backend.items()}
         dtype = next(r.dtype for r in rows if r.shape == shape)
         for p in pairs:
-            over = [None if loop.get(b) is None or us.get(b) is None else loop[b] - us[b] for b in (p.triton, p.helion)]
+            over = [host_share(by_backend.get(b)) for b in (p.triton, p.helion)]
             body.append([shape, p.triton, _fmt(us.get(library)), _fmt(us.get(p.triton)), _fmt(us.get(p.helion)),
                          _fmt(rate(op, shape, dtype, us.get(p.triton))[0]),
                          _fmt(ratio(us.get(p.triton), us.get(library)), 2),

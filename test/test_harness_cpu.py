@@ -239,6 +239,10 @@ def test_core_table_at_world_size_1():
     assert body == [["256x4096x4096", "triton", "10.0", "12.0", "12.6", f"{tflops:.1f}", "1.20", "1.050",
                      "15.0", "17.0", "17.6", "5.0", "5.0"]]
     assert harness.CORE_LABEL in harness.tables_markdown(op, rows, list(times))
+    # With the loop's own GPU time (long loops of big kernels run at lower clocks than the timed bursts), the
+    # host's share is the loop over that, not over ``us``.
+    rows[2].loop_gpu_us, rows[3].loop_gpu_us = 16.5, 12.6
+    assert harness.core_rows(op, rows, list(times))[1][0][-2:] == ["0.5", "5.0"]
     for row in rows:
         row.world_size = 2
     assert harness.CORE_LABEL not in harness.tables_markdown(op, rows, list(times))
