@@ -8,6 +8,11 @@ at which one-shot is chosen, by world size; the front doors (``kraken.all_reduce
 ``kraken.fused.all_reduce_bias``, ``kraken.fused.all_reduce_bias_rms_norm`` and their Helion twins)
 pick two-shot above it. ``shot="one"`` or ``shot="two"`` in a front door's config forces either.
 
+A front door checks its inputs as the recipes do and agrees on them across ranks on its own first call of
+each call signature (``host.agreed``, through ``checked_shot``), ``shot`` included, before it calls a
+recipe: the recipe's prepared calls are shared with direct calls of it, so a signature the recipe has
+seen before would skip the agreement there, and one rank's bad input would raise on that rank alone.
+
 Measured on H200s, bf16, eager GPU time (``docs/history.md``, ``docs/results.md``):
 
 * all_reduce, in elements: at 2 ranks the two tie up to 1M elements (two-shot 0.7 us ahead from
@@ -75,6 +80,16 @@ def plan(op: str, one_shot, two_shot, size: int, world_size: int, config: dict, 
     return {"shot": shot, **(one_shot if shot == ONE else two_shot).plan(*plan_args, world_size, config)}
 
 
+def checked_shot(name: str, plan, sizes: tuple[int, ...], group, config: dict) -> str:
+    """A front door's first-call checks after its inputs' own, inside its ``host.agreed`` (``name``: the op its
+    errors name): the group's size, ``plan(*sizes, world_size, config)`` (the choice under ``"shot"``, the
+    chosen recipe's config resolved) and the signal pad's budget. Returns the choice."""
+    world_size = host.world_size_of(group, name)
+    launch_cfg = plan(*sizes, world_size, config)
+    host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, name)
+    return launch_cfg["shot"]
+
+
 def size_of(op: str, x: object) -> int:
     """What the table counts for ``op`` in its input ``x``: elements (all_reduce) or rows (the bias family,
     ``x`` [..., hidden]). 0 for what is no tensor or no rows: the chosen recipe's checks then name the problem."""
@@ -86,6 +101,7 @@ def size_of(op: str, x: object) -> int:
 
 
 def pick(op: str, x: object, group, config: dict) -> str:
-    """A front door's choice for its input ``x`` in ``group``; takes ``"shot"`` out of ``config`` (the rest
-    is the chosen recipe's)."""
+    """A front door's choice for its input ``x`` in ``group``, unchecked (while Dynamo traces: the chosen
+    recipe's operator checks when it runs); takes ``"shot"`` out of ``config`` (the rest is the chosen
+    recipe's)."""
     return choose(op, size_of(op, x), host.world_size_of(group, op), config.pop("shot", None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import helion_ports.comm
 import kraken
 import kraken.fused
 from benchmark import sm90
+from fake_world import FakeWorld
 from kraken import crossover, host
 
 K = 1024
@@ -84,33 +86,136 @@ CALLS = {  # op -> how to call its front door ``fn`` on x
 }
 
 
-@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
-@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
-def test_front_door_calls_the_chosen_recipe(monkeypatch, package, op):
-    """The call reaches the recipe the table names, with the caller's group and config less ``shot``."""
+def recorded_recipes(monkeypatch, package: str, op: str) -> list:
+    """The front door's two recipes replaced by recorders of (shot, args, config); returns the record."""
     door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
-    fn = getattr(door, op)
-    assert fn is getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0].split('.')[0]}"), op)  # exported
     calls = []
     for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
         name = FRONT_DOORS[op][1 if shot == "one" else 2].rsplit(".", 1)[1]
         assert recipe.__name__ == f"{package}.{FRONT_DOORS[op][1 if shot == 'one' else 2]}"
         monkeypatch.setattr(recipe, name, lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
+    return calls
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """A fake two-rank world (``fake_world.FakeWorld``: this process is rank 0, ``world.other`` says what rank 1
+    sends), CPU tensors standing in for CUDA ones and the symmetric buffers faked: the doors' and the recipes'
+    own host code runs, checks, agreement and prepared calls included; launches can be captured
+    (``sm90.capture_launches``)."""
+    host.forget_prepared_calls()
+    world = FakeWorld(monkeypatch)
+    monkeypatch.setattr(host, "check_tensor", lambda *args, **kwargs: None)
+    monkeypatch.setattr(host, "symm_workspace", lambda numel, dtype, device, group, op: torch.zeros(numel, dtype=dtype))
+    monkeypatch.setattr(host, "symm_context", lambda tensor, group, op, name="tensor": host.SymmContext(
+        0, 2, "fake", (tensor, torch.zeros_like(tensor)), sm90.FAKE_SIGNAL_PADS))
+    yield world
+    host.forget_prepared_calls()  # no prepared call built on fakes outlives the test
+
+
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
+def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op):
+    """The call reaches the recipe the table names, with the caller's group and config less ``shot``."""
+    door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
+    fn = getattr(door, op)
+    assert fn is getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0].split('.')[0]}"), op)  # exported
+    calls = recorded_recipes(monkeypatch, package, op)
     world = {"size": 4}
     monkeypatch.setattr(host, "world_size_of", lambda group, op_name: world["size"])
     sizes = (8 * K, 64 * K) if op == "all_reduce" else (16, 32)  # one-shot and two-shot at 4 ranks
     for world_size, size, expected in ((4, sizes[0], "one"), (4, sizes[1], "two"), (2, sizes[1], "one"),
                                        (1, 64 * sizes[1], "one")):
         world["size"] = world_size
+        host.forget_prepared_calls()  # the choice is kept per signature, and the default group's size changed
         x = torch.empty(size) if op == "all_reduce" else torch.empty(size, 96)
         calls.clear()
-        CALLS[op](fn, x, block_size=1024)
+        CALLS[op](fn, x, max_blocks=8)  # a key every recipe of the door knows: the door checks the config too
         ((shot, args, config),) = calls
         assert shot == expected, (world_size, tuple(x.shape))
-        assert args[0] is x and config == {"block_size": 1024}
+        assert args[0] is x and config == {"max_blocks": 8}
         calls.clear()
         CALLS[op](fn, x, shot="two" if expected == "one" else "one")
         assert calls[0][0] != expected and calls[0][2] == {}
+
+
+BF16 = torch.bfloat16
+RECIPE_FIRST = {  # op -> (a good call's arguments after x, rank 1's bad argument, what rank 1's check says of it)
+    "all_reduce": ((), "tensor", "tensor must be contiguous"),
+    "all_reduce_bias": ((torch.ones(1000, dtype=BF16),), "bias", "bias must have shape (1000,)"),
+    "all_reduce_bias_rms_norm": ((torch.ones(1000, dtype=BF16), torch.ones(1000, dtype=BF16), 1e-5), "bias",
+                                 "bias must have shape (1000,)"),
+}
+
+
+def rank_one_bad(argument: str, message: str):
+    """``FakeWorld.other``: rank 1 passes its own bad ``argument`` (a shape or layout rank 0 does not have) and its
+    check refused it with ``message``, as ``host.agreed`` reports a local error."""
+
+    def other(mine):
+        signature, _ = mine
+        bad = ("tensor", (999,), "bfloat16", "cuda", False)
+        return tuple((n, bad if n == argument else s) for n, s in signature), ("ValueError", message)
+
+    return other
+
+
+@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
+def test_one_rank_alone_bad_raises_through_the_door_on_a_signature_the_recipe_ran(two_ranks, op):
+    """The GPU family test's case at two ranks: the one-shot recipe, called directly, has run this call signature
+    (agreed, prepared); then rank 1 alone passes bad input to the front door on it. Rank 0 must raise too, naming
+    rank 1, before any launch: the door agrees on its own first call of a signature, since the recipe's prepared
+    call (shared with direct calls) would skip the exchange and launch, leaving rank 1 to raise alone."""
+    door_path, one_path, _ = FRONT_DOORS[op]
+    door, one_shot = (importlib.import_module(f"kraken.{m}") for m in (door_path, one_path))
+    rest, argument, message = RECIPE_FIRST[op]
+    x = torch.randn(7000, dtype=BF16) if op == "all_reduce" else torch.randn(7, 1000, dtype=BF16)
+    assert crossover.choose(op, crossover.size_of(op, x), 2) == "one"  # the door calls the recipe that ran
+    with sm90.capture_launches() as launches:
+        getattr(one_shot, one_path.rsplit(".", 1)[1])(x, *rest)
+        assert len(launches) == 1 and two_ranks.exchanges == 1
+        two_ranks.other = rank_one_bad(argument, message)
+        with pytest.raises(ValueError, match=rf"^{op}: bad input on rank 1: {re.escape(message)}"):
+            getattr(door, op)(x, *rest)
+        assert len(launches) == 1, "rank 0 launched while rank 1 raised"
+        assert two_ranks.exchanges == 2
+        two_ranks.other = None  # rank 1 passes good input again: the door agrees once, then the recipe's fast path
+        for _ in range(3):
+            getattr(door, op)(x, *rest)
+        assert len(launches) == 4 and two_ranks.exchanges == 3
+        assert all("one_shot" in launch.kernel.fn.__name__ for launch in launches)
+
+
+@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
+def test_each_door_agrees_on_its_own_first_calls(two_ranks, monkeypatch, op):
+    """The twin's door is another door: a signature kraken's door agreed on is new to the twin's, which agrees on
+    it again (so rank 1's bad input there raises on rank 0 too), naming itself."""
+    rest, argument, message = RECIPE_FIRST[op]
+    x = torch.randn(7000, dtype=BF16) if op == "all_reduce" else torch.randn(7, 1000, dtype=BF16)
+    doors = []
+    for package in ("kraken", "helion_ports"):
+        recorded_recipes(monkeypatch, package, op)
+        doors.append(getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}"), op))
+    kraken_door, twin_door = doors
+    kraken_door(x, *rest)
+    two_ranks.other = rank_one_bad(argument, message)
+    with pytest.raises(ValueError, match=rf"^helion {op}: bad input on rank 1: {re.escape(message)}"):
+        twin_door(x, *rest)
+
+
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
+def test_forced_shots_that_differ_between_ranks_raise_on_every_rank(two_ranks, monkeypatch, package, op):
+    """``shot`` is part of the agreed signature: rank 0 forcing one-shot while rank 1 forces two-shot would launch
+    two different kernels against each other; both raise instead, and no recipe is called."""
+    calls = recorded_recipes(monkeypatch, package, op)
+    rest, _, _ = RECIPE_FIRST[op]
+    x = torch.randn(7000, dtype=BF16) if op == "all_reduce" else torch.randn(7, 1000, dtype=BF16)
+    two_ranks.other = lambda mine: (tuple((n, (("shot", "two"),) if n == "config" else s) for n, s in mine[0]), None)
+    differs = "config: rank 0 (('shot', 'one'),), rank 1 (('shot', 'two'),)"
+    with pytest.raises(ValueError, match=re.escape(f"ranks disagree on the input's shape/dtype ({differs})")):
+        getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}"), op)(x, *rest, shot="one")
+    assert calls == []
 
 
 def test_front_door_launch_reaches_the_chosen_kernel():

@@ -5,18 +5,22 @@ collects failures instead of stopping at the first one, and the tests below
 each assert on their own section of the collected report. Checks:
 
 * sweep: every backend of ``all_reduce_bias`` and ``all_reduce_bias_rms_norm``
-  against a float64 reference on fresh random inputs per rank, hidden 5120, 1000,
-  4096 x tokens 1, 3, 16, 256 x every dtype; the fused kernels through
-  ``prepare``/``launch`` into a NaN-poisoned output *and* a NaN-poisoned
-  workspace (every element read was written in this call), and through the
-  public function (bitwise equal); every rank's result bitwise identical;
+  (but the reference-free ones, ``Op.reference_free``: a copy is a timing
+  reference, not the op) against a float64 reference on fresh random inputs per
+  rank, hidden 5120, 1000, 4096 x tokens 1, 3, 16, 256 x every dtype; the fused
+  recipes through ``prepare``/``launch`` into a NaN-poisoned output *and* a
+  NaN-poisoned workspace (every element read was written in this call), and
+  through the public function (bitwise equal); the front doors
+  (``triton_auto``/``helion_auto``: no ``prepare`` of their own) through their
+  public call, bitwise equal to the recipe ``kraken.crossover`` chooses, called
+  directly; every rank's result bitwise identical;
 * rms_norm (single GPU, Triton and Helion) against float64, poisoned output;
 * eps: a large eps changes the result exactly as the reference says;
 * broadcast: a 3-D ``x`` (leading dims flattened), per-column bias and weight;
 * 200 back-to-back launches per fused backend, then CUDA-graph capture and 20
   replays against eager, bitwise;
 * bad input (a bias on the CPU; one rank alone with a short bias, a wrong dtype or eps) raises on every
-  rank and the group still works.
+  rank and the group still works, through the front doors too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.distributed as dist
 
 from benchmark import registry
 from benchmark.ops.all_reduce_bias import EPS, parameters, rank_values
+from kraken import crossover
 from gpu_utils import DTYPES, POISON, assert_close, heartbeat, needs_gpus, rel_err, run_on_gpus
 
 pytestmark = needs_gpus
@@ -46,13 +51,33 @@ RMS_NORM = ("kraken.fused.rms_norm", "helion_ports.fused.rms_norm")
 # ---------------------------------------------------------------------------
 
 
+def checked_backends(op: registry.Op) -> list[str]:
+    """The op's backends that compute the op, checked here: all but ``op.reference_free`` (a copy of the input,
+    timed as the single-GPU floor, is not the op's result)."""
+    return [backend for backend in op.backends if backend not in op.reference_free]
+
+
 def fused_modules(op: registry.Op) -> dict[str, str]:
-    """Backend name -> module path, for the op's fused (Triton and Helion) backends."""
+    """Backend name -> module path, for the op's fused (Triton and Helion) backends: the recipes and the front
+    doors that choose between them."""
     found = {}
     for pair in op.pairs:
-        if pair.triton in op.backends:
+        if pair.triton in checked_backends(op):
             found[pair.triton], found[pair.helion] = pair.triton_module, pair.helion_module
     return found
+
+
+def is_front_door(module_path: str) -> bool:
+    """A front door (``kraken.fused.all_reduce_bias[_rms_norm]``, its twin): one-shot or two-shot by
+    ``kraken.crossover``, with no ``prepare``/``launch`` of a workspace of its own."""
+    return module_path.rsplit(".", 1)[1] in crossover.FAMILY
+
+
+def chosen_recipe(door_path: str, op_name: str, tokens: int) -> str:
+    """The module of the recipe the front door ``door_path`` runs at ``tokens`` in this group."""
+    door = importlib.import_module(door_path)
+    shot = crossover.choose(op_name, tokens, dist.get_world_size())
+    return (door.ONE_SHOT if shot == crossover.ONE else door.TWO_SHOT).__name__
 
 
 def public(module_path: str):
@@ -119,7 +144,9 @@ class Report:
         self.failures.setdefault(section, [])
         try:
             fn()
-        except Exception:  # noqa: BLE001 - collect and go on; a hang is the watchdog's business
+        # Collect and go on; a hang is the watchdog's business. ``pytest.fail`` (say, a ``pytest.raises`` that did
+        # not raise) raises a BaseException: collected too, or it would end this rank's worker mid-file.
+        except (Exception, pytest.fail.Exception):  # noqa: BLE001
             self.failures[section].append(f"{what}: {traceback.format_exc(limit=3)}")
 
 
@@ -140,23 +167,29 @@ def sweep(report: Report) -> None:
                     seed += 1
                     shape = (tokens, hidden)
                     ref = reference(norm, shape, dtype, seed)
-                    for backend in op.backends:
+                    for backend in checked_backends(op):
                         what = f"{op_name} {backend} {str(dtype).removeprefix('torch.')} {tokens}x{hidden}"
 
-                        def one(backend=backend, what=what):
+                        def one(backend=backend, what=what, tokens=tokens):
                             inputs = op.make_inputs(shape, dtype, seed)
-                            again = None
-                            if backend in fused:
-                                x, bias, weight = inputs["x"], inputs["bias"], inputs["weight"]
+                            x, bias, weight = inputs["x"], inputs["bias"], inputs["weight"]
+                            again, disagree = None, ""
+                            if backend in fused and is_front_door(fused[backend]):
+                                out = op.backends[backend](inputs)
+                                recipe = chosen_recipe(fused[backend], op_name, tokens)
+                                again = call(recipe, norm, x, bias, weight)
+                                disagree = f"the front door and the recipe it chose ({recipe}), called directly,"
+                            elif backend in fused:
                                 out = poisoned_launch(fused[backend], norm, x, bias, weight)
                                 again = op.backends[backend](inputs)
+                                disagree = "the public call and launch()"
                             else:
                                 out = op.backends[backend](inputs)
                             gathered = every_rank(out)
                             assert_close(out, ref, what)
                             assert_identical(out, gathered, what)
                             if again is not None:
-                                assert torch.equal(again, out), f"{what}: the public call and launch() disagree"
+                                assert torch.equal(again, out), f"{what}: {disagree} disagree"
 
                         report.check("sweep", what, one)
 

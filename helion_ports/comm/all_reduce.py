@@ -9,10 +9,13 @@ import torch
 import torch.distributed as dist
 
 from kraken import crossover, host
-from kraken.comm.all_reduce import OP, plan  # the choice and the plans are the recipe's
+from kraken.comm.all_reduce import OP, checked_choice, plan  # the choice and the plans are the recipe's
 
 ONE_SHOT = importlib.import_module("helion_ports.comm.one_shot_all_reduce")
 TWO_SHOT = importlib.import_module("helion_ports.comm.two_shot_all_reduce")
+
+# Checked and agreed on this door's own first call of each signature, under its own name (see the kraken door).
+choose = checked_choice(f"helion {OP}")
 
 
 def launch(
@@ -34,7 +37,9 @@ def launch(
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """The sum of ``tensor`` over the group, one-shot or two-shot (see the kraken front door)."""
-    shot = crossover.pick(OP, tensor, group, config)
+    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen twin's operator checks when it runs
+    shot = crossover.pick(OP, tensor, group, config) if tracing else choose(tensor, group, config)
+    config.pop("shot", None)
     if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce(tensor, group, **config)
     return TWO_SHOT.two_shot_all_reduce(tensor, group, **config)

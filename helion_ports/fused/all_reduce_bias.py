@@ -9,10 +9,13 @@ import torch
 import torch.distributed as dist
 
 from kraken import crossover, host
-from kraken.fused.all_reduce_bias import OP, plan  # the choice and the plans are the recipe's
+from kraken.fused.all_reduce_bias import OP, checked_choice, plan  # the choice and the plans are the recipe's
 
 ONE_SHOT = importlib.import_module("helion_ports.fused.one_shot_all_reduce_bias")
 TWO_SHOT = importlib.import_module("helion_ports.fused.two_shot_all_reduce_bias")
+
+# Checked and agreed on this door's own first call of each signature, under its own name (see the kraken door).
+choose = checked_choice(f"helion {OP}")
 
 
 def launch(
@@ -37,6 +40,9 @@ def all_reduce_bias(
     x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """``sum over ranks of x`` + ``bias``, one-shot or two-shot (see the kraken front door)."""
-    if crossover.pick(OP, x, group, config) == crossover.ONE:
+    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen twin's operator checks when it runs
+    shot = crossover.pick(OP, x, group, config) if tracing else choose(x, bias, group, config)
+    config.pop("shot", None)
+    if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce_bias(x, bias, group, **config)
     return TWO_SHOT.two_shot_all_reduce_bias(x, bias, group, **config)

@@ -4,6 +4,11 @@
 whichever wins at ``x``'s token count and the world size (``kraken.crossover``, the bias family's
 row). Both return a new tensor and leave ``x`` as it was, so the choice changes only the time.
 ``shot="one"`` / ``shot="two"`` forces either; every other config key goes to the chosen recipe.
+
+The door's first call of each call signature checks the inputs as the recipes do and agrees across ranks
+(``choose``), so one rank's bad input raises on every rank before any launch, even on a signature the
+chosen recipe, called directly, has run before (its prepared call would skip the agreement); later
+calls of the signature: one lookup, then the recipe's own fast path.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kraken import crossover, host
+from kraken.fused.rms_norm import check_inputs
 
 OP = "all_reduce_bias"
 ONE_SHOT = importlib.import_module("kraken.fused.one_shot_all_reduce_bias")
@@ -23,6 +29,24 @@ TWO_SHOT = importlib.import_module("kraken.fused.two_shot_all_reduce_bias")
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """The chosen recipe's launch configuration, the choice under ``"shot"`` (shared with the twin)."""
     return crossover.plan(OP, ONE_SHOT, TWO_SHOT, tokens, world_size, config, tokens, hidden)
+
+
+def checked_choice(name: str):
+    """``choose(x, bias, group, config)``: the recipe for this call signature, checked and agreed on its first
+    call (a lookup after). ``name``: the op its errors name, this door's or its twin's: each door agrees on
+    its own first calls (``host.agreed`` remembers agreed signatures per op name)."""
+
+    @host.per_signature(lambda x, bias, group, config: (
+        name, group, host.tensor_key(x), host.tensor_key(bias), host.config_key(config)))
+    def choose(x, bias, group, config: dict) -> str:
+        with host.agreed(name, group, x=x, config=config, bias=bias):  # one rank's bad input: every rank raises
+            hidden = check_inputs(name, x, {"bias": bias})
+            return crossover.checked_shot(name, plan, (x.numel() // hidden, hidden), group, config)
+
+    return choose
+
+
+choose = checked_choice(OP)
 
 
 def launch(
@@ -52,6 +76,9 @@ def all_reduce_bias(
     [hidden], the same on every rank). ``config``: ``shot="one"|"two"`` forces a recipe; the rest
     overrides its config.
     """
-    if crossover.pick(OP, x, group, config) == crossover.ONE:
+    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen recipe's operator checks when it runs
+    shot = crossover.pick(OP, x, group, config) if tracing else choose(x, bias, group, config)
+    config.pop("shot", None)
+    if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce_bias(x, bias, group, **config)
     return TWO_SHOT.two_shot_all_reduce_bias(x, bias, group, **config)

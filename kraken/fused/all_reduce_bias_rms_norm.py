@@ -4,6 +4,8 @@
 ``two_shot_all_reduce_bias_rms_norm``, whichever wins at ``x``'s token count and the world size
 (``kraken.crossover``, the bias family's row). Both return a new tensor and leave ``x`` as it was.
 ``shot="one"`` / ``shot="two"`` forces either; every other config key goes to the chosen recipe.
+Checked and agreed across ranks on the door's own first call of each signature, as
+``kraken.fused.all_reduce_bias`` says.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kraken import crossover, host
+from kraken.fused.rms_norm import check_inputs
 
 OP = "all_reduce_bias_rms_norm"
 ONE_SHOT = importlib.import_module("kraken.fused.one_shot_all_reduce_bias_rms_norm")
@@ -23,6 +26,24 @@ TWO_SHOT = importlib.import_module("kraken.fused.two_shot_all_reduce_bias_rms_no
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """The chosen recipe's launch configuration, the choice under ``"shot"`` (shared with the twin)."""
     return crossover.plan(OP, ONE_SHOT, TWO_SHOT, tokens, world_size, config, tokens, hidden)
+
+
+def checked_choice(name: str):
+    """``choose(x, bias, weight, eps, group, config)``: the recipe for this call signature, checked and agreed
+    on its first call (a lookup after); ``name``: the op its errors name (see ``kraken.fused.all_reduce_bias``)."""
+
+    @host.per_signature(lambda x, bias, weight, eps, group, config: (
+        name, group, host.tensor_key(x), host.tensor_key(bias), host.tensor_key(weight), host.scalar_key(eps),
+        host.config_key(config)))
+    def choose(x, bias, weight, eps, group, config: dict) -> str:
+        with host.agreed(name, group, x=x, eps=eps, config=config, bias=bias, weight=weight):
+            hidden = check_inputs(name, x, {"bias": bias, "weight": weight}, eps)
+            return crossover.checked_shot(name, plan, (x.numel() // hidden, hidden), group, config)
+
+    return choose
+
+
+choose = checked_choice(OP)
 
 
 def launch(
@@ -59,6 +80,9 @@ def all_reduce_bias_rms_norm(
     Arguments as ``one_shot_all_reduce_bias_rms_norm``. ``config``: ``shot="one"|"two"`` forces a recipe;
     the rest overrides its config.
     """
-    if crossover.pick(OP, x, group, config) == crossover.ONE:
+    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen recipe's operator checks when it runs
+    shot = crossover.pick(OP, x, group, config) if tracing else choose(x, bias, weight, eps, group, config)
+    config.pop("shot", None)
+    if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)
     return TWO_SHOT.two_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)
