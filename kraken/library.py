@@ -15,8 +15,13 @@ CPU), and while Dynamo traces it calls the operator, whose implementation calls 
 What an operator schema cannot say, and what the operator takes instead:
 
 * ``group``: a process group object is not a schema type; the operator takes the group's name
-  (``str?``, None for the default group). A ``ProcessGroup`` passed to the front door is traced as
-  its ``group_name``.
+  (``str?``, None for the default group) and, right after it, the group's size (``int world_size``, as
+  torch's functional collectives take ``group_size``). A ``ProcessGroup`` passed to the front door is
+  traced as its ``group_name``, its size as a constant. The fakes read the size from that argument, never
+  from the live group: inductor and AOTAutograd cache compiled graphs on disk, keyed by the graph and its
+  inputs' shapes, and a rank's shapes and the default group's name are the same at every world size, so
+  a size outside the graph let a graph compiled at world size 1 run at 2 (issues 29 and 30: inductor's
+  output-size assert). The implementation checks the size against the group's.
 * ``**config``: the operator takes it as one string, ``repr`` of its sorted items (``""`` when
   empty), which the implementation reads back with ``ast.literal_eval``: ints, floats, bools,
   strings and None, which is what every recipe's config holds.
@@ -44,10 +49,10 @@ NAMESPACES = {"kraken": "kraken", "helion_ports": "kraken_helion"}  # top packag
 
 
 def world_size(group: str | None) -> int:
-    """The size of the group an operator was given (by name; None: the default group), for fakes."""
-    from kraken import host
-
-    return dist.get_world_size(host.resolve_group(group, "fake"))
+    """The size of a group given by name (None: the default group): the operator's ``world_size`` argument.
+    Dynamo calls both functions while it traces and puts the result in the graph as a constant (torch's
+    functional collectives read their ``group_size`` the same way)."""
+    return dist.get_world_size() if group is None else dist.distributed_c10d._get_group_size_by_name(group)
 
 
 def encode_config(config: dict) -> str:
@@ -65,7 +70,8 @@ def group_name(group) -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# Fakes: the outputs' shapes and dtypes from the arguments (schema order, group by name, config as text)
+# Fakes: the outputs' shapes and dtypes from the arguments alone (schema order, group by name then its
+# size, config as text); never from the live process group (see the module docstring)
 # ---------------------------------------------------------------------------
 
 
@@ -77,34 +83,34 @@ def writes_first(first: torch.Tensor, *rest) -> None:
     return None
 
 
-def scattered(tensor: torch.Tensor, group, config) -> torch.Tensor:
+def scattered(tensor: torch.Tensor, group, world_size, config) -> torch.Tensor:
     from kraken.comm.reduce_scatter import check_shape  # the recipe's own error, at trace time
 
-    check_shape(tuple(tensor.shape), world_size(group), "reduce_scatter")
-    return tensor.new_empty((tensor.shape[0] // world_size(group), *tensor.shape[1:]))
+    check_shape(tuple(tensor.shape), world_size, "reduce_scatter")
+    return tensor.new_empty((tensor.shape[0] // world_size, *tensor.shape[1:]))
 
 
-def gathered(tensor: torch.Tensor, group, config) -> torch.Tensor:
-    return tensor.new_empty((world_size(group) * tensor.shape[0], *tensor.shape[1:]))
+def gathered(tensor: torch.Tensor, group, world_size, config) -> torch.Tensor:
+    return tensor.new_empty((world_size * tensor.shape[0], *tensor.shape[1:]))
 
 
-def gemm_all_reduced(a, b, group, out_dtype, config) -> torch.Tensor:
+def gemm_all_reduced(a, b, group, world_size, out_dtype, config) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 def gemm_scattered(a, b, *rest) -> torch.Tensor:
-    group, out_dtype = rest[-3], rest[-2]  # after the fp8 scales, if any
-    return a.new_empty((a.shape[0] // world_size(group), b.shape[1]), dtype=out_dtype)
+    world_size, out_dtype = rest[-3], rest[-2]  # after the fp8 scales, if any, and the group
+    return a.new_empty((a.shape[0] // world_size, b.shape[1]), dtype=out_dtype)
 
 
-def gathered_matmul(a, b, group, return_a, config) -> list[torch.Tensor]:
-    rows = world_size(group) * a.shape[0]
+def gathered_matmul(a, b, group, world_size, return_a, config) -> list[torch.Tensor]:
+    rows = world_size * a.shape[0]
     out = a.new_empty((rows, b.shape[1]))
     return [a.new_empty((rows, a.shape[1])), out] if return_a else [out]
 
 
-def gathered_matmul_fp8(a, b, scale_a, scale_b, group, config) -> torch.Tensor:
-    return a.new_empty((world_size(group) * a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+def gathered_matmul_fp8(a, b, scale_a, scale_b, group, world_size, config) -> torch.Tensor:
+    return a.new_empty((world_size * a.shape[0], b.shape[1]), dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------
@@ -182,8 +188,8 @@ SCHEMA_TYPES = {  # a recipe parameter's annotation -> its type in the operator'
 
 
 def schema_of(recipe: Callable, entry: Entry) -> str:
-    """The operator's schema: the recipe's parameters in order (``**config`` as ``str config``), no defaults
-    (the front door passes every argument)."""
+    """The operator's schema: the recipe's parameters in order (``group`` as ``str? group, int world_size``,
+    ``**config`` as ``str config``), no defaults (the front door passes every argument)."""
     params = []
     for param in inspect.signature(recipe).parameters.values():
         if param.kind is param.VAR_KEYWORD:
@@ -193,14 +199,24 @@ def schema_of(recipe: Callable, entry: Entry) -> str:
         if param.name in entry.mutates:
             kind = f"{kind}(a!)"
         params.append(f"{kind} {param.name}")
+        if param.name == "group":
+            params.append("int world_size")
     return f"({', '.join(params)}) -> {entry.returns}"
 
 
 def register(recipe: Callable, entry: Entry, namespace: str):
     """``torch.ops.<namespace>.<name>``: calls ``recipe``; ``entry.fake`` under fake tensors."""
-    has_config = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(recipe).parameters.values())
+    parameters = inspect.signature(recipe).parameters
+    has_config = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    size_at = list(parameters).index("group") + 1 if "group" in parameters else None  # world_size's position
 
     def implementation(*args):
+        if size_at is not None:
+            group, size, actual = args[size_at - 1], args[size_at], world_size(args[size_at - 1])
+            if size != actual:
+                raise RuntimeError(f"{entry.name}: called with world_size={size}, but the group "
+                                   f"({group or 'default'}) has {actual} ranks")
+            args = args[:size_at] + args[size_at + 1:]
         if has_config:
             return entry.to_op(recipe(*args[:-1], **decode_config(args[-1])))
         return entry.to_op(recipe(*args))
@@ -231,7 +247,13 @@ def front_door(recipe: Callable, entry: Entry, op) -> Callable:
         arguments.update(zip(positional, args))
         arguments.update(kwargs)
         config = {k: v for k, v in arguments.items() if k not in positional}
-        values = [group_name(arguments[n]) if n == "group" else arguments[n] for n in positional]
+        values = []
+        for n in positional:
+            if n == "group":  # its name, then its size, a constant in the graph (see the module docstring)
+                name = group_name(arguments[n])
+                values += [name, world_size(name)]
+            else:
+                values.append(arguments[n])
         if config_name is not None:
             values.append(encode_config(config))
         return entry.from_op(op(*values), arguments)

@@ -98,7 +98,8 @@ def test_mlp_compiles_with_no_graph_break(backend):
 
 
 def operator_cases() -> dict[str, list[tuple]]:
-    """Per operator, argument tuples in schema order (``""``: no config)."""
+    """Per operator, argument tuples in schema order (the group, None: the default, then its size; ``""``: no
+    config)."""
     ws = dist.get_world_size()
     x, bias, weight = rank_values(1, dist.get_rank(), (37, 129)), rank_values(2, 0, (129,)), rank_values(3, 0, (129,))
     a, b = rank_values(4, dist.get_rank(), (128, 256)), rank_values(5, 0, (256, 128))
@@ -106,22 +107,22 @@ def operator_cases() -> dict[str, list[tuple]]:
     one = torch.ones(1, device="cuda")
     q, kv = rank_values(6, dist.get_rank(), (1, 4, 128, 64)), rank_values(7, dist.get_rank(), (1, 2, 128, 64))
     return {
-        "one_shot_all_reduce": [(x, None, "")],
-        "two_shot_all_reduce": [(x.clone(), None, "")],
-        "reduce_scatter": [(rank_values(8, dist.get_rank(), (ws * 37, 3)), None, "")],
-        "all_gather": [(rank_values(9, dist.get_rank(), (37, 3)), None, "(('max_blocks', 4),)")],
-        "one_shot_all_reduce_bias": [(x, bias, None, "")],
-        "two_shot_all_reduce_bias": [(x, bias, None, "")],
-        "one_shot_all_reduce_bias_rms_norm": [(x, bias, weight, 1e-5, None, "")],
-        "two_shot_all_reduce_bias_rms_norm": [(x, bias, weight, 1e-5, None, "")],
+        "one_shot_all_reduce": [(x, None, ws, "")],
+        "two_shot_all_reduce": [(x.clone(), None, ws, "")],
+        "reduce_scatter": [(rank_values(8, dist.get_rank(), (ws * 37, 3)), None, ws, "")],
+        "all_gather": [(rank_values(9, dist.get_rank(), (37, 3)), None, ws, "(('max_blocks', 4),)")],
+        "one_shot_all_reduce_bias": [(x, bias, None, ws, "")],
+        "two_shot_all_reduce_bias": [(x, bias, None, ws, "")],
+        "one_shot_all_reduce_bias_rms_norm": [(x, bias, weight, 1e-5, None, ws, "")],
+        "two_shot_all_reduce_bias_rms_norm": [(x, bias, weight, 1e-5, None, ws, "")],
         "rms_norm": [(x, weight, 1e-5, "")],
-        "gemm_one_shot_all_reduce": [(a, b, None, BF16, "")],
-        "gemm_reduce_scatter": [(rank_values(10, dist.get_rank(), (ws * 128, 256)), b, None, BF16, "")],
+        "gemm_one_shot_all_reduce": [(a, b, None, ws, BF16, "")],
+        "gemm_reduce_scatter": [(rank_values(10, dist.get_rank(), (ws * 128, 256)), b, None, ws, BF16, "")],
         "gemm_reduce_scatter_fp8": [(fp8(rank_values(11, dist.get_rank(), (ws * 128, 256))), fp8(b.t().contiguous()).t(),
-                                     one, one, None, BF16, "")],
-        "all_gather_matmul": [(a, b, None, False, ""), (a, b, None, True, "")],
-        "all_gather_matmul_fp8": [(fp8(a), fp8(b.t().contiguous()).t(), one, one, None, "")],
-        "context_parallel_attention": [(q, kv, kv.clone(), None, False, None, "")],
+                                     one, one, None, ws, BF16, "")],
+        "all_gather_matmul": [(a, b, None, ws, False, ""), (a, b, None, ws, True, "")],
+        "all_gather_matmul_fp8": [(fp8(a), fp8(b.t().contiguous()).t(), one, one, None, ws, "")],
+        "context_parallel_attention": [(q, kv, kv.clone(), None, ws, False, None, "")],
     }
 
 

@@ -6,6 +6,10 @@ graph break); the eager front door calls the recipe directly and costs well unde
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
+import time
 import timeit
 
 import pytest
@@ -23,6 +27,7 @@ from kraken import library
 
 WORLD = 4
 NAMESPACES = ("kraken", "kraken_helion")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -43,33 +48,38 @@ def fake(shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="cuda")
 
 
-# (name, arguments in schema order but the config string, the expected outputs' (shape, dtype))
+# (name, arguments in schema order but the config string (the group, then its size), the expected outputs'
+# (shape, dtype))
 CASES = [
-    ("one_shot_all_reduce", lambda: (fake((3, 5)), None), [((3, 5), torch.bfloat16)]),
-    ("one_shot_all_reduce", lambda: (fake((7,), torch.float32), "0"), [((7,), torch.float32)]),
-    ("reduce_scatter", lambda: (fake((12, 3, 5), torch.float16), None), [((3, 3, 5), torch.float16)]),
-    ("all_gather", lambda: (fake((3, 5)), None), [((12, 5), torch.bfloat16)]),
-    ("all_gather", lambda: (fake((7,), torch.float32), None), [((28,), torch.float32)]),
-    ("one_shot_all_reduce_bias", lambda: (fake((2, 3, 5)), fake((5,)), None), [((2, 3, 5), torch.bfloat16)]),
-    ("two_shot_all_reduce_bias", lambda: (fake((3, 5)), fake((5,)), None), [((3, 5), torch.bfloat16)]),
-    ("one_shot_all_reduce_bias_rms_norm", lambda: (fake((3, 5)), fake((5,)), fake((5,)), 1e-5, None),
+    ("one_shot_all_reduce", lambda: (fake((3, 5)), None, WORLD), [((3, 5), torch.bfloat16)]),
+    ("one_shot_all_reduce", lambda: (fake((7,), torch.float32), "0", WORLD), [((7,), torch.float32)]),
+    ("reduce_scatter", lambda: (fake((12, 3, 5), torch.float16), None, WORLD), [((3, 3, 5), torch.float16)]),
+    ("all_gather", lambda: (fake((3, 5)), None, WORLD), [((12, 5), torch.bfloat16)]),
+    ("all_gather", lambda: (fake((7,), torch.float32), None, WORLD), [((28,), torch.float32)]),
+    ("one_shot_all_reduce_bias", lambda: (fake((2, 3, 5)), fake((5,)), None, WORLD), [((2, 3, 5), torch.bfloat16)]),
+    ("two_shot_all_reduce_bias", lambda: (fake((3, 5)), fake((5,)), None, WORLD), [((3, 5), torch.bfloat16)]),
+    ("one_shot_all_reduce_bias_rms_norm", lambda: (fake((3, 5)), fake((5,)), fake((5,)), 1e-5, None, WORLD),
      [((3, 5), torch.bfloat16)]),
     ("two_shot_all_reduce_bias_rms_norm", lambda: (fake((1, 3, 5), torch.float32), fake((5,), torch.float32),
-                                                   fake((5,), torch.float32), 1e-6, None), [((1, 3, 5), torch.float32)]),
+                                                   fake((5,), torch.float32), 1e-6, None, WORLD),
+     [((1, 3, 5), torch.float32)]),
     ("rms_norm", lambda: (fake((3, 5)), fake((5,)), 1e-5), [((3, 5), torch.bfloat16)]),
-    ("gemm_one_shot_all_reduce", lambda: (fake((3, 5)), fake((5, 7)), None, torch.float32), [((3, 7), torch.float32)]),
-    ("gemm_reduce_scatter", lambda: (fake((12, 5)), fake((5, 7)), None, torch.bfloat16), [((3, 7), torch.bfloat16)]),
-    ("gemm_reduce_scatter_fp8", lambda: (fake((12, 32), torch.float8_e4m3fn), fake((32, 7), torch.float8_e4m3fn),
-                                         fake((1,), torch.float32), fake((1,), torch.float32), None, torch.float32),
+    ("gemm_one_shot_all_reduce", lambda: (fake((3, 5)), fake((5, 7)), None, WORLD, torch.float32),
      [((3, 7), torch.float32)]),
-    ("all_gather_matmul", lambda: (fake((3, 5)), fake((5, 7)), None, False), [((12, 7), torch.bfloat16)]),
-    ("all_gather_matmul", lambda: (fake((3, 5), torch.float16), fake((5, 7), torch.float16), None, True),
+    ("gemm_reduce_scatter", lambda: (fake((12, 5)), fake((5, 7)), None, WORLD, torch.bfloat16),
+     [((3, 7), torch.bfloat16)]),
+    ("gemm_reduce_scatter_fp8", lambda: (fake((12, 32), torch.float8_e4m3fn), fake((32, 7), torch.float8_e4m3fn),
+                                         fake((1,), torch.float32), fake((1,), torch.float32), None, WORLD,
+                                         torch.float32),
+     [((3, 7), torch.float32)]),
+    ("all_gather_matmul", lambda: (fake((3, 5)), fake((5, 7)), None, WORLD, False), [((12, 7), torch.bfloat16)]),
+    ("all_gather_matmul", lambda: (fake((3, 5), torch.float16), fake((5, 7), torch.float16), None, WORLD, True),
      [((12, 5), torch.float16), ((12, 7), torch.float16)]),
     ("all_gather_matmul_fp8", lambda: (fake((3, 32), torch.float8_e4m3fn), fake((32, 7), torch.float8_e4m3fn),
-                                       fake((3, 1), torch.float32), fake((1, 7), torch.float32), None),
+                                       fake((3, 1), torch.float32), fake((1, 7), torch.float32), None, WORLD),
      [((12, 7), torch.bfloat16)]),
     ("context_parallel_attention", lambda: (fake((1, 4, 3, 64)), fake((1, 2, 3, 64)), fake((1, 2, 3, 64)), None,
-                                            True, None), [((1, 4, 3, 64), torch.bfloat16)]),
+                                            WORLD, True, None), [((1, 4, 3, 64), torch.bfloat16)]),
 ]
 
 
@@ -98,9 +108,9 @@ def test_fake_gives_the_recipes_shapes_and_dtypes(fake_world, namespace, case):
 @pytest.mark.parametrize("namespace", NAMESPACES)
 def test_fake_of_the_in_place_all_reduce_and_a_refused_shape(fake_world, namespace):
     with FakeTensorMode():
-        assert op(namespace, "two_shot_all_reduce")(fake((3, 5)), None, "") is None
+        assert op(namespace, "two_shot_all_reduce")(fake((3, 5)), None, WORLD, "") is None
         with pytest.raises(ValueError, match="not divisible by the world size 4"):
-            op(namespace, "reduce_scatter")(fake((6, 5)), None, "")
+            op(namespace, "reduce_scatter")(fake((6, 5)), None, WORLD, "")
 
 
 def test_config_round_trips_through_its_encoding():
@@ -138,9 +148,74 @@ def test_a_model_traces_as_one_graph_of_operators(fake_world, packages):
                  "all_gather"):
         assert any(t.startswith(f"{namespace}.{name}.") for t in targets), (name, targets)
     gemm = next(n for n in calls if str(n.target).startswith(f"{namespace}.gemm_one_shot_all_reduce"))
-    assert gemm.args[2:] == (fake_world.group_name, torch.float32, "(('max_blocks', 4),)")
+    assert gemm.args[2:] == (fake_world.group_name, WORLD, torch.float32, "(('max_blocks', 4),)")
     out, gathered = (n.meta["val"] for n in program.graph.output_node().args[0])
     assert tuple(out.shape) == (3, 16) and tuple(gathered.shape) == (12, 16)
+
+
+# Rank 0 first compiles in a world of one rank, then both ranks in a world of two (gloo), with one inductor
+# cache directory: what a GPU host running the suite at world size 1 and then 2 does. The recipe needs a GPU,
+# so the operator gets a CPU kernel here, its output sized by the live group as the recipe's is.
+TWO_WORLDS = """
+import datetime, sys
+import torch, torch.distributed as dist
+from torch._dynamo.utils import counters
+import kraken.fused
+
+def gather_matmul_on_cpu(a, b, *rest):  # (the group's name and size,) return_a (False here), config
+    parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, a)
+    return [torch.cat(parts) @ b]
+
+torch.library.register_kernel("kraken::all_gather_matmul", "cpu", gather_matmul_on_cpu)
+rank, store = int(sys.argv[1]), sys.argv[2]
+x, w = torch.full((3, 16), rank + 1.0), torch.ones(16, 8)
+
+def compiled_equals_eager():
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(lambda x, w: kraken.fused.all_gather_matmul(x, w), fullgraph=True)(x, w)
+    assert torch.equal(out, gather_matmul_on_cpu(x, w)[0])
+    cache = counters["aot_autograd"]
+    print(f"rank {rank} world size {dist.get_world_size()}: {cache['autograd_cache_hit']} cache hits, "
+          f"{cache['autograd_cache_saved']} saved", flush=True)
+
+if rank == 0:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    compiled_equals_eager()
+    dist.destroy_process_group()
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+compiled_equals_eager()
+dist.destroy_process_group()
+"""
+
+
+def test_a_graph_compiled_at_one_world_size_is_not_reused_at_another(tmp_path):
+    """Issues 29 and 30: inductor and AOTAutograd cache compiled graphs on disk, keyed by the graph and its
+    inputs' shapes. The per-rank shapes and the default group's name are the same at every world size, so the
+    operator takes the group's size, and a graph compiled at world size 1 (its all_gather_matmul output sized
+    for one rank) is not handed to a world of two, where inductor's size assert refused the real output."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-c", TWO_WORLDS, str(rank), str(tmp_path / "store")], env=env,
+                              cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for rank, log in enumerate(logs)]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # until both are done, or one has failed
+        codes = [rank.poll() for rank in ranks]
+        if codes == [0, 0] or any(codes):
+            break
+        time.sleep(0.1)
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait()
+    logs = [log.read_text() for log in logs]
+    assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert "rank 0 world size 1: 0 cache hits, 1 saved" in logs[0], logs[0]  # the cache is on
+    assert "rank 0 world size 2: 0 cache hits" in logs[0], logs[0]  # not world size 1's graph
 
 
 def test_front_doors_keep_the_recipes_signatures_and_are_the_modules_functions():
