@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ RECIPE = "kraken.fused.gemm_one_shot_all_reduce"
 TWIN = "helion_ports.fused.gemm_one_shot_all_reduce"
 recipe = importlib.import_module(RECIPE)
 twin = importlib.import_module(TWIN)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # One shape per class, with the output dtype each is most used with: small M (decode) with bf16 out,
 # large M with fp32 out. The unaligned class is the registry's example, compiled by test_compile_cpu.
@@ -82,6 +84,133 @@ def test_helion_prints_its_generated_triton():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "def _helion_gemm_one_shot_all_reduce_body" in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------
+# Every address in bounds, every number right: the Triton interpreter
+# ---------------------------------------------------------------------------
+
+INTERPRETED = r'''
+import importlib, math, sys
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+import triton.runtime.interpreter as interpreter
+
+_patch = interpreter._patch_lang_tensor
+def _patched(tensor, scope):  # Triton 3.6's interpreter and numpy 2: a loop bound from a 1-element array
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patched
+
+# Every load and store a launch makes must fall inside the storage of one of its tensor arguments (descriptors'
+# bases included): on the GPU an address past them reads whatever is there, or faults.
+storages, escapes = [], []
+_init_args = interpreter.GridExecutor._init_args_hst
+def _init_args_hst(self, args, kwargs):
+    storages.clear()
+    def walk(arg):
+        if isinstance(arg, (tuple, list)):
+            for item in arg:
+                walk(item)
+        elif hasattr(arg, "block_shape") and hasattr(arg, "base"):
+            walk(arg.base)
+        elif isinstance(arg, torch.Tensor):
+            storage = arg.untyped_storage()
+            storages.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    walk(list(args) + list(kwargs.values()))
+    return _init_args(self, args, kwargs)
+interpreter.GridExecutor._init_args_hst = _init_args_hst
+
+def checked(access, what):
+    def run(self, ptrs, *rest, **kwargs):
+        mask = rest[0] if what == "load" else rest[1]
+        addresses = np.asarray(ptrs.data).astype(np.uint64)
+        active = addresses[np.broadcast_to(np.asarray(mask.data), addresses.shape)]
+        size = ptrs.get_element_ty().primitive_bitwidth // 8
+        inside = np.zeros(active.shape, dtype=bool)
+        for begin, end in storages:
+            inside |= (active >= begin) & (active + size <= end)
+        if not inside.all():
+            escapes.append(f"{what} of {int((~inside).sum())} elements outside every argument")
+        return access(self, ptrs, *rest, **kwargs)
+    return run
+Builder = interpreter.InterpreterBuilder
+Builder.create_masked_load = checked(Builder.create_masked_load, "load")
+Builder.create_masked_store = checked(Builder.create_masked_store, "store")
+
+from benchmark import sm90
+recipe = importlib.import_module("kraken.fused.gemm_one_shot_all_reduce")
+twin = importlib.import_module("helion_ports.fused.gemm_one_shot_all_reduce")
+
+@triton.jit
+def no_epoch(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
+    pass  # the inline-PTX barriers cannot run here: every rank runs twice instead (below)
+
+@triton.jit
+def no_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, hasPreviousMemAccess: tl.constexpr = False,
+            hasSubsequentMemAccess: tl.constexpr = False):
+    pass
+
+recipe.epoch_sync, recipe.symm_mem_sync = no_epoch, no_sync
+twin.EPOCH_SYNC = twin.SPLIT_SYNC = "tl.debug_barrier()"
+
+def workspaces(chunk_bytes, dtype, tile, world_size):
+    """Every rank's BlockWorkspace as ``host.BlockWorkspace.context`` views it (132 chunks), NaN-poisoned."""
+    size = 1 << max(16, math.ceil(math.log2(chunk_bytes)))
+    tile_elems, chunk_elems = math.prod(tile), size // dtype.itemsize
+    shape = (2, 132, chunk_elems // tile_elems, *tile)
+    strides = (132 * chunk_elems, chunk_elems, tile_elems, *(math.prod(tile[i + 1:]) for i in range(len(tile))))
+    return tuple(torch.full((2 * 132 * chunk_elems,), float("nan"), dtype=dtype).as_strided(shape, strides)
+                 for _ in range(world_size))
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# (module, (M, N, K), world size, out dtype, config): tails everywhere, M = 1, a and b smaller than one tile,
+# a k split, every rank's launch (fp16 in: the interpreter's bf16 dot is wrong in Triton 3.6).
+cases = [(module, shape, ws, out_dtype, config) for module in (recipe, twin) for shape, ws, out_dtype, config in [
+    ((1, 8, 16), 1, BF16, {}), ((37, 100, 72), 1, FP32, {}), ((44, 48, 32), 2, BF16, {}),
+    ((37, 100, 72), 2, FP32, {"push": False}), ((37, 200, 512), 2, BF16, {"split_k": 2}),
+    ((20, 48, 80), 3, FP32, {}),
+]]
+for module, (m, n, k), world_size, out_dtype, config in cases:
+    cfg = module.plan(m, n, k, world_size, config, 132)
+    tile = module.chunk_tile(cfg, world_size)
+    peers = workspaces(module.rounds_of(m, n, cfg) * math.prod(tile) * out_dtype.itemsize, out_dtype, tile, world_size)
+    gen = torch.Generator().manual_seed(m + n + k)
+    operands = [(torch.randn(m, k, generator=gen).half(), torch.randn(k, n, generator=gen).half())
+                for _ in range(world_size)]
+    ref = sum(a.double() @ b.double() for a, b in operands)
+    outs = [torch.full((m, n), float("nan"), dtype=out_dtype) for _ in range(world_size)]
+    scratch = [torch.full((132, 2, *tile[1:]) if cfg["split_k"] > 1 else (1,), float("nan")) for _ in range(world_size)]
+    escapes.clear()
+    # Pass 1 leaves every rank's partials where the barrier would have found them (a k split's group sums its
+    # scratch at its local barrier: pass 2); the last pass (the same half of the workspace) reads them all.
+    for _ in range(3 if cfg["split_k"] > 1 else 2):
+        for rank, (a, b) in enumerate(operands):
+            parity, epochs = torch.zeros(132, dtype=torch.int32), torch.zeros(132, dtype=torch.int32)
+            with sm90.capture_launches():  # Helion's host-built descriptors on the CPU
+                module.launch(a, b, peers, outs[rank], sm90.FAKE_SIGNAL_PADS, rank, parity, epochs, scratch[rank],
+                              sm90.FAKE_SIGNAL_PADS, **cfg)
+    what = f"{module.__name__} {m}x{n}x{k} ws{world_size} {out_dtype} {config}"
+    assert not escapes, f"{what}: {escapes[:3]}"
+    for rank, out in enumerate(outs):
+        assert not torch.isnan(out).any(), f"{what}: rank {rank}: an output element was never written"
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < (1e-2 if out_dtype == BF16 else 1e-5), f"{what}: rank {rank}: relative error {err:.2e}"
+    print(what, "ok")
+print("ok")
+'''
+
+
+def test_every_access_in_bounds_and_every_sum_right_in_the_triton_interpreter():
+    """The recipe and its twin on every rank of worlds of 1 to 3, odd shapes (M = 1, operands smaller than one
+    tile, a k split), against float64, with every load and store checked against its launch's tensors. The twin
+    once loaded ``a`` through pointers past its last row when the tile was taller than ``a`` (the GPU test
+    crashed at world size 1: an illegal memory access); ``boxed_operands`` pads such operands instead."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-3000:] + result.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------

@@ -179,6 +179,30 @@ def gemm_one_shot_all_reduce_body(
     return out
 
 
+def boxed_operands(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int):
+    """``a`` and ``b`` as TMA can load them (``tma_operands``), zero-padded to at least one box in every dimension.
+
+    Helion 1.5.0 loads an operand whose box is larger than the tensor (``block_m`` > M, ``block_n`` > N or
+    ``block_k`` > K) through pointers instead, masked only where a loop's end is not a multiple of its
+    block (the k tail). The tile loops end at ``m0 + block_m``, so those loads read up to ``block_m - M`` rows
+    past the end of ``a`` (M = 37, K = 1000: 52 KB past a 74 KB buffer), and which way a load goes is fixed
+    when a kernel is first bound, then reused for other shapes. Zero rows and columns add nothing; the output
+    keeps the true M and N (``out``'s).
+    """
+    a, b = tma_operands(a, b)
+    (m, k), n = a.shape, b.shape[1]
+    rows, depth, cols = max(m, block_m), max(k, block_k), max(n, block_n)
+    if (rows, depth) != (m, k):
+        a_box = a.new_zeros(rows, depth)
+        a_box[:m, :k] = a
+        a = a_box
+    if (depth, cols) != (k, n):
+        b_box = b.new_zeros(depth, cols)
+        b_box[:k, :n] = b
+        b = b_box
+    return a, b
+
+
 @functools.cache
 def compiled(
     block_m: int, block_n: int, block_k: int, split_k: int, reduce_m: int, push: bool, num_warps: int, num_stages: int,
@@ -233,13 +257,11 @@ def launch(
     uses comes from top-level tensors, which is what makes Helion 1.5.0 re-specialize when a shape
     changes bucket (it ignores sizes inside tuples).
     """
-    a, b = tma_operands(a, b)
+    a, b = boxed_operands(a, b, block_m, block_n, block_k)
     keep = keeps_last(split_k, len(peers), out.dtype)
     # Helion 1.5.0 specialises a size-1 dimension and then drops the row mask of a store through a
-    # taller tile (every row of the tile lands on row 0). So M = 1 runs on two rows, the second zero.
-    staged = out if a.shape[0] > 1 else out.new_empty(2, out.shape[1])
-    if a.shape[0] == 1:
-        a = torch.cat([a, a.new_zeros(a.shape)])
+    # taller tile (every row of the tile lands on row 0). So M = 1 writes two rows (``a`` has block_m).
+    staged = out if out.shape[0] > 1 else out.new_empty(2, out.shape[1])
     args = (
         a, b, partials, own_storage(peers[rank]), peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
         rank, len(peers), split_k, block_m, block_n, push, keep, group_name,
