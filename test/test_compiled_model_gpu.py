@@ -59,7 +59,10 @@ def compiled_mlp(backend: str) -> None:
     model = SequenceParallelMLP(fused, seed=7)
     inputs = [rank_values(seed, rank, (ROWS, HIDDEN)) for seed in range(4)]
     with torch.no_grad():
-        eager = [model(x).clone() for x in inputs]
+        eager = []
+        for x in inputs:  # the first call compiles each recipe (a Helion twin: most of a minute on a busy host)
+            eager.append(model(x).clone())
+            heartbeat(f"{backend} eager call {len(eager)}")
         assert eager[0].shape == (dist.get_world_size() * ROWS, HIDDEN) and not torch.isnan(eager[0]).any()
 
         explained = torch._dynamo.explain(model)(inputs[0])
