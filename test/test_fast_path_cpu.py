@@ -201,3 +201,18 @@ def test_a_scalar_of_another_type_is_another_signature(monkeypatch, launches):
     with pytest.raises(TypeError, match="eps must be a float"):
         fn(x, vector, vector, eps=True)
     assert host.config_key({"max_blocks": 1}) != host.config_key({"max_blocks": True})
+
+
+def test_gather_with_progress_keeps_its_barrier_launcher_per_group_and_rank():
+    """``all_gather_with_progress`` launches its two barriers per call through a launcher kept per (signal pad,
+    rank, world size), the barrier kernels' every argument: the same one for the same group and rank, another
+    for another rank or group (a kernel specialised for one rank must never launch for another)."""
+    from kraken.comm.all_gather_with_progress import barrier_launcher
+
+    def ctx(rank, world_size, pads):
+        return host.SymmContext(rank, world_size, "fake", (), pads)
+
+    first = barrier_launcher(ctx(0, 2, 1000))
+    assert isinstance(first, host.Launcher) and barrier_launcher(ctx(0, 2, 1000)) is first
+    others = {id(barrier_launcher(c)) for c in (ctx(1, 2, 1000), ctx(0, 4, 1000), ctx(0, 2, 2000))}
+    assert id(first) not in others and len(others) == 3

@@ -22,7 +22,7 @@ from helion_ports import flat_kernel, run
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather_with_progress import (  # shared with the Triton recipe
-    BARRIER_BLOCK, BARRIER_WARPS, GatherInProgress, prepare, shard_barrier_kernel,
+    BARRIER_BLOCK, BARRIER_WARPS, GatherInProgress, barrier_launcher, prepare, shard_barrier_kernel,
 )
 from kraken.comm.all_gather_with_progress import start as recipe_start
 
@@ -95,4 +95,4 @@ def all_gather_with_progress(
     """Start gathering every rank's ``shard`` into ``out`` on the copy engine (see the kraken recipe)."""
     ctx, out, progress = prepare(shard, group, out, progress)
     return recipe_start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress,
-                        launcher=HelionBarrier(host.jit_launch, ctx.group_name))
+                        launcher=HelionBarrier(barrier_launcher(ctx), ctx.group_name))

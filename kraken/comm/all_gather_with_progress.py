@@ -132,7 +132,20 @@ def all_gather_with_progress(
     consumer on the current stream, then call ``.wait()`` on the result.
     """
     ctx, out, progress = prepare(shard, group, out, progress)
-    return start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress)
+    return start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress, launcher=barrier_launcher(ctx))
+
+
+_barrier_launchers: dict[tuple[int, int, int], host.Launcher] = {}
+
+
+def barrier_launcher(ctx: host.SymmContext) -> host.Launcher:
+    """The launcher of a shard's barriers, kept per (signal pad, rank, world size): the barrier kernels' every
+    argument (``host.Launcher``'s condition), so later calls skip Triton's (or Helion's) binding, two per call."""
+    key = (ctx.signal_pad_ptrs, ctx.rank, ctx.world_size)
+    launcher = _barrier_launchers.get(key)
+    if launcher is None:
+        launcher = _barrier_launchers[key] = host.Launcher(OP)
+    return launcher
 
 
 def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torch.Tensor | None
