@@ -23,6 +23,14 @@ Measured on H200s, bf16, eager GPU time (``docs/history.md``, ``docs/results.md`
   one-shot up to 16 (two-shot from 32 with RMSNorm, from 64 without); at 8 ranks the family crosses
   between 16 and 32 tokens.
 
+* GEMM + all-reduce (``kraken.fused.gemm_one_shot_all_reduce`` and its twin, whose ``config`` takes
+  ``shot="one"``, ``"push"`` or ``"two"``), in output elements (M x N): the recipe asks ``choose`` for one
+  or two and picks push or pull for one itself. At 8 ranks the one-shot form lost to matmul + NCCL from
+  M = 128 at N = 4096 (0.46x at M = 2048: each rank reads 7 whole partials, where two-shot reads 2 x 7/8
+  of one). Two-shot pays one more barrier, so it starts where the one-shot's reads outgrow a barrier:
+  estimates from those bytes at about 360 GB/s per peer read, not yet measured on 4- or 8-GPU hosts
+  (256K elements at 4 ranks, 64K at 8). At 2 ranks two-shot reads as much as one-shot: never.
+
 World sizes without a measurement take the next larger measured one's entry (more readers per
 buffer only favours two-shot sooner). A group of one runs one-shot (a peer set of itself: one read,
 one write, no second copy of the workspace).
@@ -43,12 +51,14 @@ SHOTS = (ONE, TWO)
 ONE_SHOT_UP_TO = {
     "all_reduce": {1: math.inf, 2: 1 << 20, 4: 1 << 15, 8: 1 << 15},
     "all_reduce_bias": {1: math.inf, 2: 64, 4: 16, 8: 16},
+    "gemm_all_reduce": {1: math.inf, 2: math.inf, 4: 1 << 18, 8: 1 << 16},  # output elements (estimates, above)
 }
 # Which table row each front door reads.
 FAMILY = {
     "all_reduce": "all_reduce",
     "all_reduce_bias": "all_reduce_bias",
     "all_reduce_bias_rms_norm": "all_reduce_bias",
+    "gemm_one_shot_all_reduce": "gemm_all_reduce",
 }
 
 

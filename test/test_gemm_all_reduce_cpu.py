@@ -29,28 +29,37 @@ SHAPE_CLASSES = {"small_m": ((64, 4096, 4096), torch.bfloat16), "large_m": ((102
                  "small_n_split_k": ((64, 1024, 4096), torch.bfloat16)}
 
 
-def compile_stats(module, shape, world_size: int, out_dtype) -> dict:
+def compile_stats(module, shape, world_size: int, out_dtype, config=None) -> dict:
     with sm90.capture_launches() as launches:
-        gemm_all_reduce.example(module, world_size, shape=shape, out_dtype=out_dtype)
+        gemm_all_reduce.example(module, world_size, shape=shape, out_dtype=out_dtype, config=config)
     (launch,) = launches
     return sm90.kernel_stats(launch)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 8])
-@pytest.mark.parametrize("shape_class", list(SHAPE_CLASSES))
-def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size):
+# (shape class, world size, config): each class by default at 1, 2, 4 and 8 ranks (small M: push at 1-2, pull at 4,
+# two-shot at 8; large M: two-shot from 4), and every form forced where the default is another.
+COMPILE_CASES = [(c, ws, {}) for c in SHAPE_CLASSES for ws in (1, 2, 4, 8)] + [
+    ("small_m", 4, {"shot": "two"}), ("small_n_split_k", 4, {"shot": "two"}), ("small_n_split_k", 8, {"shot": "two"}),
+    ("large_m", 8, {"shot": "one"}), ("small_m", 4, {"shot": "push"}), ("large_m", 2, {"shot": "two"}),
+]
+
+
+@pytest.mark.parametrize("shape_class,world_size,config", COMPILE_CASES,
+                         ids=[f"{c}-{ws}-{cfg.get('shot', 'default')}" for c, ws, cfg in COMPILE_CASES])
+def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size, config):
     shape, out_dtype = SHAPE_CLASSES[shape_class]
-    t = compile_stats(recipe, shape, world_size, out_dtype)
-    h = compile_stats(twin, shape, world_size, out_dtype)
+    t = compile_stats(recipe, shape, world_size, out_dtype, config)
+    h = compile_stats(twin, shape, world_size, out_dtype, config)
     for stats in (t, h):
         assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
-    # One epoch barrier round per launch (a release store to each peer's slot, an acquire spin on ours), plus
-    # the k-split group's CAS round over local pads; none at the end (host.BlockWorkspace).
-    split = recipe.plan(*shape, world_size, {}, sm90.H200_NUM_SMS)["split_k"]
-    assert sm90.signal_rounds(t["ptx"]) == (1 if split > 1 else 0), dict(sm90.barrier_opcodes(t["ptx"]))
-    epoch_ops = {"st.global.release.sys.u32": 1, "ld.global.acquire.sys.u32": 1}
+    # One epoch barrier round per launch (a release store to each peer's slot, an acquire spin on ours), two for
+    # two-shot, plus the k-split group's CAS round over local pads; none at the end (host.BlockWorkspace).
+    cfg = recipe.plan(*shape, world_size, config, sm90.H200_NUM_SMS)
+    assert sm90.signal_rounds(t["ptx"]) == (1 if cfg["split_k"] > 1 else 0), dict(sm90.barrier_opcodes(t["ptx"]))
+    rounds = 2 if cfg["shot"] == "two" else 1
+    epoch_ops = {"st.global.release.sys.u32": rounds, "ld.global.acquire.sys.u32": rounds}
     assert {op: n for op, n in sm90.barrier_opcodes(t["ptx"]).items() if ".cas." not in op} == epoch_ops
     assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
     # The twin generates the same GEMM: the same pipeline buffers, wgmma and TMA loads, and about as much code.
@@ -166,12 +175,15 @@ def workspaces(chunk_bytes, dtype, tile, world_size):
                  for _ in range(world_size))
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-# (module, (M, N, K), world size, out dtype, config): tails everywhere, M = 1, a and b smaller than one tile,
-# a k split, every rank's launch (fp16 in: the interpreter's bf16 dot is wrong in Triton 3.6).
+# (module, (M, N, K), world size, out dtype, config): every form, tails everywhere, M = 1, a and b smaller than
+# one tile, k splits, two-shot at a world size that is no power of two (rank 0 owns two slices), every rank's
+# launch (fp16 in: the interpreter's bf16 dot is wrong in Triton 3.6).
 cases = [(module, shape, ws, out_dtype, config) for module in (recipe, twin) for shape, ws, out_dtype, config in [
     ((1, 8, 16), 1, BF16, {}), ((37, 100, 72), 1, FP32, {}), ((44, 48, 32), 2, BF16, {}),
-    ((37, 100, 72), 2, FP32, {"push": False}), ((37, 200, 512), 2, BF16, {"split_k": 2}),
-    ((20, 48, 80), 3, FP32, {}),
+    ((37, 100, 72), 2, FP32, {"shot": "one"}), ((37, 200, 512), 2, BF16, {"split_k": 2}),
+    ((20, 48, 80), 3, FP32, {}), ((37, 100, 72), 1, BF16, {"shot": "two"}), ((1, 40, 48), 2, FP32, {"shot": "two"}),
+    ((20, 48, 80), 3, FP32, {"shot": "two"}), ((37, 200, 512), 4, BF16, {"shot": "two", "split_k": 2}),
+    ((44, 48, 32), 4, FP32, {"shot": "push"}), ((65, 40, 48), 8, BF16, {"shot": "two"}),
 ]]
 for module, (m, n, k), world_size, out_dtype, config in cases:
     cfg = module.plan(m, n, k, world_size, config, 132)
@@ -184,9 +196,10 @@ for module, (m, n, k), world_size, out_dtype, config in cases:
     outs = [torch.full((m, n), float("nan"), dtype=out_dtype) for _ in range(world_size)]
     scratch = [torch.full((132, 2, *tile[1:]) if cfg["split_k"] > 1 else (1,), float("nan")) for _ in range(world_size)]
     escapes.clear()
-    # Pass 1 leaves every rank's partials where the barrier would have found them (a k split's group sums its
-    # scratch at its local barrier: pass 2); the last pass (the same half of the workspace) reads them all.
-    for _ in range(3 if cfg["split_k"] > 1 else 2):
+    # Pass 1 leaves every rank's partials where the barrier would have found them; the last pass (the same half of
+    # the workspace) reads them all. A k split's group sums its scratch at its local barrier, and two-shot gathers
+    # the owners' sums from their second barrier: each of those takes one more pass.
+    for _ in range(2 + (cfg["split_k"] > 1) + (cfg["shot"] == "two")):
         for rank, (a, b) in enumerate(operands):
             parity, epochs = torch.zeros(132, dtype=torch.int32), torch.zeros(132, dtype=torch.int32)
             with sm90.capture_launches():  # Helion's host-built descriptors on the CPU
@@ -204,8 +217,8 @@ print("ok")
 
 
 def test_every_access_in_bounds_and_every_sum_right_in_the_triton_interpreter():
-    """The recipe and its twin on every rank of worlds of 1 to 3, odd shapes (M = 1, operands smaller than one
-    tile, a k split), against float64, with every load and store checked against its launch's tensors. The twin
+    """The recipe and its twin, every form, on every rank of worlds of 1 to 8, odd shapes (M = 1, operands smaller
+    than one tile, k splits), against float64, with every load and store checked against its launch's tensors. The twin
     once loaded ``a`` through pointers past its last row when the tile was taller than ``a`` (the GPU test
     crashed at world size 1: an illegal memory access); ``boxed_operands`` pads such operands instead."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
@@ -218,16 +231,18 @@ def test_every_access_in_bounds_and_every_sum_right_in_the_triton_interpreter():
 # ---------------------------------------------------------------------------
 
 
-def well_formed(cfg: dict, m: int, n: int, k: int) -> bool:
+def well_formed(cfg: dict, m: int, n: int, k: int, world_size: int) -> bool:
     """Groups of ``split_k`` blocks, at least one tile each; the splits cover k in whole k steps (a forced
-    split may leave the last ones empty: they add zeros); every block's slice of rows is whole reduce steps."""
+    split may leave the last ones empty: they add zeros); every block's slice of rows (two-shot: every rank's
+    slice of them) is whole reduce steps."""
     tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
     split, per_split = cfg["split_k"], cfg["k_per_split"]
+    shards = recipe.shards_of(cfg["shot"], world_size)
     return (
         1 <= cfg["num_groups"] <= tiles
         and cfg["num_blocks"] == cfg["num_groups"] * split
         and per_split % cfg["block_k"] == 0 and per_split * split >= k
-        and cfg["block_m"] % split == 0 and (cfg["block_m"] // split) % cfg["reduce_m"] == 0
+        and cfg["block_m"] % (split * shards) == 0 and (cfg["block_m"] // split // shards) % cfg["reduce_m"] == 0
     )
 
 
@@ -235,19 +250,20 @@ def well_formed(cfg: dict, m: int, n: int, k: int) -> bool:
 def test_plan_stays_inside_the_signal_pad(world_size):
     shapes = [(8192, 8192, 8192), (65536, 16384, 1024), (1, 8, 16), (100, 200, 72), (2048, 4096, 4096), (64, 1024, 4096)]
     for m, n, k in shapes:
-        for config in ({}, {"max_blocks": 100_000}, {"block_m": 16, "block_n": 16, "split_k": 1}, {"split_k": 2}):
+        for config in ({}, {"max_blocks": 100_000}, {"block_m": 16, "block_n": 16, "split_k": 1}, {"split_k": 2},
+                       *({"shot": shot} for shot in recipe.SHOTS), {"shot": "two", "block_m": 16, "block_n": 16}):
             cfg = recipe.plan(m, n, k, world_size, config, 100_000)  # an absurd SM count: the pad must bind
             assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(world_size), (m, n, k, config, cfg)
             host.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
-            assert well_formed(cfg, m, n, k), (m, n, k, config, cfg)
+            assert well_formed(cfg, m, n, k, world_size), (m, n, k, config, cfg)
             cfg = recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
-            assert cfg["num_blocks"] <= sm90.H200_NUM_SMS and well_formed(cfg, m, n, k), (m, n, k, config, cfg)
+            assert cfg["num_blocks"] <= sm90.H200_NUM_SMS and well_formed(cfg, m, n, k, world_size), (m, n, k, config, cfg)
 
 
 def test_plan_with_a_small_signal_pad(monkeypatch):
     monkeypatch.setattr(host, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
     cfg = recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS)
-    assert cfg["num_blocks"] <= 8 and well_formed(cfg, 8192, 8192, 8192)
+    assert cfg["num_blocks"] <= 8 and well_formed(cfg, 8192, 8192, 8192, 8)
 
 
 def test_plan_splits_k_only_when_tiles_leave_sms_idle():
@@ -279,10 +295,10 @@ def test_default_config_per_shape_class():
     assert tiles == {(64, 4096, 4096): (64, 64, 4), (128, 4096, 4096): (128, 32, 4), (256, 4096, 4096): (128, 64, 4),
                      (512, 4096, 4096): (128, 128, 8), (2048, 4096, 4096): (128, 256, 8), (128, 8192, 8192): (128, 64, 4),
                      (512, 5120, 5120): (128, 256, 8), (16, 65536, 4096): (64, 256, 4)}
-    pushes = {(shape, ws): recipe.plan(*shape, ws, {}, 132)["push"] for shape in [(64, 4096, 4096), (256, 4096, 4096),
-              (512, 4096, 4096)] for ws in (2, 4)}
-    assert pushes == {((64, 4096, 4096), 2): True, ((256, 4096, 4096), 2): True, ((512, 4096, 4096), 2): False,
-                      ((64, 4096, 4096), 4): False, ((256, 4096, 4096), 4): False, ((512, 4096, 4096), 4): False}
+    shots = {(shape, ws): recipe.plan(*shape, ws, {}, 132)["shot"] for shape in [(64, 4096, 4096), (256, 4096, 4096),
+             (512, 4096, 4096)] for ws in (2, 4)}
+    assert shots == {((64, 4096, 4096), 2): "push", ((256, 4096, 4096), 2): "push", ((512, 4096, 4096), 2): "one",
+                     ((64, 4096, 4096), 4): "one", ((256, 4096, 4096), 4): "two", ((512, 4096, 4096), 4): "two"}
     # Pulling, 64-row tiles are 32 wide again (128 blocks, as before pushing).
     assert recipe.default_config(64, 4096, 4096, 132, 4)["block_n"] == 32
     # The pipeline fits shared memory: 5 stages of 64x128 + 128x64 bf16, 4 of 128x128 + 128x64.
@@ -301,6 +317,54 @@ def test_plan_refuses_bad_config():
         recipe.plan(64, 64, 64, 2, {"block_m": 64, "reduce_m": 128}, 132)
     with pytest.raises(ValueError, match="split_k must be a power of two"):
         recipe.plan(64, 64, 64, 2, {"split_k": 3}, 132)
+    with pytest.raises(ValueError, match="shot must be one of 'one', 'push', 'two'"):
+        recipe.plan(64, 64, 64, 2, {"shot": "2"}, 132)
+    # Two-shot cuts each block's rows into a slice per rank (8 at 5-8 ranks): 16 rows split 4 ways do not cut 8 ways.
+    with pytest.raises(ValueError, match=r"split_k must be a power of two <= min\(8, block_m / 8 \(two-shot slices\)"):
+        recipe.plan(64, 4096, 4096, 8, {"shot": "two", "block_m": 16, "split_k": 4}, 132)
+    with pytest.raises(ValueError, match=r"reduce_m must be a power of two <= block_m / split_k / 4 \(two-shot slices\) = 16"):
+        recipe.plan(64, 4096, 4096, 4, {"shot": "two", "reduce_m": 32}, 132)
+
+
+def test_plan_picks_the_form_by_output_size_and_world_size(monkeypatch):
+    """One-shot up to kraken.crossover's gemm_all_reduce entry (M x N output elements), two-shot above, at 4-8
+    ranks (3 takes 4's entry); at 1-2 ranks always one-shot (two-shot reads as much there), pushing up to
+    SKINNY_M rows. ``shot`` forces any form at any world size; the tiles follow the form (pushing: 64 wide)."""
+    from kraken import crossover
+
+    def shot(m, n, ws, config=None):
+        return recipe.plan(m, n, 4096, ws, config or {}, 132)["shot"]
+
+    assert [shot(m, 4096, 1) for m in (1, 256, 512, 65536)] == ["push", "push", "one", "one"]
+    assert [shot(m, 4096, 2) for m in (1, 256, 512, 65536)] == ["push", "push", "one", "one"]
+    up_to = {ws: crossover.one_shot_up_to(recipe.OP, ws) for ws in (3, 4, 8)}
+    for ws in (3, 4, 5, 8):
+        limit = up_to[4] if ws <= 4 else up_to[8]
+        assert shot(limit // 4096, 4096, ws) == "one" and shot(limit // 4096 * 2, 4096, ws) == "two", ws
+        assert shot(1, limit, ws) == "one" and shot(1, limit + 1, ws) == "two", ws  # elements, not rows
+    # At 8 ranks one-shot lost to matmul + NCCL from M = 128 at N = 4096: two-shot there, and at 4 from M = 128.
+    assert shot(128, 4096, 8) == shot(128, 4096, 4) == "two" and shot(64, 4096, 4) == "one"
+    for ws in (1, 2, 4, 8):
+        for form in recipe.SHOTS:
+            assert shot(64, 4096, ws, {"shot": form}) == form
+    assert recipe.plan(64, 4096, 4096, 4, {"shot": "push"}, 132)["block_n"] == 64
+    assert recipe.plan(64, 4096, 4096, 4, {"shot": "two"}, 132)["block_n"] == 32
+    # The choice reads the crossover table.
+    monkeypatch.setitem(crossover.ONE_SHOT_UP_TO, "gemm_all_reduce", {1: 0, 2: 0, 4: 0, 8: 0})
+    assert shot(1, 16, 1) == shot(1, 16, 8) == "two"
+
+
+def test_two_shot_slices_and_k_split():
+    """Two-shot: SHARDS is the world size rounded up to a power of two (a world of 3 has 4 slices, rank 0 owns
+    two), the default k split leaves every rank's slice at least one row, and each slice is whole reduce steps."""
+    assert [recipe.shards_of("two", ws) for ws in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [recipe.shards_of(form, 8) for form in ("one", "push")] == [1, 1]
+    cfg = recipe.plan(64, 1024, 4096, 8, {"shot": "two"}, 132)  # 64-row tiles, 16 of them: a 4-way split
+    assert cfg["block_m"] // cfg["split_k"] // 8 >= 1 and cfg["reduce_m"] == cfg["block_m"] // cfg["split_k"] // 8
+    cfg = recipe.plan(64, 1024, 4096, 8, {"shot": "two", "block_m": 16}, 132)
+    assert cfg["split_k"] <= 2
+    # Two barrier rounds, no last partial kept in registers.
+    assert recipe.keeps_last(1, 1, torch.bfloat16, "two") == 0 and recipe.keeps_last(1, 1, torch.bfloat16, "push") == 1
 
 
 # ---------------------------------------------------------------------------

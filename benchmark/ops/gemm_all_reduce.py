@@ -11,7 +11,10 @@ dimension) and all need the summed [M, N] product, here in bf16. Backends:
   with no exchange, so the harness times it without checking it (``Op.reference_free``);
 * ``triton`` / ``helion``: the fused kraken recipe and its Helion twin, one
   launch each, ``out_dtype=bf16`` (so their workspace partials are bf16 too, the
-  same bytes over NVLink as the baselines).
+  same bytes over NVLink as the baselines), in the form the recipe picks for the shape;
+* ``triton_1shot`` / ``helion_1shot`` and ``triton_2shot`` / ``helion_2shot``: the same with the form
+  forced (``shot`` in ``config``): one-shot (pushing or pulling, as the recipe would for M rows) and two-shot.
+  ``--backends nccl,triton,helion`` keeps the table to the default form.
 
 bf16 inputs give a bf16 result everywhere. For fp16 inputs the two baselines
 reduce in fp16 and cast the sum to bf16 at the end (one extra small kernel).
@@ -81,10 +84,18 @@ def matmul(i):
     return torch.matmul(i["a"], i["b"])
 
 
-def fused(package: str):
+def fused(package: str, shot: str | None = None):
+    """The recipe (``package`` kraken) or its twin (helion_ports) in the form it picks, or ``shot``: "1shot" (one-shot,
+    pushing or pulling as the recipe would for M rows) or "2shot"."""
     path = f"{package}.{RECIPE}"
-    fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
-    return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
+    module = importlib.import_module(path)
+    fn = getattr(module, path.rsplit(".", 1)[1])
+    if shot is None:
+        return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
+    if shot == "2shot":
+        return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, shot="two")
+    return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, shot=module.one_shot_form(i["a"].shape[0],
+                                                                                        dist.get_world_size()))
 
 
 # ---------------------------------------------------------------------------
@@ -93,12 +104,12 @@ def fused(package: str):
 
 
 def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, out_dtype=OUT_DTYPE,
-            rank: int | None = None) -> None:
+            rank: int | None = None, config: dict | None = None) -> None:
     """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``) as
-    ``rank`` (default 1, or 0 in a group of one)."""
+    ``rank`` (default 1, or 0 in a group of one), with ``config`` (default: the recipe's choices)."""
     m, n, k = shape
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    cfg = module.plan(m, n, k, world_size, {}, H200_NUM_SMS)
+    cfg = module.plan(m, n, k, world_size, config or {}, H200_NUM_SMS)
     tile = module.chunk_tile(cfg, world_size)
     rounds = module.rounds_of(m, n, cfg)
     peers = tuple(torch.empty(2, H200_NUM_SMS, rounds, *tile, dtype=out_dtype) for _ in range(world_size))
@@ -132,12 +143,15 @@ register(
         description="sum over ranks of a @ b (a [M, K], b [K, N]), bf16 out",
         make_inputs=make_inputs,
         backends={"nccl": nccl, "symm_mem": symm_mem, "matmul": matmul, "triton": fused("kraken"),
-                  "helion": fused("helion_ports")},
+                  "helion": fused("helion_ports"), "triton_1shot": fused("kraken", "1shot"),
+                  "helion_1shot": fused("helion_ports", "1shot"), "triton_2shot": fused("kraken", "2shot"),
+                  "helion_2shot": fused("helion_ports", "2shot")},
         default_shapes=[(m, 4096, 4096) for m in (64, 128, 256, 512, 1024, 2048)] + [(128, 8192, 8192),
                                                                                      (512, 5120, 5120)],
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,
         floor_us=floor_us,
+        # One pair: the forced forms are the same two modules (``example``'s ``config`` compiles them).
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
         reference_free=frozenset({"matmul"}),  # this rank's partial alone: timed, not compared
         library="matmul",  # the one-GPU core table's library column (world size 1)

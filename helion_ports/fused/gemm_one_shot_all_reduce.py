@@ -42,11 +42,13 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage, run
+from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SYNC, SYMM_MEM_SYNC
 from kraken._gemm_core import tma_operands
-from kraken.fused.gemm_one_shot_all_reduce import chunk_tile, keeps_last, plan, prepare, rounds_of  # shared with the recipe
+from kraken.fused.gemm_one_shot_all_reduce import (  # shared with the recipe
+    PUSH, chunk_tile, keeps_last, plan, prepare, rounds_of, shards_of,
+)
 
 # Both barriers are "my writes are visible to you, yours to me" (release + acquire): the k-split
 # group's CAS barrier over local pads, then the ranks' epoch barrier over the workspace's own pad.
@@ -56,12 +58,12 @@ SPLIT_SYNC = SYMM_MEM_SYNC[(True, True)]
 def indexing(split_k: int, push: bool, keep_last: int, world_size: int) -> tuple[str, ...]:
     """Per load/store, in program order: the parity and epoch loads, the ``a`` and ``b`` loads through tensor
     descriptors (TMA, as in the recipe), the partial's stores; with ``keep_last`` the last round's ``a`` and
-    ``b`` (TMA) after them; then pointers."""
+    ``b`` (TMA) after them; then pointers (as many as two-shot at 8 ranks with a k split has, and some)."""
     tma = ("tensor_descriptor",) * 2
     if not keep_last:
-        return ("pointer",) * 2 + tma + ("pointer",) * 40
+        return ("pointer",) * 2 + tma + ("pointer",) * 64
     stores = world_size if push else 1  # every push target, or my slot
-    return ("pointer",) * 2 + tma + ("pointer",) * stores + tma + ("pointer",) * 40
+    return ("pointer",) * 2 + tma + ("pointer",) * stores + tma + ("pointer",) * 64
 
 
 def gemm_one_shot_all_reduce_body(
@@ -70,6 +72,8 @@ def gemm_one_shot_all_reduce_body(
     partials: torch.Tensor,
     workspace: torch.Tensor,
     peers: tuple[torch.Tensor, ...],
+    flat_workspace: torch.Tensor,  # two-shot: ``workspace`` as one flat view, and every rank's (one-shot: unused)
+    flat_peers: tuple[torch.Tensor, ...],
     parity: torch.Tensor,
     epochs: torch.Tensor,
     out: torch.Tensor,
@@ -84,6 +88,7 @@ def gemm_one_shot_all_reduce_body(
     block_n: hl.constexpr,
     push: hl.constexpr,
     keep_last: hl.constexpr,  # the recipe's KEEP_LAST (``keeps_last``): the last round's partial stays in registers
+    shards: hl.constexpr,  # the recipe's SHARDS (``shards_of``): two-shot slices of the block's rows; 1: one-shot
     group_name: hl.ProcessGroupName,
 ) -> torch.Tensor:
     m, n = out.size()  # a and b may be zero-padded in k and n for TMA (``tma_operands``)
@@ -91,6 +96,7 @@ def gemm_one_shot_all_reduce_body(
     slice_m = block_m // split_k
     tiles_n = (n + block_n - 1) // block_n
     num_tiles = (m + block_m - 1) // block_m * tiles_n
+    barriers = 2 if shards > 1 else 1  # epoch barrier rounds per launch
     for block in hl.grid(num_groups * split_k):
         group = block // split_k
         split = block % split_k
@@ -159,23 +165,66 @@ def gemm_one_shot_all_reduce_body(
                 hl.store(out, [tile_m, tile_n], total.to(out.dtype), extra_mask=inside)
         else:
             hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
-        for rnd in hl.grid(rounds - keep_last):
-            tile = group + rnd * num_groups
-            m0 = tile // tiles_n * block_m
-            n0 = tile % tiles_n * block_n
-            # Whole slices, as the recipe: the slots hold whole tiles, so only the store to ``out`` has a mask
-            # (with masked loads from 8 slots, ptxas ran out of predicates and held loads back).
-            for tile_m, tile_n in hl.tile([m0 + split * slice_m, n0], [m0 + (split + 1) * slice_m, n0 + block_n]):
-                total = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-                for r in hl.static_range(world_size):
-                    if push:
-                        total = total + workspace[half, block, rnd, r, tile_m.index - m0, tile_n.index - n0].to(torch.float32)
-                    else:
-                        total = total + hl.load(peers[r], [half, block, rnd, 0, tile_m.index - m0, tile_n.index - n0]).to(torch.float32)
-                inside = (tile_m.index < m)[:, None] & (tile_n.index < n)[None, :]
-                hl.store(out, [tile_m, tile_n], total.to(out.dtype), extra_mask=inside)
+        if shards == 1:
+            for rnd in hl.grid(rounds - keep_last):
+                tile = group + rnd * num_groups
+                m0 = tile // tiles_n * block_m
+                n0 = tile % tiles_n * block_n
+                # Whole slices, as the recipe: the slots hold whole tiles, so only the store to ``out`` has a mask
+                # (with masked loads from 8 slots, ptxas ran out of predicates and held loads back).
+                for out_rows, out_cols in hl.tile([m0 + split * slice_m, n0], [m0 + (split + 1) * slice_m, n0 + block_n]):
+                    total = hl.zeros([out_rows, out_cols], dtype=torch.float32)
+                    for r in hl.static_range(world_size):
+                        if push:
+                            total = total + workspace[half, block, rnd, r, out_rows.index - m0, out_cols.index - n0].to(torch.float32)
+                        else:
+                            total = total + hl.load(peers[r], [half, block, rnd, 0, out_rows.index - m0, out_cols.index - n0]).to(torch.float32)
+                    inside = (out_rows.index < m)[:, None] & (out_cols.index < n)[None, :]
+                    hl.store(out, [out_rows, out_cols], total.to(out.dtype), extra_mask=inside)
+        else:
+            # Two-shot: sum the slices I own (rank, rank + world_size, ...) over every rank's partial, over my own
+            # partial of those rows (the peers read only the rows they own of it); then the second barrier and
+            # every slice from its owner into ``out`` (mine too, from local memory: no branch between the loads).
+            # Through flat views and one offset tensor for every rank, as the recipe's ``peers[r] + offsets``:
+            # indexed as [half, block, rnd, 0, row, col], each peer's address was its own arithmetic on its own
+            # strides, and ptxas issued 2 of the 8 peers' loads before the first add at 8 ranks (the recipe 8).
+            # (The one-shot pull above, so changed, still issued 4 of 8: its reduce tile is 8 times taller.)
+            shard_m = slice_m // shards
+            chunk = half * workspace.stride(0) + block * workspace.stride(1)
+            for rnd in hl.grid(rounds):
+                tile = group + rnd * num_groups
+                m0 = tile // tiles_n * block_m
+                n0 = tile % tiles_n * block_n
+                tile_base = chunk + rnd * workspace.stride(2)
+                for t in hl.static_range((shards + world_size - 1) // world_size):
+                    # My t-th slice, rank + t * world_size (no scalar bound inside the ``if``: Helion 1.5.0 cannot
+                    # merge a scalar bound again in the next unrolled iteration, see docs/helion-notes.md).
+                    row0 = m0 + split * slice_m + (rank + t * world_size) * shard_m
+                    if t == 0 or rank + t * world_size < shards:  # a world size that is no power of two owns unevenly
+                        for sum_rows, sum_cols in hl.tile([row0, n0], [row0 + shard_m, n0 + block_n]):
+                            offsets = tile_base + (sum_rows.index - m0)[:, None] * block_n + (sum_cols.index - n0)[None, :]
+                            total = hl.zeros([sum_rows, sum_cols], dtype=torch.float32)
+                            for r in hl.static_range(world_size):
+                                total = total + hl.load(flat_peers[r], [offsets]).to(torch.float32)
+                            hl.store(flat_workspace, [offsets], total.to(workspace.dtype))
+            hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 2}, output_like=None)
+            for rnd in hl.grid(rounds):
+                gather_tile = group + rnd * num_groups
+                gather_m0 = gather_tile // tiles_n * block_m
+                gather_n0 = gather_tile % tiles_n * block_n
+                gather_row0 = gather_m0 + split * slice_m
+                gather_base = chunk + rnd * workspace.stride(2)
+                # One loop over the first slice's rows, every slice an offset of them: the loads from every owner
+                # are in one loop body, all in flight at once (a loop per slice waited for each in turn).
+                for gather_rows, gather_cols in hl.tile([gather_row0, gather_n0], [gather_row0 + shard_m, gather_n0 + block_n]):
+                    for j in hl.static_range(shards):
+                        rows = gather_rows.index + j * shard_m
+                        at = gather_base + (rows - gather_m0)[:, None] * block_n + (gather_cols.index - gather_n0)[None, :]
+                        summed = hl.load(flat_peers[j % world_size], [at])
+                        inside = (rows < m)[:, None] & (gather_cols.index < n)[None, :]
+                        hl.store(out, [rows, gather_cols], summed.to(out.dtype), extra_mask=inside)
         parity[block] = 1 - half
-        epochs[block] = epoch + 1
+        epochs[block] = epoch + barriers
     return out
 
 
@@ -206,7 +255,7 @@ def boxed_operands(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int,
 @functools.cache
 def compiled(
     block_m: int, block_n: int, block_k: int, split_k: int, reduce_m: int, push: bool, num_warps: int, num_stages: int,
-    keep_last: int, world_size: int,
+    keep_last: int, world_size: int, shards: int,
 ) -> helion.Kernel:
     """One Helion kernel per launch configuration, each with an explicit config.
 
@@ -217,8 +266,8 @@ def compiled(
     ``pid_type="flat"``: the recipe's grid, one program per block (see ``helion_ports``).
     """
     gemm = (block_m, block_n, block_k)
-    block_sizes = (*gemm, *((block_m // split_k, block_n) if split_k > 1 else ()), *(gemm if keep_last else ()), reduce_m,
-                   block_n)
+    reduce = (reduce_m, block_n) * (1 if shards == 1 else 2)  # two-shot: the sums, then the gather
+    block_sizes = (*gemm, *((block_m // split_k, block_n) if split_k > 1 else ()), *(gemm if keep_last else ()), *reduce)
     return flat_kernel(gemm_one_shot_all_reduce_body, block_sizes, num_warps, num_stages,
                        indexing=indexing(split_k, push, keep_last, world_size), host_tensor_descriptors=True)
 
@@ -239,7 +288,7 @@ def launch(
     block_k: int,
     split_k: int,
     reduce_m: int,
-    push: bool,
+    shot: str,
     num_warps: int,
     num_stages: int,
     num_blocks: int,
@@ -258,16 +307,19 @@ def launch(
     changes bucket (it ignores sizes inside tuples).
     """
     a, b = boxed_operands(a, b, block_m, block_n, block_k)
-    keep = keeps_last(split_k, len(peers), out.dtype)
+    push, shards, keep = shot == PUSH, shards_of(shot, len(peers)), keeps_last(split_k, len(peers), out.dtype, shot)
     # Helion 1.5.0 specialises a size-1 dimension and then drops the row mask of a store through a
     # taller tile (every row of the tile lands on row 0). So M = 1 writes two rows (``a`` has block_m).
     staged = out if out.shape[0] > 1 else out.new_empty(2, out.shape[1])
+    workspace = own_storage(peers[rank])
+    # Two-shot reads and writes through flat views (one slot per tile: the workspace views are contiguous).
+    flat_workspace, flat_peers = (workspace.view(-1), views(peers, -1)) if shards > 1 else (workspace, peers)
     args = (
-        a, b, partials, own_storage(peers[rank]), peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
-        rank, len(peers), split_k, block_m, block_n, push, keep, group_name,
+        a, b, partials, workspace, peers, flat_workspace, flat_peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
+        rank, len(peers), split_k, block_m, block_n, push, keep, shards, group_name,
     )
-    run(compiled(block_m, block_n, block_k, split_k, reduce_m, push, num_warps, num_stages, keep, len(peers)), args,
-        launcher)
+    run(compiled(block_m, block_n, block_k, split_k, reduce_m, push, num_warps, num_stages, keep, len(peers), shards),
+        args, launcher)
     if staged is not out:
         out.copy_(staged[:1])
     return out

@@ -1,4 +1,4 @@
-"""GEMM + one-shot all-reduce: ``sum over ranks of a @ b`` in one kernel.
+"""GEMM + all-reduce: ``sum over ranks of a @ b`` in one kernel, in one of three forms.
 
 The row-parallel linear layer of tensor parallelism: every rank holds a slice of
 the reduction dimension, computes a partial product and the partials are summed.
@@ -12,39 +12,42 @@ over the ``SPLIT_K`` blocks of a group keeps them busy). Block ``b`` of every ra
    (the same CAS barrier as across GPUs, over pads in local memory), and sums its
    ``BLOCK_M / SPLIT_K`` rows of the tile over the group's partials;
 3. stores those rows (the rank's partial, in ``out_dtype``) into its slot of chunk
-   ``b`` of the symmetric workspace. With ``PUSH`` (the default for skinny tiles at 2 ranks),
-   into that slot on every rank, its own included: posted stores that drain over
-   NVLink while the next round's GEMM runs; else only into its own;
+   ``b`` of the symmetric workspace: with ``shot="push"``, into that slot on every rank, its
+   own included (posted stores that drain over NVLink while the next round's GEMM runs);
+   else only into its own;
 4. after the last round, one barrier (release + acquire) with block ``b`` of every
    peer: "my partials are visible to you, yours to me". The workspace's signal pad is
    its own, so this is the epoch barrier: a posted store of the round number to each
    peer and a spin until theirs arrive, no compare-and-swap round trip (``epoch_sync``);
-5. reduce, every round: sums its rows over every rank's partial, in rank order (bitwise
-   identical on every rank), in fp32, and writes ``out``. With ``PUSH`` they are all in
-   its local chunk; else it loads them from every rank's chunk ``b``.
+5. reduce, every round, in rank order (bitwise identical on every rank), in fp32:
 
-With no k split at 1 or 2 ranks (``keeps_last``), the last round skips the round trip: its
-partial goes only to the peer (pushed, or left in the workspace for it to pull) and stays in
-registers through the barrier, where the block adds the peer's to it and writes ``out``
-(two partials sum the same in either order: still bitwise identical); then the earlier
-rounds are reduced as above. At one rank the kernel then costs its GEMM, one barrier with
-itself and the earlier rounds' partials (M = 1024, 4096 x 4096: one round, none).
+   * ``"one"`` / ``"push"`` (one-shot): sums its rows over every rank's partial and writes
+     ``out``: from every rank's chunk ``b`` (``"one"``), or all from its local chunk (``"push"``).
+     Every rank reads ``world_size - 1`` whole partials;
+   * ``"two"`` (two-shot): the block's rows are cut into ``shards`` (``world_size`` rounded up to a
+     power of two) slices, slice ``j`` owned by rank ``j % world_size``. The block sums the slices it
+     owns over every rank's partial and writes the sums over its own partial's rows (nobody else
+     reads those rows of it); a second epoch barrier ("my sums are visible to you"); then it copies
+     every slice, from its owner's chunk ``b``, into ``out``. Every rank reads ``(world_size - 1) /
+     world_size`` of the output twice: at 8 ranks a quarter of what one-shot reads, for one more barrier.
 
-With no k split at 1 or 2 ranks (``keeps_last``), the last round skips the round trip: its
-partial goes only to the peer (pushed, or left in the workspace for it to pull) and stays in
-registers through the barrier, where the block adds the peer's to it and writes ``out``
-(two partials sum the same in either order: still bitwise identical); then the earlier
-rounds are reduced as above. At one rank the kernel then costs what its GEMM costs plus
-one barrier with itself and the earlier rounds' partials (M = 1024, 4096 x 4096: none).
+With no k split at 1 or 2 ranks (``keeps_last``, one-shot only), the last round skips the round trip:
+its partial goes only to the peer (pushed, or left in the workspace for it to pull) and stays in
+registers through the barrier, where the block adds the peer's to it and writes ``out`` (two partials
+sum the same in either order: still bitwise identical); then the earlier rounds are reduced as above.
+At one rank the kernel then costs what its GEMM costs plus one barrier with itself and the earlier
+rounds' partials (M = 1024, 4096 x 4096: none).
 
-Pushing keeps the NVLink round trip of remote loads out of the tail (M = 64 on 2 H200s:
-13.9 us against 14.8 for the best tiles pulling). At 4 ranks pushing to 3 peers was
-slower than pulling from them, so only 2 ranks push (``PUSH_MAX_WORLD_SIZE``). The cost
-is memory, a slot per rank (``world_size`` times the output, twice), and registers: an
-address per element and peer, which made the Helion twin spill on the 128x256 tiles of
-large M, where the exchange is a small part of the time and the recipe pulls. No barrier
-at the end: the workspace is a ``host.BlockWorkspace``, so the next launch writes the
-other half while a peer may still be reading this one.
+Which form (``plan``; ``shot`` in ``config`` forces one): two-shot where the output is large enough for
+its bytes to matter at 4-8 ranks (``kraken.crossover``, the ``gemm_all_reduce`` row, by M x N);
+else one-shot, pushing for up to ``SKINNY_M`` rows at up to ``PUSH_MAX_WORLD_SIZE`` ranks. Pushing
+keeps the NVLink round trip of remote loads out of the tail (M = 64 on 2 H200s: 13.9 us against 14.8
+for the best tiles pulling). At 4 ranks pushing to 3 peers was slower than pulling from them, so
+only 2 ranks push. The cost is memory, a slot per rank (``world_size`` times the output, twice), and
+registers: an address per element and peer, which made the Helion twin spill on the 128x256 tiles
+of large M, where the exchange is a small part of the time and the recipe pulls. No barrier at the
+end: the workspace is a ``host.BlockWorkspace``, so the next launch writes the other half while a
+peer may still be reading this one.
 
 The workspace holds partials in ``out_dtype``: fp32 partials for an fp32 output
 (no rounding before the sum), bf16 partials for a bf16 output, which halves the
@@ -62,7 +65,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kraken import host
+from kraken import crossover, host
 from kraken._gemm_core import (  # noqa: F401 (OUT_DTYPES, SKINNY_M: this recipe's, used by tests)
     OUT_DTYPES, SKINNY_M, TILE_CONFIGS, check_inputs, mainloop, skinny_or_large_tiles, tile_coords, tma_operands,
 )
@@ -74,14 +77,19 @@ from kraken._ptx_utils import epoch_sync, symm_mem_sync
 # fence and meet half as often (13.9 us against 14.3 for the whole fused kernel), so those tiles take no
 # k split. Skinny tiles push at world size 2 (``PUSH_MAX_WORLD_SIZE``); at 4, pushing to 3 peers was
 # slower than pulling from them (M = 256: 53.8 us against 42.3), so they pull there.
-# Larger M pulls. With too few tiles for the SMs (small N), ``split_k`` cuts k so that tiles x split_k fills
-# them (up to ``MAX_SPLIT_K``).
-# Any key may be overridden per call. ``max_blocks`` None: one block per SM. ``split_k``/``reduce_m`` None: chosen.
+# Larger M pulls, and at 4-8 ranks outputs above ``kraken.crossover``'s ``gemm_all_reduce`` entry run two-shot,
+# on the pulling tiles. With too few tiles for the SMs (small N), ``split_k`` cuts k so that tiles x split_k
+# fills them (up to ``MAX_SPLIT_K``).
+# Any key may be overridden per call. ``max_blocks`` None: one block per SM. ``shot``, ``split_k``, ``reduce_m``
+# None: chosen.
 SKINNY_FILL = 0.45
 PUSH_MAX_WORLD_SIZE = 2
 MAX_SPLIT_K = 4
 MIN_K_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial than it saves
-DEFAULT_CONFIG = {**TILE_CONFIGS[0], "split_k": None, "reduce_m": None, "max_blocks": None, "push": False}
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "split_k": None, "reduce_m": None, "max_blocks": None, "shot": None}
+OP = "gemm_one_shot_all_reduce"
+ONE, PUSH, TWO = "one", "push", "two"  # one-shot pulling, one-shot pushing, two-shot (module docstring)
+SHOTS = (ONE, PUSH, TWO)
 # The reduce tile holds about this many values per thread (fp32 sums, and loads from up to 4 ranks in flight).
 REDUCE_VALUES_PER_THREAD = 64
 
@@ -114,9 +122,12 @@ def gemm_one_shot_all_reduce_kernel(
     REDUCE_M: tl.constexpr,  # rows per reduce step: a slice of a tile, so world_size loads fit in registers
     PUSH: tl.constexpr,  # partials go to every rank's workspace (a slot per rank) or stay in mine (one slot)
     KEEP_LAST: tl.constexpr,  # 1: the last round's partial stays in registers through the barrier (``keeps_last``)
+    SHARDS: tl.constexpr,  # two-shot: slices of the block's rows, slice j reduced by rank j % world_size; 1: one-shot
 ):
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLICE_M: tl.constexpr = BLOCK_M // SPLIT_K  # rows of each tile this block sums over the ranks
+    SHARD_M: tl.constexpr = SLICE_M // SHARDS  # rows of each slice (two-shot), else the block's rows
+    OWNED: tl.constexpr = (SHARDS + world_size - 1) // world_size if SHARDS > 1 else 1  # slices per rank
     SLOTS: tl.constexpr = world_size if PUSH else 1  # partials of a tile in one rank's chunk
     block = tl.program_id(0)
     group = block // SPLIT_K
@@ -201,22 +212,48 @@ def gemm_one_shot_all_reduce_kernel(
         tile_m, tile_n = tile_coords(tile, tiles_m, tiles_n, 1)
         m0 = tile_m * BLOCK_M
         n0 = tile_n * BLOCK_N
-        for r0 in tl.static_range(0, SLICE_M, REDUCE_M):
-            rows = split * SLICE_M + r0 + tl.arange(0, REDUCE_M)
-            offsets = chunk + rnd * SLOTS * TILE + rows[:, None] * BLOCK_N + cols[None, :]
-            total = tl.zeros([REDUCE_M, BLOCK_N], dtype=tl.float32)
-            for r in tl.static_range(world_size):
-                if PUSH:
-                    total += tl.load(workspace_ptr + offsets + r * TILE).to(tl.float32)
-                else:
-                    total += tl.load(peers[r] + offsets).to(tl.float32)
-            offs_m = m0 + rows
-            offs_n = n0 + cols
-            tl.store(out_ptr + (offs_m[:, None] * N + offs_n[None, :]), total.to(out_ptr.dtype.element_ty),
-                     mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        for t in tl.static_range(OWNED):
+            # One-shot: the block's rows. Two-shot: slice ``shard`` of them, one of mine (rank, rank + world_size, ...).
+            shard = rank + t * world_size if SHARDS > 1 else 0
+            if t == 0 or shard < SHARDS:  # a world size that is no power of two owns unevenly
+                for r0 in tl.static_range(0, SHARD_M, REDUCE_M):
+                    rows = split * SLICE_M + shard * SHARD_M + r0 + tl.arange(0, REDUCE_M)
+                    offsets = chunk + rnd * SLOTS * TILE + rows[:, None] * BLOCK_N + cols[None, :]
+                    total = tl.zeros([REDUCE_M, BLOCK_N], dtype=tl.float32)
+                    for r in tl.static_range(world_size):
+                        if PUSH:
+                            total += tl.load(workspace_ptr + offsets + r * TILE).to(tl.float32)
+                        else:
+                            total += tl.load(peers[r] + offsets).to(tl.float32)
+                    if SHARDS > 1:
+                        # Over my own partial of these rows: the peers read only the rows they own of it.
+                        tl.store(workspace_ptr + offsets, total.to(workspace_ptr.dtype.element_ty))
+                    else:
+                        offs_m = m0 + rows
+                        offs_n = n0 + cols
+                        tl.store(out_ptr + (offs_m[:, None] * N + offs_n[None, :]), total.to(out_ptr.dtype.element_ty),
+                                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    if SHARDS > 1:
+        # My sums are visible to every peer's block b, theirs to me: gather every slice from its owner (mine too,
+        # from local memory: no branch between the loads, so they are all in flight at once).
+        epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 2)
+        for rnd in tl.range(0, rounds):
+            tile = group + rnd * num_groups
+            tile_m, tile_n = tile_coords(tile, tiles_m, tiles_n, 1)
+            m0 = tile_m * BLOCK_M
+            n0 = tile_n * BLOCK_N
+            for j in tl.static_range(SHARDS):
+                for r0 in tl.static_range(0, SHARD_M, REDUCE_M):
+                    rows = split * SLICE_M + j * SHARD_M + r0 + tl.arange(0, REDUCE_M)
+                    owner = peers[j % world_size]
+                    summed = tl.load(owner + chunk + rnd * TILE + rows[:, None] * BLOCK_N + cols[None, :])
+                    offs_m = m0 + rows
+                    offs_n = n0 + cols
+                    tl.store(out_ptr + (offs_m[:, None] * N + offs_n[None, :]), summed.to(out_ptr.dtype.element_ty),
+                             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
     # The next launch writes the other half: no "done reading" barrier needed (host.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
-    tl.store(epochs_ptr + block, epoch + 1)
+    tl.store(epochs_ptr + block, epoch + (2 if SHARDS > 1 else 1))
 
 
 def launch(
@@ -235,7 +272,7 @@ def launch(
     block_k: int,
     split_k: int,
     reduce_m: int,
-    push: bool,
+    shot: str,
     num_warps: int,
     num_stages: int,
     num_blocks: int,
@@ -257,36 +294,58 @@ def launch(
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
         partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_groups, k_per_split, rank, len(peers),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m, PUSH=push,
-        KEEP_LAST=keeps_last(split_k, len(peers), out.dtype), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m, PUSH=shot == PUSH,
+        KEEP_LAST=keeps_last(split_k, len(peers), out.dtype, shot), SHARDS=shards_of(shot, len(peers)),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
-def keeps_last(split_k: int, world_size: int, out_dtype: torch.dtype) -> int:
-    """1 if the last round's partial stays in registers through the barrier (``KEEP_LAST``): with no k split
-    (a split sums slices of the tile, not the tile) and at most 2 ranks (where the sum of two partials is the
+def keeps_last(split_k: int, world_size: int, out_dtype: torch.dtype, shot: str) -> int:
+    """1 if the last round's partial stays in registers through the barrier (``KEEP_LAST``): one-shot, with no k
+    split (a split sums slices of the tile, not the tile) and at most 2 ranks (where the sum of two partials is the
     same in either order), bf16 partials at 2 ranks (a whole fp32 tile of the peer's beside mine spills)."""
-    return int(split_k == 1 and (world_size == 1 or (world_size == 2 and out_dtype.itemsize == 2)))
+    one_shot = shot != TWO
+    return int(one_shot and split_k == 1 and (world_size == 1 or (world_size == 2 and out_dtype.itemsize == 2)))
 
 
-def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dict:
-    """This shape's tiles (``kraken._gemm_core.skinny_or_large_tiles``): up to ``SKINNY_M`` rows pushing up to
-    ``PUSH_MAX_WORLD_SIZE`` ranks, with no k split if the tiles give ``SKINNY_FILL`` of the SMs a tile;
-    above, pulling."""
-    push = m <= SKINNY_M and world_size <= PUSH_MAX_WORLD_SIZE
-    cfg = {**skinny_or_large_tiles(m, n, k, num_sms, push), "push": push}
+def shards_of(shot: str, world_size: int) -> int:
+    """``SHARDS``: the slices a two-shot block cuts its rows into, ``world_size`` rounded up to a power of two
+    (slice j is rank ``j % world_size``'s); 1 for one-shot."""
+    return 1 << (world_size - 1).bit_length() if shot == TWO else 1
+
+
+def one_shot_form(m: int, world_size: int) -> str:
+    """One-shot's form for M rows: pushing up to ``SKINNY_M`` rows at up to ``PUSH_MAX_WORLD_SIZE`` ranks, else
+    pulling."""
+    return PUSH if m <= SKINNY_M and world_size <= PUSH_MAX_WORLD_SIZE else ONE
+
+
+def choose_shot(m: int, n: int, world_size: int) -> str:
+    """The form for an M x N output: two-shot above ``kraken.crossover``'s ``gemm_all_reduce`` entry, else
+    one-shot (``one_shot_form``)."""
+    if crossover.choose(OP, m * n, world_size) == crossover.TWO:
+        return TWO
+    return one_shot_form(m, world_size)
+
+
+def default_config(m: int, n: int, k: int, num_sms: int, world_size: int, shot: str | None = None) -> dict:
+    """This shape's form (``shot``, or ``choose_shot``) and tiles (``kraken._gemm_core.skinny_or_large_tiles``,
+    narrower when pushing), with no k split for up to ``SKINNY_M`` rows if the tiles give ``SKINNY_FILL`` of
+    the SMs a tile."""
+    shot = choose_shot(m, n, world_size) if shot is None else shot
+    cfg = {**skinny_or_large_tiles(m, n, k, num_sms, shot == PUSH), "shot": shot}
     if m <= SKINNY_M and host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= SKINNY_FILL * num_sms:
         cfg["split_k"] = 1
     return cfg
 
 
-def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int) -> int:
-    """The largest power-of-two k split (<= ``MAX_SPLIT_K``) whose blocks all fit the grid at once and
+def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int, max_split: int = MAX_SPLIT_K) -> int:
+    """The largest power-of-two k split (<= ``max_split``) whose blocks all fit the grid at once and
     divide k's tiles evenly, at least ``MIN_K_TILES_PER_SPLIT`` each."""
     k_tiles, split = host.cdiv(k, block_k), 1
     while (
-        2 * split <= MAX_SPLIT_K
+        2 * split <= max_split
         and num_tiles * 2 * split <= max_blocks
         and k_tiles % (2 * split) == 0
         and k_tiles // (2 * split) >= MIN_K_TILES_PER_SPLIT
@@ -314,30 +373,36 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     The grid is persistent: ``num_groups`` groups of ``split_k`` blocks, at most one block per SM
     and within the signal pad's budget; group g owns tiles g, g + num_groups, ...
     """
-    host.resolve_config(config, DEFAULT_CONFIG, "gemm_one_shot_all_reduce")  # rejects unknown keys
-    cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms, world_size), **config}
-    op = "gemm_one_shot_all_reduce"
+    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    op = OP
+    shot = config.get("shot")
+    if shot is not None and shot not in SHOTS:
+        raise ValueError(f"{op}: shot must be one of {', '.join(map(repr, SHOTS))} (or absent: chosen by shape), "
+                         f"got {shot!r}")
+    defaults = default_config(m, n, k, num_sms, world_size, shot)
+    cfg = {**DEFAULT_CONFIG, **defaults, **config, "shot": defaults["shot"]}  # shot None: the chosen one
+    shards = shards_of(cfg["shot"], world_size)
     for key in ("block_m", "block_n", "block_k"):
         if cfg[key] < 16 or not _power_of_two(cfg[key]):
             raise ValueError(f"{op}: {key} must be a power of two >= 16, got {cfg[key]}")
     num_tiles = host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
     max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
     max_blocks = host.persistent_grid(num_sms, max_blocks, world_size)
-    if cfg["split_k"] is None:
-        cfg["split_k"] = split_k_for(num_tiles, k, cfg["block_k"], max_blocks)
+    if cfg["split_k"] is None:  # two-shot: every rank's slice of the block's rows at least one row
+        max_split = min(MAX_SPLIT_K, cfg["block_m"] // shards)
+        cfg["split_k"] = split_k_for(num_tiles, k, cfg["block_k"], max_blocks, max_split)
     split = cfg["split_k"]
-    if not _power_of_two(split) or split > min(host.MAX_WORLD_SIZE, cfg["block_m"], max_blocks):
-        raise ValueError(
-            f"{op}: split_k must be a power of two <= min(8, block_m, blocks), got {split}"
-        )
-    slice_m = cfg["block_m"] // split
+    if not _power_of_two(split) or split > min(host.MAX_WORLD_SIZE, cfg["block_m"] // shards, max_blocks):
+        rows = "block_m" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
+        raise ValueError(f"{op}: split_k must be a power of two <= min(8, {rows}, blocks), got {split}")
+    shard_m = cfg["block_m"] // split // shards
     if cfg["reduce_m"] is None:
-        cfg["reduce_m"] = reduce_rows(slice_m, cfg["block_n"], cfg["num_warps"], world_size)
-    if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > slice_m:
-        raise ValueError(f"{op}: reduce_m must be a power of two <= block_m / split_k = {slice_m}, got {cfg['reduce_m']}")
+        cfg["reduce_m"] = reduce_rows(shard_m, cfg["block_n"], cfg["num_warps"], world_size)
+    if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > shard_m:
+        what = "block_m / split_k" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
+        raise ValueError(f"{op}: reduce_m must be a power of two <= {what} = {shard_m}, got {cfg['reduce_m']}")
     num_groups = min(num_tiles, max_blocks // split)
-    cfg["push"] = bool(cfg["push"])
-    keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "push", "num_warps", "num_stages")
+    keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "shot", "num_warps", "num_stages")
     return {
         **{key: cfg[key] for key in keys},
         "num_blocks": num_groups * split,
@@ -353,8 +418,9 @@ def rounds_of(m: int, n: int, cfg: dict) -> int:
 
 def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
     """What block ``b``'s chunk of the workspace holds per round (``plan``'s ``cfg``): [slots, BLOCK_M,
-    BLOCK_N], a slot per rank's partial of the round's tile when pushing, else one for this rank's."""
-    return (world_size if cfg["push"] else 1, cfg["block_m"], cfg["block_n"])
+    BLOCK_N], a slot per rank's partial of the round's tile when pushing, else one for this rank's (two-shot:
+    overwritten by the sums of the rows it owns)."""
+    return (world_size if cfg["shot"] == PUSH else 1, cfg["block_m"], cfg["block_n"])
 
 
 @host.per_signature(lambda a, b, group, out_dtype, op, config: (
@@ -398,7 +464,8 @@ def gemm_one_shot_all_reduce(
 
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or
     fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms, world_size)``
-    (tiles, ``push``) and the chosen ``split_k``/``reduce_m``/``max_blocks`` (see ``plan``).
+    (the form, ``shot="one"`` / ``"push"`` / ``"two"``, and tiles) and the chosen ``split_k``/``reduce_m``/
+    ``max_blocks`` (see ``plan``).
     """
     ctx, launch_cfg = prepare(a, b, group, out_dtype, "gemm_one_shot_all_reduce", config)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
