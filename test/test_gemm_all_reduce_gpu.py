@@ -1,9 +1,14 @@
-"""GPU tests of GEMM + one-shot all-reduce and its Helion twin (one process per GPU).
+"""GPU tests of GEMM + all-reduce and its Helion twin (one process per GPU).
 
 One spawn per backend runs every check, to keep the file to a few minutes: float64
 reference on odd and default-class shapes, bf16/fp16 in, bf16/fp32 out, into a
 NaN-poisoned output; bitwise agreement across ranks; 200 back-to-back launches;
-CUDA-graph replays; and bad input (ranks disagreeing on shapes) raising on every rank.
+CUDA-graph replays; and bad input (ranks disagreeing on shapes) raising on every rank,
+all in the form the recipe picks for each shape. A second spawn per backend forces each
+form (``shot="one"``, ``"push"``, ``"two"``) on odd shapes (tails in M, N and K, several
+rounds of tiles, a k split), launches the forms back to back on one workspace, and
+replays each under a CUDA graph. Any world size: 1, 2, 4 or 8 ranks (sharing one GPU
+with ``KRAKEN_WORLD_SIZE``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from benchmark.ops.gemm_all_reduce import rank_operands
-from gpu_utils import POISON, heartbeat, needs_gpus, rel_err, run_on_gpus
+from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
 
 pytestmark = needs_gpus
 
@@ -64,9 +69,9 @@ def check_same_on_every_rank(out: torch.Tensor, what: str) -> None:
         assert torch.equal(other, out), f"{what}: rank {r}'s result differs bitwise from rank {dist.get_rank()}'s"
 
 
-def launch_into(module, a, b, out_dtype, out: torch.Tensor) -> torch.Tensor:
+def launch_into(module, a, b, out_dtype, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
-    ctx, cfg = module.prepare(a, b, None, out_dtype, "test", {})
+    ctx, cfg = module.prepare(a, b, None, out_dtype, "test", config or {})
     return module.launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **cfg, group_name=ctx.group_name)
 
 
@@ -159,3 +164,62 @@ def worker(backend: str) -> None:
 @pytest.mark.parametrize("backend", list(MODULES))
 def test_gemm_one_shot_all_reduce(backend):
     run_on_gpus(worker, backend, name=f"gemm_all_reduce {backend}")
+
+
+# ---------------------------------------------------------------------------
+# Every form, forced
+# ---------------------------------------------------------------------------
+
+SHOTS = ("one", "push", "two")
+# (shape, (in, out dtype), config): tails in M, N and K with operands smaller than one tile; tails and three rounds
+# of tiles on five blocks; a 4-way k split (two-shot at 8 ranks: 2 rows per rank's slice of a block's 16).
+FORM_CASES = (((37, 100, 72), (FP16, FP32), {}), ((129, 257, 136), (BF16, BF16), {"max_blocks": 5}),
+              ((64, 1024, 4096), (BF16, BF16), {}))
+
+
+def forms_worker(backend: str) -> None:
+    module = importlib.import_module(MODULES[backend])
+    fn = module.gemm_one_shot_all_reduce
+    rank = dist.get_rank()
+    for shot in SHOTS:
+        for seed, (shape, (in_dtype, out_dtype), extra) in enumerate(FORM_CASES, start=500):
+            config = {"shot": shot, **extra}
+            what = f"{backend} {shot} {'x'.join(map(str, shape))} {in_dtype} -> {out_dtype} {extra}"
+            heartbeat(what)
+            assert module.plan(*shape, dist.get_world_size(), config, 132)["shot"] == shot
+            a, b = rank_operands(shape, in_dtype, seed, rank)
+            out = torch.full(shape[:2], POISON, dtype=out_dtype, device="cuda")
+            launch_into(module, a, b, out_dtype, out, config)
+            public = fn(a, b, out_dtype=out_dtype, **config)
+            torch.cuda.synchronize()
+            assert torch.equal(public, out), f"{what}: the public call and launch() disagree"
+            check(out, reference(shape, in_dtype, seed), what)
+            check_same_on_every_rank(out, what)
+
+    # The forms back to back on one workspace (their epoch counts advance by one or two barrier rounds a launch),
+    # alternating two shapes: every result against float64 after each 30 launches.
+    cases = [(shot, case) for case in FORM_CASES[1:] for shot in SHOTS]
+    inputs = [rank_operands(shape, in_dtype, 600 + i, rank) for i, (_, (shape, (in_dtype, _), _)) in enumerate(cases)]
+    refs = [reference(shape, in_dtype, 600 + i) for i, (_, (shape, (in_dtype, _), _)) in enumerate(cases)]
+    outs = [torch.full(shape[:2], POISON, dtype=out_dtype, device="cuda") for _, (shape, (_, out_dtype), _) in cases]
+    for i in range(60):
+        k = i % len(cases)
+        shot, (shape, (_, out_dtype), extra) = cases[k]
+        launch_into(module, *inputs[k], out_dtype, outs[k], {"shot": shot, **extra})
+        if i % 30 == 29:
+            heartbeat(f"{backend} forms launch {i + 1}")
+            torch.cuda.synchronize()
+            for j, (shot_j, (shape_j, _, _)) in enumerate(cases):
+                check(outs[j], refs[j], f"{backend} {shot_j} after {i + 1} launches ({shape_j})")
+                outs[j].fill_(POISON)
+
+    # CUDA-graph replays of each form, bitwise against eager.
+    shape, (in_dtype, out_dtype), extra = FORM_CASES[1]
+    graph_inputs = [rank_operands(shape, in_dtype, 700 + s, rank) for s in range(3)]
+    for shot in SHOTS:
+        check_graph_replays(f"{backend} {shot}", fn, graph_inputs, range(3), out_dtype=out_dtype, shot=shot, **extra)
+
+
+@pytest.mark.parametrize("backend", list(MODULES))
+def test_gemm_all_reduce_forms(backend):
+    run_on_gpus(forms_worker, backend, name=f"gemm_all_reduce forms {backend}")
