@@ -77,7 +77,10 @@ def launch_into(module, a, b, out_dtype, out: torch.Tensor, config: dict | None 
 
 def correctness(backend: str, module, fn) -> None:
     rank, seed = dist.get_rank(), 0
-    cases = [(s, d) for s in ODD_SHAPES for d in ALL_DTYPE_PAIRS]
+    # From 3 ranks on (sharing one GPU: every rank compiles every kernel, every barrier waits for time slices) the
+    # odd shapes take two dtype pairs, every input and every output dtype once.
+    pairs = ALL_DTYPE_PAIRS if dist.get_world_size() <= 2 else ((BF16, FP32), (FP16, BF16))
+    cases = [(s, d) for s in ODD_SHAPES for d in pairs]
     cases += [(s, d) for s in CLASS_SHAPES for d in CLASS_DTYPE_PAIRS]
     for shape, (in_dtype, out_dtype) in cases:
         seed += 1
