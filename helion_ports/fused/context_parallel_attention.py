@@ -231,9 +231,32 @@ def compiled(causal: bool, block_m: int, block_n: int, num_warps: int, num_stage
                        host_tensor_descriptors=True)
 
 
+def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None):
+    """``helion_ports.run`` with the recipe's register cap (``plan``'s ``maxnreg``, where several blocks share an SM)
+    given to Triton. Helion 1.5.0 takes ``maxnreg`` only with its persistent pid types (``flat`` here, see
+    ``helion_ports``), so the cap goes into the launch itself: the bound kernel's generated host code launches
+    through the ``_launcher`` it is given, and a Triton launch compiles for the ``maxnreg`` among its keywords. Even
+    the first call launches so (it compiles the config, then launches capped): an uncapped kernel could fit fewer
+    blocks per SM than the grid counts on."""
+    if maxnreg is None:
+        return run(kernel, args, launcher)
+
+    def capped(triton_kernel, grid, *kernel_args, **meta):
+        return launcher(triton_kernel, grid, *kernel_args, **meta, maxnreg=maxnreg)
+
+    kept = getattr(launcher, "bound", None)  # a prepared call's host.Launcher keeps its bound kernel
+    bound = kept.get(id(kernel)) if kept is not None else None
+    if bound is None:
+        bound = kernel.bind(args)
+        bound.ensure_config_exists(args)
+        if kept is not None:
+            kept[id(kernel)] = bound
+    return bound._run(*args, _launcher=capped)
+
+
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
-                     block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
-                     num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
+                     block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
+                     pieces: int, num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
     """The attention kernel alone; mirrors the recipe's ``launch_attention``."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -247,18 +270,19 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         softmax_scale(scale, head_dim), num_blocks, rank, world_size, causal, wait, block_m, block_n,
     )
     with symbolic_multiples():  # (a warm call launches the bound kernel: nothing is generated, nothing changes)
-        run(compiled(causal, block_m, block_n, num_warps, num_stages), args, launcher)
+        run_capped(compiled(causal, block_m, block_n, num_warps, num_stages), args, launcher, maxnreg)
     return out
 
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
-           block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
-           num_blocks: int, group_name: str = "", launcher=host.jit_launch, attention=None) -> torch.Tensor:
+           block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
+           pieces: int, num_blocks: int, group_name: str = "", launcher=host.jit_launch,
+           attention=None) -> torch.Tensor:
     """Launch on prepared arguments (no checks): the recipe's ``launch`` (the same K/V exchange on the copy engine)
     with this kernel (``attention`` None)."""
     return recipe_launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs, rank, causal, scale, block_m,
-                         block_n, num_warps, num_stages, piece_rows, pieces, num_blocks, group_name, launcher,
-                         attention or launch_attention)
+                         block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, group_name,
+                         launcher, attention or launch_attention)
 
 
 def context_parallel_attention(

@@ -72,17 +72,28 @@ _MASKED_SCORE = tl.constexpr(MASKED_SCORE)  # Triton reads module globals only a
 # one-block barrier kernel, which must find room on some SM while every attention block is resident.
 RESERVED_SMS = 1
 # Tiles per head_dim: (block_m, block_n, num_warps, num_stages) and the blocks resident per SM (the persistent
-# grid is blocks_per_sm * (SMs - RESERVED_SMS); the CPU test checks that the compiled kernels' registers and shared
-# memory let that many share an SM, else spinning blocks could wait on blocks never scheduled). Head_dim 128: one
-# 8-warp block of 128 x 64 tiles, under 255 registers with no spills in every variant of both kernels at 1 to 8
-# ranks (128 x 128 spills under causal from 2 ranks; two 4-warp blocks of 64 rows need 255 registers and spill at 8).
-# Head_dim 64: two 4-warp blocks of 64 x 64 tiles: a block's CTA barriers (around its TMA loads) hold only its own
-# warps, so one block's softmax runs under the other's GEMMs, where one 8-warp block keeps its two warpgroups in
-# step (checked for sm_90 on the CPU).
+# grid is blocks_per_sm * (SMs - RESERVED_SMS); ``plan`` caps each thread's registers so that many fit (``maxnreg``)
+# and the CPU test checks that the compiled kernels' registers and shared memory let them share an SM, else spinning
+# blocks could wait on blocks never scheduled). Several 4-warp blocks of 64-row tiles per SM: a block's CTA barriers
+# (around its TMA loads) hold only its own warps, so one block's softmax runs under another's GEMMs, where one 8-warp
+# block of 128 rows keeps its two warpgroups in step. One H200, world size 1, CUDA graphs, 8K: head_dim 64 three
+# blocks (at most 168 registers) 1509 us to two blocks' 1786 (B4 H16 causal); head_dim 128 two blocks of 64 x 64
+# (3 stages: 2 x 112 KB of shared memory) 2078 us to one 8-warp block of 128 x 64's 2288 (non-causal), 1320 to 1536
+# (causal). Head_dim 128 runs two blocks at one rank only (``ONE_RANK_TILES``): with the peer loop too, both kernels
+# need all 255 registers in a 4-warp block and the Helion twin's spills from 2 ranks (cold: per-tile values), where
+# one 8-warp block of 128 x 64 fits both with no spill at 1 to 8 ranks (128 x 128 spills under causal from 2 ranks).
+# Triton 3.6's warp specialization (tl.range(..., warp_specialize=True): a producer warpgroup and two consumer
+# warpgroups) compiles for sm_90 only for a key loop alone in its tile loop (no second loop, no branch in it), and
+# a one-loop persistent probe of it hung on the H200, as the GEMM did.
 TILES = {
-    64: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 2},
+    64: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 3},
     128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "blocks_per_sm": 1},
 }
+ONE_RANK_TILES = {
+    128: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 2},
+}
+# Registers per SM (and per thread at most): ``plan``'s register cap for blocks_per_sm blocks.
+SM_REGISTERS, MAX_REGISTERS = 65536, 255
 # ``pieces``: each peer's K/V is copied (and flagged) in up to this many ranges of (batch, kv head) rows; by
 # default ``PIECE_BUDGET // world_size`` (at least 2): finer pieces let the first tiles start sooner, but each
 # costs the host two copies and a flag write per peer.
@@ -279,7 +290,7 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     ``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, never more blocks than query tiles.
     ``piece_rows``: the (batch, kv head) rows of each flagged piece of a peer's K/V."""
     cfg = host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    tiles = TILES.get(head_dim, TILES[128])
+    tiles = default_tiles(head_dim, world_size)
     cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in tiles.items()}}
     for key in ("block_m", "block_n"):
         value = cfg[key]
@@ -300,8 +311,21 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     slots = cfg["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
     max_blocks = slots if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], slots))
     keys = ("block_m", "block_n", "num_warps", "num_stages")
-    return {**{key: cfg[key] for key in keys}, "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows),
+    return {**{key: cfg[key] for key in keys}, "maxnreg": register_cap(cfg["blocks_per_sm"], cfg["num_warps"]),
+            "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows),
             "num_blocks": max(1, min(num_tiles, max_blocks))}
+
+
+def default_tiles(head_dim: int, world_size: int) -> dict:
+    """``TILES``, or at one rank ``ONE_RANK_TILES`` where it has the head_dim."""
+    return (ONE_RANK_TILES if world_size == 1 else {}).get(head_dim) or TILES.get(head_dim, TILES[128])
+
+
+def register_cap(blocks_per_sm: int, num_warps: int) -> int | None:
+    """The registers per thread that let ``blocks_per_sm`` blocks of ``num_warps`` warps share an SM's register file
+    (allocated per thread in units of 8), or None where the hardware's 255 per thread already do."""
+    cap = SM_REGISTERS // (blocks_per_sm * num_warps * 32) // 8 * 8
+    return None if cap >= MAX_REGISTERS else cap
 
 
 def check_inputs(q, k, v, causal, scale, op: str) -> None:
@@ -367,8 +391,8 @@ def descriptors(q, k, v, gathered, block_m: int, block_n: int):
 
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
-                     block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
-                     num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
+                     block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
+                     pieces: int, num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
     """The attention kernel alone: my K/V from ``k``, ``v``, every other rank's from ``gathered`` [world_size, 2,
     batch * kv_heads, S_local, head_dim], waiting on ``progress`` if ``wait``."""
     batch, heads, s_local, head_dim = q.shape
@@ -379,6 +403,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         q_desc, k_desc, v_desc, kv_desc, out, progress, heads, kv_heads, batch * kv_heads, s_local, piece_rows,
         pieces, softmax_scale(scale, head_dim), rank, world_size, CAUSAL=causal, WAIT=wait, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
 
@@ -432,13 +457,14 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
 
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
-           block_m: int, block_n: int, num_warps: int, num_stages: int, piece_rows: int, pieces: int,
-           num_blocks: int, group_name: str = "", launcher=host.jit_launch, attention=None) -> torch.Tensor:
+           block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
+           pieces: int, num_blocks: int, group_name: str = "", launcher=host.jit_launch,
+           attention=None) -> torch.Tensor:
     """Launch on prepared arguments (no checks): the K/V exchange, then the attention kernel, ``attention`` (this
     recipe's ``launch_attention`` by default; the Helion twin passes its own). ``group_name`` is unused here."""
     started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces, launcher)
     (attention or launch_attention)(q, k, v, gathered, out, progress, rank, len(peers), causal, scale, True, block_m,
-                                    block_n, num_warps, num_stages, piece_rows, pieces, num_blocks, launcher)
+                                    block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, launcher)
     started.wait()
     return out
 
