@@ -59,6 +59,8 @@ CASES = [
     # Two blocks per SM, more blocks than SMs (512 and 384 tiles of 64 rows).
     (1, 2048, 16, 4, 64, CAUSAL, BF16, {"block_m": 64, "block_n": 64, "num_warps": 4, "blocks_per_sm": 2}, True),
     (2, 1500, 8, 2, 128, NONE, FP16, {"block_m": 64, "block_n": 64, "num_warps": 4, "blocks_per_sm": 2}, False),
+    # The defaults at head_dim 64 (three blocks per SM under the plan's register cap) with more tiles than blocks.
+    (2, 2048, 16, 8, 64, CAUSAL, BF16, {}, False),
 ]
 # Two causal shapes (head_dim 128) and one not (head_dim 64), all bf16; the graphs replay slots 0/3 and 1/4.
 STRESS = [(1, 256, 8, 2, 128, CAUSAL), (2, 100, 4, 4, 64, NONE), (1, 512, 8, 8, 128, CAUSAL)]
