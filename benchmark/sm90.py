@@ -9,7 +9,8 @@ Triton's own argument binder and compiler for an H100/H200 target, and
 ``kernel_stats`` reads the numbers the code inspector prints.
 
 Used by the CPU tests (every kernel and port compiles, ports carry the same
-barrier atomics) and by ``python -m benchmark.inspect``.
+barrier atomics) and by ``python -m benchmark.inspect``. The CPU tests that run
+kernels in the Triton interpreter call ``fix_interpreter_scalars`` first.
 """
 
 from __future__ import annotations
@@ -189,3 +190,23 @@ def kernel_stats(launch: Launch) -> dict:
         "barrier_atomics": barrier_atomics(ptx),
         "ptx": ptx,
     }
+
+
+def fix_interpreter_scalars() -> None:
+    """Make Triton 3.6's interpreter work with numpy 2 (call it in a ``TRITON_INTERPRET=1`` process before
+    launching): it holds scalars (a loop bound, a ``tl.minimum`` of scalars) as 1-element arrays and turns them
+    into Python ints with ``int(array)``, which numpy 2 refuses for an array of shape (1,); give its tensors an
+    ``__index__`` that takes the element."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "fixes_scalars", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched.fixes_scalars = True
+    interpreter._patch_lang_tensor = patched

@@ -253,12 +253,8 @@ import triton
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
-# Triton 3.6's interpreter turns a loop bound into an int with int(array of shape (1,)), which numpy 2 refuses.
-_patch = interpreter._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patched
+from benchmark.sm90 import fix_interpreter_scalars  # Triton 3.6's interpreter and numpy 2
+fix_interpreter_scalars()
 
 m = importlib.import_module("kraken.fused.all_gather_matmul_fp8")  # the package exports the function by that name
 twin = importlib.import_module("helion_ports.fused.all_gather_matmul_fp8")

@@ -107,11 +107,8 @@ import triton
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
-_patch = interpreter._patch_lang_tensor
-def _patched(tensor, scope):  # Triton 3.6's interpreter and numpy 2: a loop bound from a 1-element array
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patched
+from benchmark.sm90 import fix_interpreter_scalars  # Triton 3.6's interpreter and numpy 2
+fix_interpreter_scalars()
 
 # Every load and store a launch makes must fall inside the storage of one of its tensor arguments (descriptors'
 # bases included): on the GPU an address past them reads whatever is there, or faults.

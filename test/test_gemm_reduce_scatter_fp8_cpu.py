@@ -190,11 +190,8 @@ import triton
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
-_patch = interpreter._patch_lang_tensor
-def _patched(tensor, scope):  # Triton 3.6's interpreter and numpy 2: a loop bound from a 1-element array
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patched
+from benchmark.sm90 import fix_interpreter_scalars  # Triton 3.6's interpreter and numpy 2
+fix_interpreter_scalars()
 
 m = importlib.import_module("kraken.fused.gemm_reduce_scatter_fp8")
 twin = importlib.import_module("helion_ports.fused.gemm_reduce_scatter_fp8")

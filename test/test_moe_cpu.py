@@ -142,27 +142,13 @@ def no_barrier(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, hasPre
     pass
 
 
-def patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a scalar into an int with ``int(array)``, which numpy 2.4 refuses for the
-    1-element 1-D arrays it holds scalars in (``range(0, n, step)`` over a runtime ``n`` fails); take the element."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def interpret_case(ws, tokens, hidden, num_experts, top_k, capacity, skewed, bad, backend="triton", seed=0):
     """Run inside a TRITON_INTERPRET=1 process: every rank's four dispatch kernels on CPU tensors standing in for
     the symmetric buffers (the barrier a no-op: the exchange runs twice over all ranks, so the second pass sees
     every rank's counts), then the combine, each checked against the reference. With ``backend="helion"`` the
     twins' launches run instead: Helion generates its Triton (with the barrier snippets swapped for a thread
     barrier, since the interpreter runs no inline PTX) and the interpreter runs that."""
-    patch_interpreter_index()
+    sm90.fix_interpreter_scalars()
     D.symm_mem_sync = no_barrier
     C.symm_mem_sync = no_barrier
     launches = (D.launch, C.launch)

@@ -214,11 +214,8 @@ EMULATION = textwrap.dedent(
     from triton.runtime import interpreter
 
     # 1. Scalars that come out of tl.minimum are 1-element arrays in the interpreter: let them index.
-    patch_tensor = interpreter._patch_lang_tensor
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-    interpreter._patch_lang_tensor = patched
+    from benchmark.sm90 import fix_interpreter_scalars
+    fix_interpreter_scalars()
 
     # 2. The barriers (inline PTX) do nothing: the loop below orders the ranks instead.
     def no_asm(self, asm, constraints, values, types, is_pure, pack):
