@@ -110,8 +110,13 @@ def size_of(op: str, x: object) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
-def pick(op: str, x: object, group, config: dict) -> str:
-    """A front door's choice for its input ``x`` in ``group``, unchecked (while Dynamo traces: the chosen
-    recipe's operator checks when it runs); takes ``"shot"`` out of ``config`` (the rest is the chosen
-    recipe's)."""
-    return choose(op, size_of(op, x), host.world_size_of(group, op), config.pop("shot", None))
+def route(op: str, checked, inputs: tuple, group, config: dict) -> str:
+    """A front door's choice for its ``inputs`` in ``group``; takes ``"shot"`` out of ``config`` (the rest is the
+    chosen recipe's). In eager, the door's ``checked(*inputs, group, config)``: checked and agreed on its first
+    call of each signature (``checked_shot``), a lookup after. While Dynamo traces, unchecked, from the first
+    input's size (the chosen recipe's operator checks when it runs)."""
+    if torch.compiler.is_dynamo_compiling():
+        return choose(op, size_of(op, inputs[0]), host.world_size_of(group, op), config.pop("shot", None))
+    shot = checked(*inputs, group, config)
+    config.pop("shot", None)
+    return shot

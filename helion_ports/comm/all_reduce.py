@@ -37,9 +37,7 @@ def launch(
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """The sum of ``tensor`` over the group, one-shot or two-shot (see the kraken front door)."""
-    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen twin's operator checks when it runs
-    shot = crossover.pick(OP, tensor, group, config) if tracing else choose(tensor, group, config)
-    config.pop("shot", None)
+    shot = crossover.route(OP, choose, (tensor,), group, config)
     if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce(tensor, group, **config)
     return TWO_SHOT.two_shot_all_reduce(tensor, group, **config)

@@ -40,9 +40,7 @@ def all_reduce_bias(
     x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """``sum over ranks of x`` + ``bias``, one-shot or two-shot (see the kraken front door)."""
-    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen twin's operator checks when it runs
-    shot = crossover.pick(OP, x, group, config) if tracing else choose(x, bias, group, config)
-    config.pop("shot", None)
+    shot = crossover.route(OP, choose, (x, bias), group, config)
     if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce_bias(x, bias, group, **config)
     return TWO_SHOT.two_shot_all_reduce_bias(x, bias, group, **config)

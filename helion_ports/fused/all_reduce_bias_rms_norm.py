@@ -47,9 +47,7 @@ def all_reduce_bias_rms_norm(
     **config,
 ) -> torch.Tensor:
     """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``, one-shot or two-shot (see the kraken front door)."""
-    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen twin's operator checks when it runs
-    shot = crossover.pick(OP, x, group, config) if tracing else choose(x, bias, weight, eps, group, config)
-    config.pop("shot", None)
+    shot = crossover.route(OP, choose, (x, bias, weight, eps), group, config)
     if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)
     return TWO_SHOT.two_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)

@@ -78,9 +78,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = Non
     sum: a new tensor (one-shot) or ``tensor`` itself (two-shot, in place); afterwards treat ``tensor``'s
     values as spent. ``config``: ``shot="one"|"two"`` forces a recipe; the rest overrides its config.
     """
-    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen recipe's operator checks when it runs
-    shot = crossover.pick(OP, tensor, group, config) if tracing else choose(tensor, group, config)
-    config.pop("shot", None)
+    shot = crossover.route(OP, choose, (tensor,), group, config)
     if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce(tensor, group, **config)
     return TWO_SHOT.two_shot_all_reduce(tensor, group, **config)

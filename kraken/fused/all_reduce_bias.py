@@ -76,9 +76,7 @@ def all_reduce_bias(
     [hidden], the same on every rank). ``config``: ``shot="one"|"two"`` forces a recipe; the rest
     overrides its config.
     """
-    tracing = torch.compiler.is_dynamo_compiling()  # then the chosen recipe's operator checks when it runs
-    shot = crossover.pick(OP, x, group, config) if tracing else choose(x, bias, group, config)
-    config.pop("shot", None)
+    shot = crossover.route(OP, choose, (x, bias), group, config)
     if shot == crossover.ONE:
         return ONE_SHOT.one_shot_all_reduce_bias(x, bias, group, **config)
     return TWO_SHOT.two_shot_all_reduce_bias(x, bias, group, **config)
