@@ -374,17 +374,16 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     and within the signal pad's budget; group g owns tiles g, g + num_groups, ...
     """
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    op = OP
     shot = config.get("shot")
     if shot is not None and shot not in SHOTS:
-        raise ValueError(f"{op}: shot must be one of {', '.join(map(repr, SHOTS))} (or absent: chosen by shape), "
+        raise ValueError(f"{OP}: shot must be one of {', '.join(map(repr, SHOTS))} (or absent: chosen by shape), "
                          f"got {shot!r}")
     defaults = default_config(m, n, k, num_sms, world_size, shot)
     cfg = {**DEFAULT_CONFIG, **defaults, **config, "shot": defaults["shot"]}  # shot None: the chosen one
     shards = shards_of(cfg["shot"], world_size)
     for key in ("block_m", "block_n", "block_k"):
         if cfg[key] < 16 or not _power_of_two(cfg[key]):
-            raise ValueError(f"{op}: {key} must be a power of two >= 16, got {cfg[key]}")
+            raise ValueError(f"{OP}: {key} must be a power of two >= 16, got {cfg[key]}")
     num_tiles = host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
     max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
     max_blocks = host.persistent_grid(num_sms, max_blocks, world_size)
@@ -394,13 +393,13 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     split = cfg["split_k"]
     if not _power_of_two(split) or split > min(host.MAX_WORLD_SIZE, cfg["block_m"] // shards, max_blocks):
         rows = "block_m" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
-        raise ValueError(f"{op}: split_k must be a power of two <= min(8, {rows}, blocks), got {split}")
+        raise ValueError(f"{OP}: split_k must be a power of two <= min(8, {rows}, blocks), got {split}")
     shard_m = cfg["block_m"] // split // shards
     if cfg["reduce_m"] is None:
         cfg["reduce_m"] = reduce_rows(shard_m, cfg["block_n"], cfg["num_warps"], world_size)
     if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > shard_m:
         what = "block_m / split_k" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
-        raise ValueError(f"{op}: reduce_m must be a power of two <= {what} = {shard_m}, got {cfg['reduce_m']}")
+        raise ValueError(f"{OP}: reduce_m must be a power of two <= {what} = {shard_m}, got {cfg['reduce_m']}")
     num_groups = min(num_tiles, max_blocks // split)
     keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "shot", "num_warps", "num_stages")
     return {
