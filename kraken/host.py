@@ -664,7 +664,8 @@ class Launcher:
     def __init__(self, op: str):
         self.op = op
         # Keyed by id(kernel): kernels live as long as their modules, and JITFunction's __hash__ is Python code.
-        self.compiled: dict = {}  # id(JIT kernel) -> (launch function, arguments before the kernel's, constexprs)
+        # id(JIT kernel) -> (launch function, arguments before the kernel's, tensor descriptors, constexprs)
+        self.compiled: dict = {}
         self.bound: dict = {}  # id(Helion kernel) -> its BoundKernel for this call's specialisation
 
     def __call__(self, kernel, grid: tuple[int, ...], *args, **meta):
@@ -676,20 +677,60 @@ class Launcher:
             if compiled is not None and hasattr(compiled, "packed_metadata"):  # None: a CPU capture recorded it
                 names, params = kernel.arg_names, kernel.params
                 tail = tuple(meta.get(name, params[i].default) for i, name in enumerate(names) if i >= len(args))
-                self.compiled[id(kernel)] = (*launch_function(compiled), tail)
+                self.compiled[id(kernel)] = (*launch_function(compiled, len(args)), tail)
             return compiled
-        run, head, tail = hit
+        run, head, descriptors, tail = hit
+        if descriptors:
+            args = tensor_maps(args, descriptors)
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # what Triton's driver asks too
         run(grid[0], grid_y, grid_z, stream, *head, *args, *tail)
 
 
-def launch_function(compiled) -> tuple[Callable, tuple]:
-    """How ``Launcher`` launches ``compiled``: a function and the arguments that go between (grid, stream) and
-    the kernel's own. No launch metadata and no hooks (``launch_hooked`` is checked before)."""
+def launch_function(compiled, num_args: int) -> tuple[Callable, tuple, tuple]:
+    """How ``Launcher`` launches ``compiled`` (called with ``num_args`` positional arguments): a function, the
+    arguments that go between (grid, stream) and the kernel's own, and the tensor descriptors it turns into
+    TMA maps itself (``tensor_maps``). No launch metadata and no hooks (``launch_hooked`` is checked before)."""
     run = compiled.run
     hooks = (None, None, None)  # launch metadata, enter hook, exit hook
     if getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0:
         head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata)
-        return run.launch, (*head, *hooks)
-    return run, (compiled.function, compiled.packed_metadata, *hooks)
+        launch, descriptors = unwrap_descriptors(run.launch, num_args)
+        return launch, (*head, *hooks), descriptors
+    return run, (compiled.function, compiled.packed_metadata, *hooks), ()
+
+
+def unwrap_descriptors(launch: Callable, num_args: int) -> tuple[Callable, tuple]:
+    """Triton 3.6 wraps the C launch function of a kernel with host tensor descriptors in a closure
+    (``wrap_handle_tensordesc``) that encodes every descriptor's TMA map again on every launch (a driver call
+    and a Python list per descriptor). Returns that C function and, per descriptor, (position among the
+    arguments, Triton's metadata for it, a cache of its maps, the encoder), so that ``tensor_maps`` encodes a
+    map once per (pointer, shape, strides). Any other launch function (no descriptors, or a wrapper of another
+    shape) is returned as it is, with no descriptors."""
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is None or not closure or launch.__name__ != "inner":
+        return launch, ()
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure)))
+    positions, metadata = sorted(cells.get("tensordesc_indices", ())), cells.get("tensordesc_meta")
+    if not positions or not metadata or "launcher" not in cells or positions[-1] >= num_args or None in metadata:
+        return launch, ()  # (no TMA metadata: the frontend decomposed the descriptors, nothing to encode)
+    from triton.backends.nvidia.driver import make_tensordesc_arg as encode
+
+    return cells["launcher"], tuple((position, meta, {}, encode) for position, meta in zip(positions, metadata))
+
+
+def tensor_maps(args: tuple, descriptors: tuple) -> list:
+    """``args`` with each host tensor descriptor replaced by what Triton's launch wrapper would put there (its
+    TMA map, shape and strides), each map encoded once per (pointer, shape, strides, box) and then reused: a
+    TMA map is those values and nothing else, passed to the kernel by value."""
+    expanded = list(args)
+    for position, meta, cache, encode in reversed(descriptors):  # right to left: the positions to the left stay put
+        desc = expanded[position]
+        key = (desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape), desc.padding)
+        value = cache.get(key)
+        if value is None:
+            if len(cache) >= MAX_PREPARED:
+                cache.clear()
+            value = cache[key] = tuple(encode(desc, meta))
+        expanded[position:position + 1] = value
+    return expanded

@@ -216,3 +216,49 @@ def test_gather_with_progress_keeps_its_barrier_launcher_per_group_and_rank():
     assert isinstance(first, host.Launcher) and barrier_launcher(ctx(0, 2, 1000)) is first
     others = {id(barrier_launcher(c)) for c in (ctx(1, 2, 1000), ctx(0, 4, 1000), ctx(0, 2, 2000))}
     assert id(first) not in others and len(others) == 3
+
+
+def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
+    """Triton 3.6 wraps the C launch function of a kernel with tensor descriptors (``wrap_handle_tensordesc``) so
+    that every launch encodes each descriptor's TMA map again. The launcher calls the C function under that
+    wrapper with the same expanded arguments, encoding a map only for a new (pointer, shape, strides, box)."""
+    from triton.backends.nvidia import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    encoded, launched = [], []
+
+    def encode(desc, meta):
+        encoded.append((desc.base.data_ptr(), tuple(desc.shape), meta["swizzle"]))
+        return [f"map{len(encoded)}", *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    signature = {"peers": "*bf16", "out": "tensordesc<bf16[64, 64]>", "x": "*bf16", "w": "*bf16", "pads": "i64",
+                 "numel": "i32", "chunk": "i32", "rank": "i32", "world_size": "constexpr"}
+    wrapped = driver.wrap_handle_tensordesc(lambda *args: launched.append(args), signature, [{"swizzle": 3}])
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, False
+        launch = staticmethod(wrapped)
+
+    class Compiled:
+        function, packed_metadata, run = "cufunction", "packed metadata", CudaLauncher()
+
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **meta: Compiled())
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    launcher = host.Launcher("op")
+    first, second = torch.zeros(64, 128), torch.zeros(64, 128)
+    rest = (torch.zeros(8), torch.zeros(8), 77, 8, 1024, 1, 2)
+    for base in (first, first, first, second, first):
+        launcher(kernel, (5,), (torch.zeros(8),), TensorDescriptor.from_tensor(base, [64, 64]), *rest,
+                 BLOCK_SIZE=1024, STAGED=False, num_warps=4)
+    # The first launch went through the JIT (the fake one here); the next four through the C function itself.
+    assert encoded == [(first.data_ptr(), (64, 128), 3), (second.data_ptr(), (64, 128), 3)]
+    maps = [args[14] for args in launched]
+    assert maps == ["map1", "map1", "map2", "map1"]
+    for args in launched:
+        assert args[:13] == (5, 1, 1, 1234, "cufunction", False, False, None, None, "packed metadata", None, None,
+                             None)
+        assert args[15:19] == (64, 128, 128, 1) and args[19:] == (*rest, 1024, False)
