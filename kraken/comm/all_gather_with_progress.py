@@ -130,6 +130,30 @@ class GatherInProgress:
         return self.out
 
 
+_staged_flags: dict[tuple, torch.Tensor] = {}
+
+
+def reset_flags(progress: torch.Tensor, world_size: int, staged_pieces: int) -> None:
+    """Set ``progress`` as it is before any rank's chunk has landed: 0 for every rank, ``LANDED`` for the first
+    ``staged_pieces`` pieces of my rows (staged already, on the SMs). With staged pieces that is one copy from a
+    device tensor kept per (device, length), made outside any CUDA-graph capture (where it is made, it is
+    complete before it is used: a synchronisation, once); otherwise, or while capturing the first time, a fill."""
+    if staged_pieces:
+        key = (progress.device, progress.numel(), world_size, staged_pieces)
+        flags = _staged_flags.get(key)
+        if flags is None and not torch.cuda.is_current_stream_capturing():
+            flags = torch.zeros(progress.numel(), dtype=progress.dtype, device=progress.device)
+            flags[world_size:world_size + staged_pieces] = LANDED
+            torch.cuda.synchronize(progress.device)
+            _staged_flags[key] = flags
+        if flags is not None:
+            progress.copy_(flags)
+            return
+    progress.zero_()
+    if staged_pieces:
+        progress[world_size:world_size + staged_pieces].fill_(LANDED)
+
+
 def check_progress(progress: torch.Tensor, world_size: int, device: torch.device, op: str) -> None:
     host.check_tensor(progress, "progress", op, (torch.int32,), ndim=1)
     if progress.numel() != world_size or progress.device != device:
@@ -217,15 +241,15 @@ def start(
     rows = shard.shape[0]
     current = torch.cuda.current_stream(shard.device)
     side = copy_stream(shard.device)
-    progress.zero_()  # before the fork: no flag of the previous call survives into this one
     pieces = []
     if stage_from is not None:
         piece_rows = stage_piece_rows or rows
         pieces = [(world_size + p, begin, begin + piece_rows) for p, begin in enumerate(range(0, rows, piece_rows))]
-        if stage_with_sms:
-            torch.mul(stage_from, 1, out=shard)  # exact for every value; runs on all SMs, unlike the copy engine
-            progress[world_size:world_size + len(pieces)].fill_(LANDED)
-            pieces = []
+    staged = 0
+    if pieces and stage_with_sms:
+        torch.mul(stage_from, 1, out=shard)  # exact for every value; runs on all SMs, unlike the copy engine
+        staged, pieces = len(pieces), []
+    reset_flags(progress, world_size, staged)  # before the fork: no flag of the previous call survives into this one
     side.wait_stream(current)
     order = tuple((rank + step) % world_size for step in range(world_size))
     with on_stream(side):
