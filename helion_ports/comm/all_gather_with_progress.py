@@ -45,15 +45,24 @@ def compiled() -> helion.Kernel:
     return flat_kernel(shard_barrier_body, (), BARRIER_WARPS)
 
 
-_anchors: dict[torch.device, torch.Tensor] = {}
+_anchors: dict[int, torch.Tensor] = {}
+
+
+def anchor() -> torch.Tensor:
+    """An empty tensor on the current device (the CPU without one), made once per device: what the barrier kernel
+    takes its device from."""
+    index = torch._C._cuda_getDevice() if torch.cuda.is_available() else -1
+    tensor = _anchors.get(index)
+    if tensor is None:
+        device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
+        tensor = _anchors[index] = torch.empty(0, dtype=torch.int32, device=device)
+    return tensor
 
 
 def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=host.jit_launch, group_name: str = "") -> None:
     """One cross-rank barrier on the current stream (one block, one warp); mirrors the recipe's ``barrier``
     (``group_name``: Helion's ``hl.ProcessGroupName``, unused by the recipe)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    anchor = _anchors.setdefault(device, torch.empty(0, dtype=torch.int32, device=device))
-    run(compiled(), (anchor, signal_pad_ptrs, rank, world_size, group_name), launcher)
+    run(compiled(), (anchor(), signal_pad_ptrs, rank, world_size, group_name), launcher)
 
 
 class HelionBarrier:
