@@ -334,7 +334,9 @@ def default_config(m: int, n: int, k: int, num_sms: int, world_size: int, shot: 
     narrower when pushing), with no k split for up to ``SKINNY_M`` rows if the tiles give ``SKINNY_FILL`` of
     the SMs a tile."""
     shot = choose_shot(m, n, world_size) if shot is None else shot
-    cfg = {**skinny_or_large_tiles(m, n, k, num_sms, shot == PUSH), "shot": shot}
+    # Pushing 64-row tiles takes them 64 wide (fewer pushes); a group of one pushes nothing: 32 wide, twice the
+    # blocks streaming b (M = 64, 4096 x 4096 on one H200: 10.3 us against 10.9).
+    cfg = {**skinny_or_large_tiles(m, n, k, num_sms, shot == PUSH and world_size > 1), "shot": shot}
     if m <= SKINNY_M and host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= SKINNY_FILL * num_sms:
         cfg["split_k"] = 1
     return cfg
