@@ -402,3 +402,19 @@ def test_bad_input_is_refused_on_the_host(path, name):
     # Past every shape/dtype check, the first thing that needs more is the device.
     with pytest.raises(ValueError, match="a must be on a CUDA device"):
         fn(a, b)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_forced_form_backend_calls_its_function_with_the_recipes_form(monkeypatch, world_size):
+    """The benchmark's forced-form backends (``triton_1shot`` ... ``helion_2shot``) call the recipe or the twin
+    with the form the recipe would pick for one-shot at M rows (the twin has no chooser of its own), or two-shot."""
+    recipe = importlib.import_module("kraken.fused.gemm_one_shot_all_reduce")
+    monkeypatch.setattr(gemm_all_reduce.dist, "get_world_size", lambda group=None: world_size)
+    inputs = {"a": torch.zeros(64, 16), "b": torch.zeros(16, 32)}
+    for package in ("kraken", "helion_ports"):
+        module = importlib.import_module(f"{package}.fused.gemm_one_shot_all_reduce")
+        calls = []
+        monkeypatch.setattr(module, "gemm_one_shot_all_reduce", lambda a, b, **kw: calls.append(kw))
+        for shot in ("1shot", "2shot", None):
+            gemm_all_reduce.fused(package, shot)(inputs)
+        assert [c.get("shot") for c in calls] == [recipe.one_shot_form(64, world_size), "two", None], package

@@ -94,7 +94,8 @@ def fused(package: str, shot: str | None = None):
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
     if shot == "2shot":
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, shot="two")
-    return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, shot=module.one_shot_form(i["a"].shape[0],
+    recipe = importlib.import_module(f"kraken.{RECIPE}")  # the twin takes the recipe's forms, and has no chooser
+    return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, shot=recipe.one_shot_form(i["a"].shape[0],
                                                                                         dist.get_world_size()))
 
 
