@@ -78,10 +78,13 @@ def test_plan_defaults(world_size):
         # A register cap where blocks_per_sm blocks would not fit with 255 registers per thread.
         threads = tiles["blocks_per_sm"] * tiles["num_warps"] * 32
         assert cfg["maxnreg"] == (None if threads <= 256 else 65536 // threads // 8 * 8), cfg["maxnreg"]
-        # 8 kv heads: one per piece at 1 to 3 ranks, two per piece at 8 (pieces: 32 // world_size, at least 2)
-        assert (cfg["pieces"], cfg["piece_rows"]) == ((8, 1) if world_size < 8 else (4, 2))
+        # 8 kv heads: one per piece at 2 to 3 ranks, two per piece at 8 (pieces: 32 // world_size, at least 2); at one
+        # rank (no flags) pieces only group tiles for the order, at least two per block: 4 query heads x 64 tiles
+        # per kv head, 262 (128) or 393 (64) blocks: 3 or 4 kv heads per piece.
+        one_rank = (3, 3) if head_dim == 128 else (2, 4)
+        assert (cfg["pieces"], cfg["piece_rows"]) == (one_rank if world_size == 1 else (8, 1) if world_size < 8 else (4, 2))
     cfg = recipe.plan(1, 32, 32, 4096, 128, world_size, False, {}, sm90.H200_NUM_SMS)
-    assert (cfg["pieces"], cfg["piece_rows"]) == {1: (32, 1), 2: (16, 2), 3: (8, 4), 8: (4, 8)}[world_size]
+    assert (cfg["pieces"], cfg["piece_rows"]) == {1: (4, 9), 2: (16, 2), 3: (8, 4), 8: (4, 8)}[world_size]
     # Few tiles: never more blocks than tiles.
     assert recipe.plan(1, 1, 1, 60, 64, world_size, False, {}, 132)["num_blocks"] == 1
     assert recipe.plan(2, 4, 2, 150, 128, world_size, True, {}, 132)["num_blocks"] == 2 * 4 * 2 * -(
@@ -379,25 +382,24 @@ for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, mo
         out = torch.full((batch, heads, s_local, head_dim), float("nan"), dtype=torch.float16)
         mine = gathered.clone()
         mine[rank] = float("nan")  # my own K/V come from k and v, never from the gather buffer
-        progress = torch.zeros(world_size * cfg["pieces"], dtype=torch.int32)
+        progress = torch.zeros(m.progress_size(world_size, cfg["pieces"]), dtype=torch.int32)
         wait = world_size > 1 and module is m
         with sm90.capture_launches():  # Helion's host-built descriptors on the CPU (a Triton launch is not captured:
             # in the interpreter, kernels are InterpretedFunctions)
             module.launch_attention(m.shard_sequence(q, rank, world_size, causal), ks[rank], vs[rank], mine, out,
                                     progress, rank, world_size, causal, scale, wait, **cfg)
         outs.append(out)
-        # Each block waits once per (peer, piece) it has tiles in, and never for my own K/V.
+        # Each block waits once per (peer, piece) it has tiles in, and never for my own K/V. The recipe's blocks take
+        # tiles from a count (the last slot: every tile taken once, and once more by each block to learn it is done);
+        # the interpreter runs its blocks one after another, so the first takes every tile: one wait per piece.
         chunk = s_local // 2 if causal else s_local
-        tiles_per_head = (2 if causal else 1) * -(-chunk // cfg["block_m"])
-        num_tiles = batch * heads * tiles_per_head
-        tiles_per_piece = tiles_per_head * (heads // kv_heads) * cfg["piece_rows"]
-        expected = torch.zeros(world_size, cfg["pieces"], dtype=torch.int32)
-        for block in range(cfg["num_blocks"]):
-            for piece in {tile // tiles_per_piece for tile in range(block, num_tiles, cfg["num_blocks"])}:
-                expected[:, piece] += 1
+        num_tiles = batch * heads * (2 if causal else 1) * -(-chunk // cfg["block_m"])
+        expected = torch.ones(world_size, cfg["pieces"], dtype=torch.int32)
         expected[rank] = 0
         if wait:
-            assert torch.equal(progress.view(world_size, -1), expected), (progress.view(world_size, -1), expected)
+            flags, taken = progress[:-1].view(world_size, -1), progress[-1].item()
+            assert torch.equal(flags, expected), (flags, expected)
+            assert taken == num_tiles + cfg["num_blocks"], (taken, num_tiles, cfg["num_blocks"])
     full = m.unshard_sequence(outs, causal)
     assert not torch.isnan(full).any(), "an output element was never written"
     err = ((full.double() - ref).norm() / ref.norm()).item()

@@ -48,7 +48,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from benchmark.registry import Op, Pair, gemm_us, register
 from benchmark.sm90 import H200_NUM_SMS
-from kraken.fused.context_parallel_attention import shard_chunks, unshard_sequence
+from kraken.fused.context_parallel_attention import progress_size, shard_chunks, unshard_sequence
 
 RECIPE = "fused.context_parallel_attention"
 NONE, CAUSAL = 1, 2  # the MASK field
@@ -247,7 +247,7 @@ def example(module, world_size: int, shape=None, causal: bool = True, dtype=torc
     v = torch.randn(batch, kv_heads, s_local, head_dim, dtype=dtype)
     gathered = torch.empty(world_size, 2, batch * kv_heads, s_local, head_dim, dtype=dtype)
     cfg = module.plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, config, H200_NUM_SMS)
-    progress = torch.zeros(world_size * cfg["pieces"], dtype=torch.int32)
+    progress = torch.zeros(progress_size(world_size, cfg["pieces"]), dtype=torch.int32)
     module.launch_attention(q, k, v, gathered, torch.empty_like(q), progress, 1, world_size, causal, None, True, **cfg)
 
 

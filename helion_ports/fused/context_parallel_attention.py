@@ -7,7 +7,9 @@ kernel; it launches through ``helion_ports.run``). The attention kernel mirrors 
 
 * ``hl.grid(num_blocks)`` is the persistent grid; block ``b`` takes query tiles ``b, b + num_blocks, ...``
   (``hl.grid(rounds)``; a round past the last tile does nothing), (batch, head)-major, under ``causal``
-  the later half of the shard first;
+  the later half of the shard first. Not yet the recipe's dynamic schedule (a count of tiles taken, and
+  ``tile_order``'s table): a tile index read from memory makes every tile loop's bounds device values, and
+  Helion 1.5 then masks every key loop (docs/helion-notes.md);
 * each query tile is a one-step ``hl.tile`` of ``block_m`` rows; the online-softmax state (row max, row
   sum, fp32 accumulator) lives across every key loop: ``hl.tile`` loops of ``block_n`` keys over my own
   K/V (from ``k``, ``v``), then, for ``rank + 1``, ``rank + 2``, ... (``hl.grid(world_size - 1)``), over the

@@ -14,7 +14,10 @@ its own K/V at once:
   and, within a piece, ``rank + 1`` first, each piece flagged as it lands; a last barrier says
   "done reading". No SM moves data, so attention blocks spinning on a flag cannot starve the copies.
 * The attention kernel is persistent (``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, left
-  to the barrier kernel) and walks query tiles (batch, head)-major, so its first tiles need only the first pieces.
+  to the barrier kernel); each block takes the next query tile from a count in memory when it is done with its
+  last one (a dynamic schedule), in the order of a host-built table (``tile_order``): piece by piece, so the first
+  tiles need only the first pieces, and within a piece the tiles with the most keys first (under causal), so the
+  blocks finish together.
   Each tile keeps its online-softmax state (row max, row sum, fp32 accumulator) in registers across
   every chunk of keys: its own K/V first, read straight from ``k`` and ``v``, then ``rank + 1``'s,
   ``rank + 2``'s, ... from the gather buffer. Before a peer's piece a block waits on its flag once
@@ -154,12 +157,13 @@ def context_parallel_attention_kernel(
     v_desc,  # my v, the same
     kv_desc,  # the gather buffer [world_size * 2 * batch * kv_heads * S_local, head_dim]: (rank, k|v, row, ...)
     out_ptr,  # [batch, heads, S_local, head_dim]
-    progress_ptr,  # int32[world_size * pieces]: [r * pieces + p] piece p of rank r's K/V has landed
+    progress_ptr,  # int32[world_size * pieces + 1]: [r * pieces + p] piece p of rank r's K/V has landed; last: the
+    # count of tiles taken (zero at launch)
+    order_ptr,  # int32[num_tiles, 5]: the query tiles in the order blocks take them (``tile_order``)
     heads,
     kv_heads,
     kv_rows,  # batch * kv_heads
     s_local,
-    piece_rows,  # (batch, kv head) rows per piece
     pieces,
     qk_scale,  # softmax scale * log2(e)
     rank,
@@ -175,15 +179,20 @@ def context_parallel_attention_kernel(
     tiles_per_chunk = tl.cdiv(chunk, BLOCK_M)
     tiles_per_head = HALVES * tiles_per_chunk
     num_tiles = kv_rows * (heads // kv_heads) * tiles_per_head
-    group = heads // kv_heads
-    # Tiles are (batch, head)-major and kv row = (batch, head) // group, so a piece's tiles are consecutive.
-    tiles_per_piece = tiles_per_head * group * piece_rows
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        bh = tile // tiles_per_head  # (batch, head)-major: the first tiles need only the first pieces
-        within = tile % tiles_per_head
-        half = HALVES - 1 - within // tiles_per_chunk  # the later (costlier, under causal) half first
-        m0 = within % tiles_per_chunk * BLOCK_M
-        kv_row = bh // group  # (batch, kv head): heads = kv_heads * group
+    # Dynamic schedule: a block takes the next tile of ``order`` when it is done with its last one, so the blocks
+    # finish together although causal tiles differ in cost (``order``: piece by piece, the costliest first).
+    taken = progress_ptr + world_size * pieces
+    tile = tl.atomic_add(taken, 1, sem="relaxed")
+    last_piece = -1  # the piece of this block's previous tile
+    while tile < num_tiles:
+        # The tile's (batch, head), (batch, kv head), half of my shard, first row in its chunk, and piece: decoded on
+        # the host, so no division here.
+        fields = order_ptr + tile * 5
+        bh = tl.load(fields)
+        kv_row = tl.load(fields + 1)
+        half = tl.load(fields + 2)
+        m0 = tl.load(fields + 3)
+        piece = tl.load(fields + 4)
         q = q_desc.load([bh * s_local + half * chunk + m0, 0])
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
@@ -207,14 +216,10 @@ def context_parallel_attention_kernel(
             acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, row0, row0, full, hi,
                                    offs_m + (1 - diag) * chunk, qk_scale, True, BLOCK_N)
         # Then rank + 1's, rank + 2's, ... from the gather buffer, each once its piece has landed.
-        piece = tile // tiles_per_piece
-        # The piece of this block's previous tile (negative before its first: operands stay >= 0 for //).
-        prev_piece = (tile - tl.num_programs(0) + tiles_per_piece * tl.num_programs(0)) // tiles_per_piece \
-            - tl.num_programs(0)
         for step in tl.range(1, world_size):
             src = (rank + step) % world_size
             if WAIT:
-                if piece > prev_piece:  # this block's first tile of the piece: wait once per peer
+                if piece != last_piece:  # this block's first tile of the piece: wait once per peer
                     # Acquire: the copy engine's writes are visible; async-proxy fence: TMA sees them too.
                     wait_async(progress_ptr + src * pieces + piece, 1)
             # A peer's key chunks are (src, 2 ws - 1 - src): never my diagonal. Key half 0 is visible to my query half
@@ -238,6 +243,8 @@ def context_parallel_attention_kernel(
         rows = bh * s_local + half * chunk + offs_m
         tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(offs_m < chunk)[:, None])
+        last_piece = piece
+        tile = tl.atomic_add(taken, 1, sem="relaxed")
 
 
 # ---------------------------------------------------------------------------
@@ -310,10 +317,14 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     num_tiles = batch * heads * (2 if causal else 1) * host.cdiv(max(chunk, 1), cfg["block_m"])
     slots = cfg["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
     max_blocks = slots if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], slots))
+    num_blocks = max(1, min(num_tiles, max_blocks))
+    if world_size == 1 and cfg["pieces"] is None:
+        # No peer piece to wait for: pieces only group the tiles that ``tile_order`` sorts longest first. Two tiles
+        # per block in each, so the short tiles of one piece never end the launch while long ones remain.
+        piece_rows = max(piece_rows, min(kv_rows, host.cdiv(2 * num_blocks, num_tiles // kv_rows)))
     keys = ("block_m", "block_n", "num_warps", "num_stages")
     return {**{key: cfg[key] for key in keys}, "maxnreg": register_cap(cfg["blocks_per_sm"], cfg["num_warps"]),
-            "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows),
-            "num_blocks": max(1, min(num_tiles, max_blocks))}
+            "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows), "num_blocks": num_blocks}
 
 
 def default_tiles(head_dim: int, world_size: int) -> dict:
@@ -398,14 +409,51 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
     q_desc, k_desc, v_desc, kv_desc = descriptors(q, k, v, gathered, block_m, block_n)
+    order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
     launcher(
         context_parallel_attention_kernel, (num_blocks,),
-        q_desc, k_desc, v_desc, kv_desc, out, progress, heads, kv_heads, batch * kv_heads, s_local, piece_rows,
-        pieces, softmax_scale(scale, head_dim), rank, world_size, CAUSAL=causal, WAIT=wait, HEAD_DIM=head_dim,
+        q_desc, k_desc, v_desc, kv_desc, out, progress, order, heads, kv_heads, batch * kv_heads, s_local, pieces,
+        softmax_scale(scale, head_dim), rank, world_size, CAUSAL=causal, WAIT=wait, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
+
+
+_orders: dict = {}
+
+
+def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
+               device) -> torch.Tensor:
+    """The query tiles in the order the kernel's blocks take them, each as (batch * head, its kv row, half of the
+    shard, first row in the chunk, piece): piece by piece (a piece's tiles need only its flags), and within a piece
+    position by position across its heads, the costliest position first. Under causal a tile's keys grow with its
+    last row: the later half's tiles from its last, then the earlier half's from its last (longest first, so the last
+    tiles taken are short and the blocks finish together); without, all cost the same. Cached per (shape, tiles,
+    piece, device): built once on the host, an int32 [tiles, 5] tensor on ``device``."""
+    key = (query_rows, group, s_local, causal, block_m, piece_rows, str(device))
+    order = _orders.get(key)
+    if order is None:
+        halves = 2 if causal else 1
+        tiles_per_chunk = host.cdiv(max(s_local // halves, 1), block_m)
+        position = torch.arange(halves * tiles_per_chunk)
+        half = halves - 1 - position // tiles_per_chunk  # the later half first
+        m0 = (tiles_per_chunk - 1 - position % tiles_per_chunk if causal else position) * block_m  # from its last
+        heads_per_piece = group * piece_rows
+        tiles = []
+        for piece, first in enumerate(range(0, query_rows, heads_per_piece)):
+            bh = torch.arange(first, min(first + heads_per_piece, query_rows))[None, :].expand(len(position), -1)
+            fields = (bh, bh // group, half[:, None].expand_as(bh), m0[:, None].expand_as(bh), torch.full_like(bh, piece))
+            tiles.append(torch.stack(fields, -1).reshape(-1, 5))  # position-major
+        if len(_orders) >= host.MAX_PREPARED:
+            _orders.clear()
+        order = _orders[key] = torch.cat(tiles).to(torch.int32).to(device)
+    return order
+
+
+def progress_size(world_size: int, pieces: int) -> int:
+    """Slots of a launch's ``progress``: a flag per (rank, piece), then the count of tiles taken."""
+    return world_size * pieces + 1
 
 
 _exchange_plans: dict = {}
@@ -473,7 +521,8 @@ _flags: dict[tuple, torch.Tensor] = {}
 
 
 def progress_flags(count: int, device: torch.device) -> torch.Tensor:
-    """The flags of one launch, one per (rank, piece) (cached; zeroed by every launch before its gather)."""
+    """The flags of one launch, one per (rank, piece), and its count of tiles taken (cached; zeroed by every launch
+    before its gather)."""
     key = (device, count)
     if key not in _flags:
         _flags[key] = torch.zeros(count, dtype=torch.int32, device=device)
@@ -499,7 +548,7 @@ def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple
     shape = (world_size, 2, k.shape[0] * k.shape[1], k.shape[2], k.shape[3])
     gathered = host.symm_workspace(math.prod(shape), k.dtype, k.device, pg, op).view(shape)
     ctx = host.symm_context(gathered, pg, op, name="K/V gather buffer")
-    progress = progress_flags(world_size * cfg["pieces"], q.device)
+    progress = progress_flags(progress_size(world_size, cfg["pieces"]), q.device)
     peers = tuple(p[r] for r, p in enumerate(ctx.peers))  # rank r's own chunk of rank r's buffer
     return ctx, {"peers": peers, "gathered": gathered, "progress": progress, **cfg,
                  "launcher": host.Launcher(op)}
@@ -560,13 +609,14 @@ def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, sca
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     batch, heads, s_local, head_dim = q.shape
     cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
-    return cfg, progress_flags(1, q.device), host.Launcher(op)
+    return cfg, progress_flags(progress_size(world_size, cfg["pieces"]), q.device), host.Launcher(op)
 
 
 def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict, op: str = OP,
                 attention=None) -> torch.Tensor:
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config)
+    progress.zero_()  # no flag is read here, but the count of tiles taken starts at zero
     return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
                                            causal, scale, False, **cfg, launcher=launcher)
 
