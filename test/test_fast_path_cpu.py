@@ -64,29 +64,35 @@ def test_launcher_replays_the_jit_bound_arguments(launches):
         assert run_args[9] is peers and run_args[10] is out
 
 
-def test_launcher_calls_the_c_launch_function_when_no_scratch_is_needed(monkeypatch):
-    """With triton 3.6's CudaLauncher (``run.launch`` and no scratch), the launch skips its Python ``__call__``
-    and passes what that would pass: no scratch buffers, the cooperative/PDL flags, metadata, no hooks."""
-    log: list = []
+def c_launcher(monkeypatch, launch, launch_pdl: bool = False) -> host.Launcher:
+    """A ``host.Launcher`` whose kernels 'compile' (a fake JIT) to triton 3.6's ``CudaLauncher`` shape with no
+    scratch: ``launch`` is its C launch function, and its Python ``__call__`` must not be called."""
 
     class CudaLauncher:
         global_scratch_size = profile_scratch_size = 0
-        launch_cooperative_grid, launch_pdl = False, True
-
-        def launch(self, *args):
-            log.append(args)
+        launch_cooperative_grid = False
 
         def __call__(self, *args):
             raise AssertionError("the Python wrapper was called")
 
-    class Compiled:
-        function, packed_metadata, run = "cufunction", "packed metadata", CudaLauncher()
+    runner = CudaLauncher()
+    runner.launch, runner.launch_pdl = launch, launch_pdl
 
-    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    class Compiled:
+        function, packed_metadata, run = "cufunction", "packed metadata", runner
+
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **meta: Compiled())
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    launcher = host.Launcher("op")
+    return host.Launcher("op")
+
+
+def test_launcher_calls_the_c_launch_function_when_no_scratch_is_needed(monkeypatch):
+    """With triton 3.6's CudaLauncher (``run.launch`` and no scratch), the launch skips its Python ``__call__``
+    and passes what that would pass: no scratch buffers, the cooperative/PDL flags, metadata, no hooks."""
+    log: list = []
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    launcher = c_launcher(monkeypatch, lambda *args: log.append(args), launch_pdl=True)
     args = ((torch.zeros(8), torch.zeros(8)), torch.zeros(8), torch.zeros(8), torch.zeros(8), 77, 8, 1024, 1, 2)
     for _ in range(2):
         launcher(kernel, (5,), *args, BLOCK_SIZE=1024, STAGED=False, num_warps=4)
@@ -235,20 +241,8 @@ def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
     signature = {"peers": "*bf16", "out": "tensordesc<bf16[64, 64]>", "x": "*bf16", "w": "*bf16", "pads": "i64",
                  "numel": "i32", "chunk": "i32", "rank": "i32", "world_size": "constexpr"}
     wrapped = driver.wrap_handle_tensordesc(lambda *args: launched.append(args), signature, [{"swizzle": 3}])
-
-    class CudaLauncher:
-        global_scratch_size = profile_scratch_size = 0
-        launch_cooperative_grid, launch_pdl = False, False
-        launch = staticmethod(wrapped)
-
-    class Compiled:
-        function, packed_metadata, run = "cufunction", "packed metadata", CudaLauncher()
-
     kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
-    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **meta: Compiled())
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    launcher = host.Launcher("op")
+    launcher = c_launcher(monkeypatch, wrapped)
     first, second = torch.zeros(64, 128), torch.zeros(64, 128)
     rest = (torch.zeros(8), torch.zeros(8), 77, 8, 1024, 1, 2)
     for base in (first, first, first, second, first):
