@@ -192,6 +192,9 @@ def check_backend(op: Op, name: str, shape: Shape, dtype: torch.dtype, seed: int
     return message if local != 0.0 else "FAIL (on another rank)"
 
 
+EAGER_ONLY = "not timed (eager only: it cannot be captured in a CUDA graph)"
+
+
 def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype, settings: Settings,
            meta: dict | None = None) -> list[Row]:
     world_size = dist.get_world_size()
@@ -207,6 +210,10 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
             row = Row(op.name, shape_text, str(dtype).removeprefix("torch."), world_size, name, "ok",
                       floor_us=floor, mode="cuda-graph" if settings.cuda_graph else "eager",
                       checked=name not in op.reference_free, meta=dict(meta or {}))
+            if settings.cuda_graph and name in op.eager_only:  # the same on every rank: no collective skipped alone
+                row.status = EAGER_ONLY
+                rows.append(row)
+                continue
             row.status = check_backend(op, name, shape, dtype, settings.seed, ref)
             if row.status == "ok":
                 inputs = op.make_inputs(shape, dtype, settings.seed + 1)

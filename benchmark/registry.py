@@ -58,6 +58,9 @@ class Op:
     # (e.g. the matmul alone, the floor under a fused GEMM + exchange). They must still run without
     # error and give finite values; the table marks their column "(not checked)".
     reference_free: frozenset[str] = frozenset()
+    # Backends that cannot be captured in a CUDA graph (torch's context_parallel copies its load-balancing
+    # indices from host memory on every call): under --cuda-graph they are not run, and say so in the table.
+    eager_only: frozenset[str] = frozenset()
     # The one-GPU core table (world size 1): ``library`` names the backend that is the fastest single-GPU
     # library path for the op's core (cuBLAS ``matmul``, ``scaled_mm``, ``sdpa_cudnn``, a ``copy`` of the
     # same bytes); ``work(shape, dtype)`` is what one call does, as (amount, "flop" or "byte"), for the

@@ -288,3 +288,20 @@ def test_a_backend_that_cannot_compile_is_an_error_row_not_a_crash(monkeypatch):
     op = registry.Op("demo", "demo", lambda *a: {}, {"nccl": lambda i: torch.ones(2), "compiled": recompiles}, [(1,)],
                      "NUMEL", lambda *a: 1.0, lambda *a: 1.0)
     assert harness.check_backend(op, "compiled", (1,), torch.float32, 0, torch.ones(2)).startswith("error (Hard failure")
+
+
+def test_an_eager_only_backend_is_a_row_that_says_so_under_cuda_graphs(monkeypatch):
+    """A backend that cannot be captured in a CUDA graph (torch's context parallelism) is not run under
+    ``--cuda-graph``: its row says why, and the op's table still comes out (it took the whole op down before)."""
+    monkeypatch.setattr(harness.dist, "get_world_size", lambda group=None: 1)
+
+    def captured(inputs):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    op = registry.Op("demo", "demo", lambda *a: {}, {"nccl": lambda i: torch.ones(2), "torch_cp": captured}, [(1,)],
+                     "NUMEL", lambda *a: 1.0, lambda *a: 1.0, eager_only=frozenset({"torch_cp"}))
+    (row,) = harness.run_op(op, [(1,)], ["torch_cp"], torch.float32, harness.Settings(cuda_graph=True))
+    assert row.status == harness.EAGER_ONLY and row.us is None and row.mode == "cuda-graph"
+    assert harness.failures([row]) == [f"1 torch_cp: {harness.EAGER_ONLY}"]
+    cp = registry.get("context_parallel_attention")
+    assert cp.eager_only == {"torch_cp"} and cp.eager_only <= cp.backends.keys()

@@ -292,6 +292,7 @@ register(
         floor_us=floor_us,
         pairs=[Pair("triton", "helion", f"kraken.{RECIPE}", f"helion_ports.{RECIPE}", example)],
         library="sdpa_cudnn",  # the one-GPU core table's library column (world size 1)
+        eager_only=frozenset({"torch_cp"}),  # its load balancer copies host indices: not capturable
         work=work,
     )
 )
