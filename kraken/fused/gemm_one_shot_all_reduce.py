@@ -468,6 +468,6 @@ def gemm_one_shot_all_reduce(
     (the form, ``shot="one"`` / ``"push"`` / ``"two"``, and tiles) and the chosen ``split_k``/``reduce_m``/
     ``max_blocks`` (see ``plan``).
     """
-    ctx, launch_cfg = prepare(a, b, group, out_dtype, "gemm_one_shot_all_reduce", config)
+    ctx, launch_cfg = prepare(a, b, group, out_dtype, OP, config)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     return launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
