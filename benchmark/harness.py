@@ -319,12 +319,21 @@ def host_share(row: Row | None) -> float | None:
     return None if gpu is None else row.loop_us - gpu
 
 
+def core_pairs(op: Op) -> list[tuple[str, str]]:
+    """(recipe, twin) backend names of the core table: the op's pairs, or, for an op composed of recipes with no
+    kernel of its own (``tp_mlp``), each ``triton...`` backend with its ``helion...`` namesake."""
+    if op.pairs:
+        return [(p.triton, p.helion) for p in op.pairs]
+    return [(b, "helion" + b.removeprefix("triton")) for b in op.backends
+            if b.startswith("triton") and "helion" + b.removeprefix("triton") in op.backends]
+
+
 def core_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str], list[list[str]]]:
     """The one-GPU core table (world size 1): per shape and recipe/twin pair, the op's library backend, the
     recipe and the twin in us, the recipe's TFLOP/s or GB/s, recipe/library, twin/recipe, and the eager loop
     per call of each with how far it is above the GPU time of that loop (``host_share``: the host path's cost)."""
     library = op.library if op.library in backends else None
-    pairs = [p for p in op.pairs if p.triton in backends or p.helion in backends]
+    pairs = [p for p in core_pairs(op) if p[0] in backends or p[1] in backends]
     if library is None or not pairs:
         return [], []
     unit = rate(op, rows[0].shape, rows[0].dtype, 1.0)[1] or "rate"
@@ -336,13 +345,13 @@ def core_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str], 
         us = {b: r.us for b, r in by_backend.items()}
         loop = {b: r.loop_us for b, r in by_backend.items()}
         dtype = next(r.dtype for r in rows if r.shape == shape)
-        for p in pairs:
-            over = [host_share(by_backend.get(b)) for b in (p.triton, p.helion)]
-            body.append([shape, p.triton, _fmt(us.get(library)), _fmt(us.get(p.triton)), _fmt(us.get(p.helion)),
-                         _fmt(rate(op, shape, dtype, us.get(p.triton))[0]),
-                         _fmt(ratio(us.get(p.triton), us.get(library)), 2),
-                         _fmt(ratio(us.get(p.helion), us.get(p.triton)), 3),
-                         _fmt(loop.get(library)), _fmt(loop.get(p.triton)), _fmt(loop.get(p.helion)),
+        for recipe, twin in pairs:
+            over = [host_share(by_backend.get(b)) for b in (recipe, twin)]
+            body.append([shape, recipe, _fmt(us.get(library)), _fmt(us.get(recipe)), _fmt(us.get(twin)),
+                         _fmt(rate(op, shape, dtype, us.get(recipe))[0]),
+                         _fmt(ratio(us.get(recipe), us.get(library)), 2),
+                         _fmt(ratio(us.get(twin), us.get(recipe)), 3),
+                         _fmt(loop.get(library)), _fmt(loop.get(recipe)), _fmt(loop.get(twin)),
                          _fmt(over[0]), _fmt(over[1])])
     return header, body
 

@@ -159,6 +159,12 @@ def round_up(a: int, multiple: int) -> int:
     return cdiv(a, multiple) * multiple
 
 
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for the per-call launch path: triton 3.6 makes that a ``constexpr_function``,
+    whose host call unwraps its arguments through a list and a dict (about 2 us a call on the GPU hosts)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 1
+
+
 # ---------------------------------------------------------------------------
 # Symmetric buffers
 # ---------------------------------------------------------------------------

@@ -248,6 +248,18 @@ def test_core_table_at_world_size_1():
     assert harness.CORE_LABEL not in harness.tables_markdown(op, rows, list(times))
 
 
+def test_a_composed_op_pairs_its_triton_and_helion_backends_in_the_core_table():
+    """tp_mlp has no kernel of its own (no ``pairs``): its core table pairs ``triton`` with ``helion`` and
+    ``triton_compiled`` with ``helion_compiled`` against the library's matmul."""
+    op = registry.get("tp_mlp")
+    assert not op.pairs and harness.core_pairs(op) == [("triton", "helion"), ("triton_compiled", "helion_compiled")]
+    times = {"matmul": 100.0, "triton": 110.0, "helion": 121.0, "triton_compiled": 99.0, "helion_compiled": 99.0}
+    rows = [harness.Row(op.name, "2048x4096x14336", "bfloat16", 1, b, "ok", us=t) for b, t in times.items()]
+    _, body = harness.core_rows(op, rows, list(times))
+    assert [(r[1], r[6], r[7]) for r in body] == [("triton", "1.10", "1.100"), ("triton_compiled", "0.99", "1.000")]
+    assert harness.core_pairs(registry.get("all_reduce"))[0] == ("triton_1shot", "helion_1shot")
+
+
 def test_copy_column_moves_the_same_bytes():
     op = registry.get("all_reduce")
     assert op.library == "copy" and "copy" in op.reference_free
@@ -305,3 +317,6 @@ def test_an_eager_only_backend_is_a_row_that_says_so_under_cuda_graphs(monkeypat
     assert harness.failures([row]) == [f"1 torch_cp: {harness.EAGER_ONLY}"]
     cp = registry.get("context_parallel_attention")
     assert cp.eager_only == {"torch_cp"} and cp.eager_only <= cp.backends.keys()
+    # The NCCL MoE dispatch brings its splits to the host: still the baseline (the reference is computed eagerly).
+    dispatch = registry.get("moe_dispatch")
+    assert dispatch.eager_only == {"nccl"} and dispatch.baseline == "nccl"

@@ -266,6 +266,7 @@ register(
         backends={"nccl": nccl_dispatch, "triton": recipe_dispatch("kraken"),
                   "helion": recipe_dispatch("helion_ports"), "copy": copy_backend(routed_rows)},
         library="copy",
+        eager_only=frozenset({"nccl"}),  # its splits come to the host (tolist): not capturable
         work=work,
         reference_free=frozenset({"copy"}),
         default_shapes=DEFAULT_SHAPES,

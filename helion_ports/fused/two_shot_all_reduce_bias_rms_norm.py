@@ -17,7 +17,6 @@ import helion
 import helion.language as hl
 import torch
 import torch.distributed as dist
-import triton
 
 from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
@@ -123,7 +122,7 @@ def launch(
     args = (
         x, bias, weight, float(eps), own_storage(peers[rank]).view(2, tokens, hidden), views(peers, flat, 0),
         views(peers, flat, 1), out, signal_pad_ptrs, num_blocks, shard, chunk, rank, min((rank + 1) * shard, tokens),
-        len(peers), triton.next_power_of_2(hidden), group_name,
+        len(peers), host.next_power_of_2(hidden), group_name,
     )
     run(compiled(num_warps), args, launcher)
     return out

@@ -149,7 +149,7 @@ def launch(
     tokens, hidden = x.shape
     if tokens > 0:
         launcher(
-            rms_norm_kernel, (tokens,), x, weight, out, hidden, float(eps), BLOCK_H=triton.next_power_of_2(hidden),
+            rms_norm_kernel, (tokens,), x, weight, out, hidden, float(eps), BLOCK_H=host.next_power_of_2(hidden),
             num_warps=num_warps,
         )
     return out

@@ -124,7 +124,7 @@ def launch(
     launcher(
         two_shot_all_reduce_bias_rms_norm_kernel, (num_blocks,),
         x, bias, weight, peers[rank], peers, out, signal_pad_ptrs, tokens, hidden, shard, chunk, float(eps),
-        rank, len(peers), BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps,
+        rank, len(peers), BLOCK_H=host.next_power_of_2(hidden), num_warps=num_warps,
     )
     return out
 
