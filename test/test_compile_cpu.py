@@ -120,8 +120,7 @@ SCHEDULE_SHAPES = {"all_reduce": (8192,), "all_reduce_bias": (4, 5120), "all_red
                    "gemm_all_reduce": (64, 4096, 4096), "reduce_scatter": (8192,)}
 # (recipe, world size) where the twin's schedule still trails: ptxas holds back a load there. The two-shot
 # bias twins' gaps were a register per peer kept live by storing through the peer tuple (docs/helion-notes.md).
-# The gemm twin's at 8 ranks was its one-shot pull; that shape now runs two-shot at 8 ranks, which batches like
-# the recipe (GEMM_SCHEDULE_GAPS keeps the one-shot's gap, forced).
+# The gemm twin's at 8 ranks was its one-shot pull, now closed (GEMM_SCHEDULE_GAPS, below).
 SCHEDULE_GAPS: set[tuple[str, int]] = set()
 # Pairs that load their peers' buffers after a barrier, at the world sizes below: not the local RMSNorm. (The
 # GEMM pushes its partials at 2 ranks and reduces from local memory; from 3 ranks on it pulls, one-shot or two-shot.)
@@ -166,11 +165,10 @@ def test_twin_batches_peer_loads_like_its_recipe(op_name, pair, world_size):
 
 
 # GEMM + all-reduce, every form forced (``shot``): (form, world size) where the twin still trails. The one-shot
-# pull at 8 ranks issues 4 of its 8 peers' loads before the first add (the recipe 8), with the peers indexed
-# through their strides or through flat views alike; not explained yet (its 64-row reduce steps hold 8 times the
-# values of two-shot's 8-row slices, which match).
+# pull at 8 ranks issued 4 of its 8 peers' loads before the first add (the recipe 8) until its reduce loop ran
+# over the tile's own rows and read flat views at one offset tensor, as the recipe (docs/helion-notes.md).
 GEMM_FORMS = [("one", 4), ("one", 8), ("push", 2), ("two", 4), ("two", 8)]
-GEMM_SCHEDULE_GAPS = {("one", 8)}
+GEMM_SCHEDULE_GAPS: set[tuple[str, int]] = set()
 
 
 @pytest.mark.parametrize("shot,world_size", GEMM_FORMS, ids=[f"{s}-{ws}" for s, ws in GEMM_FORMS])

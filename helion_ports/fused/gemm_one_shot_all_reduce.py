@@ -21,7 +21,8 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
 * the barriers are the kraken PTX, pasted in with ``hl.inline_triton``: the CAS
   barrier for the split group, and after the last round the epoch barrier across
   ranks; then a second ``hl.grid(rounds)`` sums every rank's partial (from the local
-  ``workspace`` with ``push``, else from ``peers[r]``), and the block's parity flips and
+  ``workspace`` with ``push``, else from ``flat_peers[r]``, every rank's workspace as one
+  flat view, at one offset tensor as the recipe's ``peers[r] + offsets``), and the block's parity flips and
   its epoch count advances at the end (``host.BlockWorkspace``: no trailing barrier);
 * ``keep_last`` (the recipe's ``KEEP_LAST``, ``keeps_last``): the last round is its own GEMM tile
   loop, which also holds the epoch barrier and that tile's sum (my partial from registers, the
@@ -72,8 +73,8 @@ def gemm_one_shot_all_reduce_body(
     partials: torch.Tensor,
     workspace: torch.Tensor,
     peers: tuple[torch.Tensor, ...],
-    flat_workspace: torch.Tensor,  # two-shot: ``workspace`` as one flat view, and every rank's (one-shot: unused)
-    flat_peers: tuple[torch.Tensor, ...],
+    flat_workspace: torch.Tensor,  # two-shot: ``workspace`` as one flat view (one-shot: unused)
+    flat_peers: tuple[torch.Tensor, ...],  # every rank's, pulling (pushing: unused)
     parity: torch.Tensor,
     epochs: torch.Tensor,
     out: torch.Tensor,
@@ -165,22 +166,29 @@ def gemm_one_shot_all_reduce_body(
                 hl.store(out, [tile_m, tile_n], total.to(out.dtype), extra_mask=inside)
         else:
             hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+        chunk = half * workspace.stride(0) + block * workspace.stride(1)  # my chunk, pulled flat (below)
         if shards == 1:
             for rnd in hl.grid(rounds - keep_last):
                 tile = group + rnd * num_groups
                 m0 = tile // tiles_n * block_m
                 n0 = tile % tiles_n * block_n
+                slots = chunk + rnd * workspace.stride(2)
                 # Whole slices, as the recipe: the slots hold whole tiles, so only the store to ``out`` has a mask
-                # (with masked loads from 8 slots, ptxas ran out of predicates and held loads back).
-                for out_rows, out_cols in hl.tile([m0 + split * slice_m, n0], [m0 + (split + 1) * slice_m, n0 + block_n]):
+                # (with masked loads from 8 slots, ptxas ran out of predicates and held loads back). The loop runs
+                # over the tile's own rows and columns, and a pull reads every rank's flat workspace at one offset
+                # tensor, both as the recipe: the loads' addresses wait for no tile coordinates and keep no register
+                # per peer (either alone, ptxas issued 4 or 5 of 8 peers' loads before the first add at 8 ranks).
+                for out_rows, out_cols in hl.tile([split * slice_m, 0], [(split + 1) * slice_m, block_n]):
                     total = hl.zeros([out_rows, out_cols], dtype=torch.float32)
+                    at = slots + out_rows.index[:, None] * block_n + out_cols.index[None, :]
                     for r in hl.static_range(world_size):
                         if push:
-                            total = total + workspace[half, block, rnd, r, out_rows.index - m0, out_cols.index - n0].to(torch.float32)
+                            total = total + workspace[half, block, rnd, r, out_rows, out_cols].to(torch.float32)
                         else:
-                            total = total + hl.load(peers[r], [half, block, rnd, 0, out_rows.index - m0, out_cols.index - n0]).to(torch.float32)
-                    inside = (out_rows.index < m)[:, None] & (out_cols.index < n)[None, :]
-                    hl.store(out, [out_rows, out_cols], total.to(out.dtype), extra_mask=inside)
+                            total = total + hl.load(flat_peers[r], [at]).to(torch.float32)
+                    rows, cols = m0 + out_rows.index, n0 + out_cols.index
+                    inside = (rows < m)[:, None] & (cols < n)[None, :]
+                    hl.store(out, [rows, cols], total.to(out.dtype), extra_mask=inside)
         else:
             # Two-shot: sum the slices I own (rank, rank + world_size, ...) over every rank's partial, over my own
             # partial of those rows (the peers read only the rows they own of it); then the second barrier and
@@ -190,7 +198,6 @@ def gemm_one_shot_all_reduce_body(
             # strides, and ptxas issued 2 of the 8 peers' loads before the first add at 8 ranks (the recipe 8).
             # (The one-shot pull above, so changed, still issued 4 of 8: its reduce tile is 8 times taller.)
             shard_m = slice_m // shards
-            chunk = half * workspace.stride(0) + block * workspace.stride(1)
             for rnd in hl.grid(rounds):
                 tile = group + rnd * num_groups
                 m0 = tile // tiles_n * block_m
@@ -312,8 +319,9 @@ def launch(
     # taller tile (every row of the tile lands on row 0). So M = 1 writes two rows (``a`` has block_m).
     staged = out if out.shape[0] > 1 else out.new_empty(2, out.shape[1])
     workspace = own_storage(peers[rank])
-    # Two-shot reads and writes through flat views (one slot per tile: the workspace views are contiguous).
-    flat_workspace, flat_peers = (workspace.view(-1), views(peers, -1)) if shards > 1 else (workspace, peers)
+    # Pulls read every rank's workspace, and two-shot writes its own, through flat views (the views are contiguous).
+    flat_peers = peers if push else views(peers, -1)
+    flat_workspace = workspace.view(-1) if shards > 1 else workspace
     args = (
         a, b, partials, workspace, peers, flat_workspace, flat_peers, parity, epochs, staged, signal_pad_ptrs, split_pad_ptrs, num_groups, k_per_split,
         rank, len(peers), split_k, block_m, block_n, push, keep, shards, group_name,
