@@ -196,7 +196,7 @@ def gemm_one_shot_all_reduce_body(
             # Through flat views and one offset tensor for every rank, as the recipe's ``peers[r] + offsets``:
             # indexed as [half, block, rnd, 0, row, col], each peer's address was its own arithmetic on its own
             # strides, and ptxas issued 2 of the 8 peers' loads before the first add at 8 ranks (the recipe 8).
-            # (The one-shot pull above, so changed, still issued 4 of 8: its reduce tile is 8 times taller.)
+            # (The one-shot pull above needed its loop over the tile's own rows too: docs/helion-notes.md.)
             shard_m = slice_m // shards
             for rnd in hl.grid(rounds):
                 tile = group + rnd * num_groups
