@@ -95,6 +95,20 @@ def test_plan_defaults(world_size):
     assert two["num_blocks"] == 2 * (132 - recipe.RESERVED_SMS)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_twin_spans_name_each_peer_steps_rows_wrap_and_flag(world_size):
+    # The twin reads every size its key loops meet from this int32 table (Helion would hold host ints as int64): the
+    # chunk and its whole key tiles (of one and of two chunks), then per step the peer rank + 1 + step's first K row
+    # in the gather buffer, whether the step wrapped past the last rank, and its first flag.
+    chunk, block_n, kv_block, pieces = 75, 32, 2 * 150, 3
+    for rank in range(world_size):
+        table = twin.spans(chunk, block_n, kv_block, rank, world_size, pieces, "cpu")
+        assert table.dtype == torch.int32 and table[0].tolist() == [75, 64, 150 // 32 * 32 - 64]
+        for step in range(world_size - 1):
+            src = (rank + 1 + step) % world_size
+            assert table[1 + step].tolist() == [src * 2 * kv_block, int(src < rank), src * pieces]
+
+
 def test_plan_refuses_bad_config():
     with pytest.raises(TypeError, match="unknown config keys"):
         recipe.plan(1, 4, 4, 64, 64, 2, False, {"blockm": 64}, 132)

@@ -5,17 +5,18 @@ two one-block barrier kernels, all host code), and so are ``plan``, ``prepare`` 
 its ``host.Launcher``), the sequence layout helpers and the host side of ``launch`` (the recipe's, with this
 kernel; it launches through ``helion_ports.run``). The attention kernel mirrors the recipe's one to one:
 
-* ``hl.grid(num_blocks)`` is the persistent grid; block ``b`` takes query tiles ``b, b + num_blocks, ...``
-  (``hl.grid(rounds)``; a round past the last tile does nothing), (batch, head)-major, under ``causal``
-  the later half of the shard first. Not yet the recipe's dynamic schedule (a count of tiles taken, and
-  ``tile_order``'s table): a tile index read from memory makes every tile loop's bounds device values, and
-  Helion 1.5 then masks every key loop (docs/helion-notes.md);
+* ``hl.grid(num_blocks)`` is the persistent grid; each block takes its next query tile from the count of
+  tiles taken (``hl.atomic_add`` on the last slot of ``progress``, in a ``while`` loop) and reads it from
+  the recipe's ``tile_order`` table: the recipe's dynamic schedule, longest tiles first;
 * each query tile is a one-step ``hl.tile`` of ``block_m`` rows; the online-softmax state (row max, row
   sum, fp32 accumulator) lives across every key loop: ``hl.tile`` loops of ``block_n`` keys over my own
   K/V (from ``k``, ``v``), then, for ``rank + 1``, ``rank + 2``, ... (``hl.grid(world_size - 1)``), over the
-  gather buffer; an unmasked loop over the full key tiles and a masked one for a chunk's last tile and
-  the causal diagonal, as the recipe (the unmasked loops' extents are ``chunk_blocks * block_n``, which
-  ``symbolic_multiples`` lets Helion see as whole tiles: no bounds mask on their row max and sum);
+  gather buffer; per rank the visible keys are a prefix of its shard, as the recipe: an unmasked loop over
+  its full key tiles and a masked one for its last tile and the causal diagonal (their bounds are device
+  values, so ``explicit_masks`` keeps Helion from masking them: the body masks what needs it, as the
+  recipe). The sizes those bounds meet come from ``spans``, an int32 table on the device, not from host
+  ints: Helion lowers a host int as an int64, and its products with the tile's fields held register pairs
+  through the key loops;
 * before a peer's keys, a block's first tile of each piece waits on the piece's flag with the recipe's
   PTX (``GMEM_WAIT_ASYNC``: acquire spin by one thread, thread barrier, every thread's async-proxy
   fence), pasted in with ``hl.inline_triton``;
@@ -34,9 +35,8 @@ import contextlib
 import functools
 
 import helion
-from helion._compiler.compile_environment import CompileEnvironment
+from helion._compiler.compile_environment import BlockSizeInfo
 import helion.language as hl
-import sympy
 import torch
 import torch.distributed as dist
 
@@ -52,6 +52,7 @@ from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with
     prepare,
     shard_sequence,
     softmax_scale,
+    tile_order,
     unshard_sequence,
 )
 
@@ -64,10 +65,15 @@ WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
 
 
 def indexing(causal: bool) -> tuple[str, ...]:
-    """Per load/store, in program order: q, then k and v of every key loop (own K/V: an unmasked and a masked
-    loop per half; the peers' the same) through TMA, then the store to out through pointers."""
-    halves = 2 if causal else 1
-    return ("tensor_descriptor",) * (1 + 2 * 4 * halves) + ("pointer",)
+    """Per load/store, in program order, through pointers (``order``'s fields, ``spans``, the store to out) or TMA
+    (q, k, v and the gather buffer): the tile's first q row and first row in its chunk; q; my own K/V's spans (and
+    under causal the tile's half) and first row, then k and v of its unmasked and masked key loops; the peer's the
+    same with the piece, the step's first row (and under causal its wrap and the second chunk's whole tiles); the
+    store; the piece again (the block's last)."""
+    pointer, tma = ("pointer",), ("tensor_descriptor",)
+    own = pointer * (4 if causal else 3) + tma * 4
+    peer = pointer * (9 if causal else 6) + tma * 4
+    return pointer * 2 + tma + own + peer + pointer + pointer
 
 
 def context_parallel_attention_body(
@@ -77,18 +83,13 @@ def context_parallel_attention_body(
     kv_k: torch.Tensor,  # the gather buffer as rows [world_size * 2 * batch * kv_heads * S_local, head_dim]
     kv_v: torch.Tensor,  # the same buffer from its first V block: row i here is the V row of K row i of kv_k
     out2: torch.Tensor,  # [batch * heads * S_local, head_dim]
-    progress: torch.Tensor,  # int32[world_size * pieces]
-    group: int,  # heads // kv_heads
-    kv_rows: int,  # batch * kv_heads
-    s_local: int,
+    progress: torch.Tensor,  # int32[world_size * pieces + 1]: the flags, then the count of tiles taken
+    taken: torch.Tensor,  # progress[-1:], the count of tiles taken (its own argument: ptxas spilled its address)
+    order: torch.Tensor,  # int32[num_tiles, 5]: the query tiles in the order blocks take them (the recipe's)
+    spans: torch.Tensor,  # int32[world_size, 3]: the sizes the key loops meet (``spans``)
     chunk: int,  # s_local, or half of it under causal
-    chunk_blocks: int,  # chunk // block_n: the key tiles of the unmasked loop of a visible chunk
-    tiles_per_chunk: int,
-    tiles_per_piece: int,
-    pieces: int,
     qk_scale: float,
     num_blocks: int,
-    rank: int,
     world_size: hl.constexpr,
     causal: hl.constexpr,
     wait: hl.constexpr,
@@ -97,131 +98,128 @@ def context_parallel_attention_body(
 ) -> torch.Tensor:
     head_dim = hl.specialize(q2.size(1))
     # Sizes derived on the host arrive as arguments: Helion would otherwise spell each one out at every use.
-    halves = 2 if causal else 1
-    tiles_per_head = halves * tiles_per_chunk
-    num_tiles = kv_rows * group * tiles_per_head
-    rounds = (num_tiles + num_blocks - 1) // num_blocks
-    c = 1 if causal else 0  # the masks' formulas, linear in the halves (Helion drops comparisons in int expressions)
+    num_tiles = order.size(0)
     for block in hl.grid(num_blocks):
-        for rnd in hl.grid(rounds):
-            tile = block + rnd * num_blocks
-            if tile < num_tiles:
-                bh = tile // tiles_per_head  # (batch, head)-major: the first tiles need only the first pieces
-                within = tile % tiles_per_head
-                half = halves - 1 - within // tiles_per_chunk  # the later (costlier, under causal) half first
-                m0 = within % tiles_per_chunk * block_m
-                kv_row = bh // group
-                q_row0 = bh * s_local + half * chunk + m0
-                piece = tile // tiles_per_piece
-                # The piece of this block's previous tile (negative before its first), as the recipe.
-                prev_piece = (tile - num_blocks + tiles_per_piece * num_blocks) // tiles_per_piece - num_blocks
-                for tile_m, tile_d in hl.tile([q_row0, 0], [q_row0 + block_m, head_dim], block_size=[block_m, head_dim]):
-                    q = q2[tile_m, tile_d]
-                    offs_m = tile_m.index - (q_row0 - m0)  # query rows within the chunk
-                    m_i = hl.full([tile_m], -1.0e30, dtype=torch.float32)
-                    l_i = hl.zeros([tile_m], dtype=torch.float32)
-                    acc = hl.zeros([tile_m, tile_d], dtype=torch.float32)
-                    # My own K/V first, read where the caller keeps them.
-                    # Under causal: key half 0 is the diagonal of query half 0 and all visible to query half 1; key
-                    # half 1 is invisible to query half 0 and the diagonal of query half 1 (c = 0: all visible).
-                    for kh in hl.static_range(halves):
-                        before = c * (1 - kh) * half + (1 - c)
-                        diag = c * ((1 - kh) * (1 - half) + kh * half)
-                        full = before * chunk_blocks * block_n + diag * m0
-                        hi = before * chunk + diag * min(m0 + block_m, chunk)
-                        row0 = kv_row * s_local + kh * chunk
-                        for tile_n in hl.tile(row0, row0 + full, block_size=block_n):
-                            qk = hl.dot(q, k2[tile_n, tile_d].T, out_dtype=torch.float32)
-                            m_ij = torch.maximum(m_i, torch.amax(qk, -1) * qk_scale)
-                            p = torch.exp2(qk * qk_scale - m_ij[:, None])
-                            alpha = torch.exp2(m_i - m_ij)
-                            l_i = l_i * alpha + torch.sum(p, -1)
-                            v = v2[tile_n, tile_d]
-                            acc = hl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
-                            m_i = m_ij
-                        limit = offs_m + (1 - diag) * chunk  # the last key each query row sees
-                        for tile_n in hl.tile(row0 + full, row0 + hi, block_size=block_n):
-                            qk = hl.dot(q, k2[tile_n, tile_d].T, out_dtype=torch.float32)
-                            cols = tile_n.index - row0
-                            keep = (cols[None, :] <= limit[:, None]) & (cols[None, :] < hi)
-                            qk = torch.where(keep, qk * qk_scale, -1.0e30)
-                            m_ij = torch.maximum(m_i, torch.amax(qk, -1))
-                            p = torch.exp2(qk - m_ij[:, None])
-                            alpha = torch.exp2(m_i - m_ij)
-                            l_i = l_i * alpha + torch.sum(p, -1)
-                            # Rows past the chunk: another head's values, or a piece still in flight.
-                            v = torch.where((cols < hi)[:, None], v2[tile_n, tile_d], 0.0)
-                            acc = hl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
-                            m_i = m_ij
-                    # Then rank + 1's, rank + 2's, ... from the gather buffer, each once its piece has landed.
-                    for step in hl.grid(world_size - 1):
-                        src = (rank + 1 + step) % world_size
-                        if wait:
-                            if piece > prev_piece:  # this block's first tile of the piece: wait once per peer
-                                hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src * pieces + piece,
-                                                                  "value": 1}, output_like=None)
-                        # A peer's chunks are never my diagonal. Key half 0 is visible to my query half 1, and to
-                        # half 0 if src < rank (the step wrapped around); key half 1 to query half 1 if src > rank.
-                        wrapped = (rank + 1 + step) // world_size
-                        for kh in hl.static_range(halves):
-                            peer_before = c * ((1 - kh) * (half + (1 - half) * wrapped) + kh * half * (1 - wrapped)) + (1 - c)
-                            peer_full = peer_before * chunk_blocks * block_n
-                            peer_hi = peer_before * chunk
-                            peer_row0 = (src * 2 * kv_rows + kv_row) * s_local + kh * chunk  # K rows; V: kv_v, same rows
-                            for tile_n in hl.tile(peer_row0, peer_row0 + peer_full, block_size=block_n):
-                                peer_qk = hl.dot(q, kv_k[tile_n, tile_d].T, out_dtype=torch.float32)
-                                peer_m_ij = torch.maximum(m_i, torch.amax(peer_qk, -1) * qk_scale)
-                                peer_p = torch.exp2(peer_qk * qk_scale - peer_m_ij[:, None])
-                                peer_alpha = torch.exp2(m_i - peer_m_ij)
-                                l_i = l_i * peer_alpha + torch.sum(peer_p, -1)
-                                peer_v = kv_v[tile_n, tile_d]
-                                acc = hl.dot(peer_p.to(peer_v.dtype), peer_v, acc=acc * peer_alpha[:, None])
-                                m_i = peer_m_ij
-                            for tile_n in hl.tile(peer_row0 + peer_full, peer_row0 + peer_hi, block_size=block_n):
-                                peer_qk = hl.dot(q, kv_k[tile_n, tile_d].T, out_dtype=torch.float32)
-                                peer_cols = tile_n.index - peer_row0
-                                peer_qk = torch.where(peer_cols[None, :] < peer_hi, peer_qk * qk_scale, -1.0e30)
-                                peer_m_ij = torch.maximum(m_i, torch.amax(peer_qk, -1))
-                                peer_p = torch.exp2(peer_qk - peer_m_ij[:, None])
-                                peer_alpha = torch.exp2(m_i - peer_m_ij)
-                                l_i = l_i * peer_alpha + torch.sum(peer_p, -1)
-                                peer_v = torch.where((peer_cols < peer_hi)[:, None], kv_v[tile_n, tile_d], 0.0)
-                                acc = hl.dot(peer_p.to(peer_v.dtype), peer_v, acc=acc * peer_alpha[:, None])
-                                m_i = peer_m_ij
-                    # Only the chunk's rows: a tile at a chunk's end also read some rows after it, discarded.
-                    hl.store(out2, [tile_m, tile_d], (acc / l_i[:, None]).to(out2.dtype),
-                             extra_mask=(offs_m < chunk)[:, None])
+        # Dynamic schedule, as the recipe: the next tile of ``order`` when this block is done with its last one.
+        tile = hl.atomic_add(taken, [0], 1)
+        last_piece = tile * 0 - 1  # the piece of this block's previous tile (an int32 on the device, as the pieces)
+        while tile < num_tiles:
+            # The tile's fields, decoded on the host: its first row of q and first row in its chunk here; its half,
+            # its kv head's first K/V row and its piece where they are used (held through the key loops, they made
+            # ptxas spill). Every size they meet comes from ``spans`` (int32 on the device) too: Helion lowers a host
+            # int as an int64, and each product with a field held two registers through the key loops.
+            q_row0 = order[tile, 0]
+            m0 = order[tile, 3]
+            for tile_m, tile_d in hl.tile([q_row0, 0], [q_row0 + block_m, head_dim], block_size=[block_m, head_dim]):
+                q = q2[tile_m, tile_d]
+                offs_m = tile_m.index - (q_row0 - m0)  # query rows within the chunk
+                m_i = hl.full([tile_m], -1.0e30, dtype=torch.float32)
+                l_i = hl.zeros([tile_m], dtype=torch.float32)
+                acc = hl.zeros([tile_m, tile_d], dtype=torch.float32)
+                # My own K/V first, read where the caller keeps them: a prefix of my shard's keys, unmasked up to the
+                # tile's first row under causal (its chunks are in the sequence's order), the rest masked.
+                span = spans[0, 0]  # chunk
+                whole = spans[0, 1]  # its keys in whole key tiles
+                if causal:
+                    half = order[tile, 2]
+                    full = half * whole + m0
+                    hi = half * span + torch.minimum(m0 + block_m, span)
+                    limit = offs_m + half * span  # the last key each query row sees
+                else:
+                    full = whole
+                    hi = span
+                    limit = offs_m + span
+                row0 = order[tile, 1]
+                for tile_n in hl.tile(row0, row0 + full, block_size=block_n):
+                    qk = hl.dot(q, k2[tile_n, tile_d].T, out_dtype=torch.float32)
+                    m_ij = torch.maximum(m_i, torch.amax(qk, -1) * qk_scale)
+                    p = torch.exp2(qk * qk_scale - m_ij[:, None])
+                    alpha = torch.exp2(m_i - m_ij)
+                    l_i = l_i * alpha + torch.sum(p, -1)
+                    v = v2[tile_n, tile_d]
+                    acc = hl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
+                    m_i = m_ij
+                for tile_n in hl.tile(row0 + full, row0 + hi, block_size=block_n):
+                    qk = hl.dot(q, k2[tile_n, tile_d].T, out_dtype=torch.float32)
+                    cols = tile_n.index - row0
+                    keep = (cols[None, :] <= limit[:, None]) & (cols[None, :] < hi)
+                    qk = torch.where(keep, qk * qk_scale, -1.0e30)
+                    m_ij = torch.maximum(m_i, torch.amax(qk, -1))
+                    p = torch.exp2(qk - m_ij[:, None])
+                    alpha = torch.exp2(m_i - m_ij)
+                    l_i = l_i * alpha + torch.sum(p, -1)
+                    # Rows past the chunk: another head's values, or a piece still in flight.
+                    v = torch.where((cols < hi)[:, None], v2[tile_n, tile_d], 0.0)
+                    acc = hl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
+                    m_i = m_ij
+                # Then rank + 1's, rank + 2's, ... from the gather buffer, each once its piece has landed.
+                for step in hl.grid(world_size - 1):
+                    piece = order[tile, 4]  # (outside the branch: the same loads whether or not it waits)
+                    flag = spans[1 + step, 2] + piece
+                    if wait:
+                        if piece != last_piece:  # this block's first tile of the piece: wait once per peer
+                            hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": flag, "value": 1},
+                                             output_like=None)
+                    # A peer's keys are a prefix of its shard, masked only at its end. Under causal its chunk src is
+                    # visible to my query half 1, and to half 0 if src < rank (the step wrapped around); its second
+                    # chunk to my query half 1 if src > rank: ``first`` and ``second`` (0 or 1; second implies first).
+                    peer_span = spans[0, 0]
+                    peer_whole = spans[0, 1]
+                    if causal:
+                        wrapped = spans[1 + step, 1]
+                        peer_half = order[tile, 2]
+                        first = peer_half + (1 - peer_half) * wrapped
+                        second = peer_half * (1 - wrapped)
+                        peer_full = first * peer_whole + second * spans[0, 2]
+                        peer_hi = (first + second) * peer_span
+                    else:
+                        peer_full = peer_whole
+                        peer_hi = peer_span
+                    peer_row0 = spans[1 + step, 0] + order[tile, 1]  # K rows; V: kv_v, the same rows
+                    for tile_n in hl.tile(peer_row0, peer_row0 + peer_full, block_size=block_n):
+                        peer_qk = hl.dot(q, kv_k[tile_n, tile_d].T, out_dtype=torch.float32)
+                        peer_m_ij = torch.maximum(m_i, torch.amax(peer_qk, -1) * qk_scale)
+                        peer_p = torch.exp2(peer_qk * qk_scale - peer_m_ij[:, None])
+                        peer_alpha = torch.exp2(m_i - peer_m_ij)
+                        l_i = l_i * peer_alpha + torch.sum(peer_p, -1)
+                        peer_v = kv_v[tile_n, tile_d]
+                        acc = hl.dot(peer_p.to(peer_v.dtype), peer_v, acc=acc * peer_alpha[:, None])
+                        m_i = peer_m_ij
+                    for tile_n in hl.tile(peer_row0 + peer_full, peer_row0 + peer_hi, block_size=block_n):
+                        peer_qk = hl.dot(q, kv_k[tile_n, tile_d].T, out_dtype=torch.float32)
+                        peer_cols = tile_n.index - peer_row0
+                        peer_qk = torch.where(peer_cols[None, :] < peer_hi, peer_qk * qk_scale, -1.0e30)
+                        peer_m_ij = torch.maximum(m_i, torch.amax(peer_qk, -1))
+                        peer_p = torch.exp2(peer_qk - peer_m_ij[:, None])
+                        peer_alpha = torch.exp2(m_i - peer_m_ij)
+                        l_i = l_i * peer_alpha + torch.sum(peer_p, -1)
+                        peer_v = torch.where((peer_cols < peer_hi)[:, None], kv_v[tile_n, tile_d], 0.0)
+                        acc = hl.dot(peer_p.to(peer_v.dtype), peer_v, acc=acc * peer_alpha[:, None])
+                        m_i = peer_m_ij
+                # Only the chunk's rows: a tile at a chunk's end also read some rows after it, discarded.
+                hl.store(out2, [tile_m, tile_d], (acc / l_i[:, None]).to(out2.dtype),
+                         extra_mask=(offs_m < chunk)[:, None])
+            last_piece = order[tile, 4]
+            tile = hl.atomic_add(taken, [0], 1)
     return out2
 
 
-def multiple_of(size: object, block: object) -> bool:
-    """Whether the sympy expression ``size`` is a multiple of the int ``block`` for every value of its symbols
-    (sizes, indices and their ``//`` and ``%``: all integers): every term of its expansion has an integer
-    coefficient that ``block`` divides."""
-    if not isinstance(block, int) or block < 1 or not isinstance(size, sympy.Expr):
-        return False
-    if not all(symbol.is_integer for symbol in size.free_symbols):
-        return False
-    coefficients = (term.as_coeff_Mul()[0] for term in sympy.Add.make_args(sympy.expand(size)))
-    return all(c.is_Integer and int(c) % block == 0 for c in coefficients)
-
-
 @contextlib.contextmanager
-def symbolic_multiples():
-    """While Helion generates this twin's kernel: a tile loop whose extent is a symbolic multiple of its block size
-    gets no bounds mask. Helion 1.5 proves a multiple only for static ints, so every key loop over ``chunk_blocks *
-    block_n`` keys kept a mask on its row max and row sum (two selects per score: 36% more instructions in the key
-    loop at head_dim 64; docs/helion-notes.md). Only this twin's compile sees it; other kernels keep Helion's rule."""
-    plain = CompileEnvironment.known_multiple
-
-    def known_multiple(env, size, block):
-        return plain(env, size, block) or multiple_of(size, block)
-
-    CompileEnvironment.known_multiple = known_multiple
+def explicit_masks():
+    """While Helion generates this twin's kernel: no tile loop gets a bounds mask. Every bound here is a device value
+    (the tile comes from the count of tiles taken, its rows from ``order``), so Helion 1.5 cannot prove any extent a
+    multiple of its block and would mask every tile loop: a select per score before the row max and the row sum, and
+    the query rows' mask in every key loop (the dynamic twin's 4-warp kernel took 244 registers to the static one's
+    165). The body masks what needs it itself, as the recipe: the keys past a chunk's end or the diagonal (``keep``,
+    and their values zeroed), the query rows past the chunk at the store (``extra_mask``); a query tile is exactly
+    ``block_m`` rows and an unmasked key loop a whole number of tiles, and TMA fills rows past a tensor with zeros.
+    Only this twin's compile sees it; other kernels keep Helion's rule."""
+    plain = BlockSizeInfo.known_multiple
+    BlockSizeInfo.known_multiple = lambda info, block_size: True
     try:
         yield
     finally:
-        CompileEnvironment.known_multiple = plain
+        BlockSizeInfo.known_multiple = plain
 
 
 @functools.cache
@@ -256,6 +254,27 @@ def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None
     return bound._run(*args, _launcher=capped)
 
 
+_spans: dict = {}
+
+
+def spans(chunk: int, block_n: int, kv_block: int, rank: int, world_size: int, pieces: int, device) -> torch.Tensor:
+    """The sizes the kernel's key loops meet, as int32 on ``device``: row 0 (``chunk``, its keys in whole key tiles of
+    ``block_n``, the more whole tiles that two chunks have), then per peer step (rank + 1 + step: the first row of its
+    K in the gather buffer, whose blocks are ``kv_block`` rows; 1 if the step wrapped around past the last rank; the
+    index of its first piece's flag in ``progress``). Cached per argument."""
+    key = (chunk, block_n, kv_block, rank, world_size, pieces, str(device))
+    table = _spans.get(key)
+    if table is None:
+        whole, both = chunk // block_n * block_n, 2 * chunk // block_n * block_n
+        rows = [(chunk, whole, both - whole)]
+        rows += [(src % world_size * 2 * kv_block, src // world_size, src % world_size * pieces)
+                 for src in range(rank + 1, rank + world_size)]
+        if len(_spans) >= host.MAX_PREPARED:
+            _spans.clear()
+        table = _spans[key] = torch.tensor(rows, dtype=torch.int32).to(device)
+    return table
+
+
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
                      pieces: int, num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
@@ -263,15 +282,15 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
     chunk = s_local // 2 if causal else s_local
-    tiles_per_chunk = -(-chunk // block_m)
     rows = gathered.view(-1, head_dim)
+    order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
     args = (
         q.view(-1, head_dim), k.view(-1, head_dim), v.view(-1, head_dim), rows, rows[batch * kv_heads * s_local:],
-        out.view(-1, head_dim), progress, heads // kv_heads, batch * kv_heads, s_local, chunk, chunk // block_n,
-        tiles_per_chunk, (2 if causal else 1) * tiles_per_chunk * (heads // kv_heads) * piece_rows, pieces,
-        softmax_scale(scale, head_dim), num_blocks, rank, world_size, causal, wait, block_m, block_n,
+        out.view(-1, head_dim), progress, progress[world_size * pieces:], order,
+        spans(chunk, block_n, batch * kv_heads * s_local, rank, world_size, pieces, q.device), chunk,
+        softmax_scale(scale, head_dim), num_blocks, world_size, causal, wait, block_m, block_n,
     )
-    with symbolic_multiples():  # (a warm call launches the bound kernel: nothing is generated, nothing changes)
+    with explicit_masks():  # (a warm call launches the bound kernel: nothing is generated, nothing changes)
         run_capped(compiled(causal, block_m, block_n, num_warps, num_stages), args, launcher, maxnreg)
     return out
 

@@ -25,16 +25,18 @@ its own K/V at once:
   the K/V tiles load through TMA). No per-step launches and no merge pass.
 * Loads go through host-built TMA descriptors over the flattened [rows, head_dim] tensors; a tile
   that runs past the end of a chunk masks those keys' scores to ``MASKED_SCORE`` and zeroes their
-  values (the rows after a chunk belong to another head, or to a piece still in flight). Full
-  tiles run an unmasked loop; only the last tile of a chunk, and the diagonal tiles under
-  ``causal``, run the masked one.
+  values (the rows after a chunk belong to another head, or to a piece still in flight). The keys a
+  tile sees of each rank's shard are a prefix of it (below): full key tiles run an unmasked loop,
+  then the prefix's last tile, and under ``causal`` the diagonal's, run the masked one: two key
+  loops per rank.
 
 ``causal=True`` uses the load-balanced layout: the sequence is cut into ``2 * world_size`` equal
 chunks and rank r holds chunks ``r`` and ``2 * world_size - 1 - r``, in that order, as its S_local
 rows (``shard_sequence`` / ``unshard_sequence``). Every rank then has the same work: for a query
 chunk ``cq`` and a key chunk ``ck``, keys are all visible if ``ck < cq``, causally masked if
-``ck == cq`` and skipped if ``ck > cq``. Without ``causal``, rank r holds the r-th contiguous
-``1 / world_size`` of the sequence.
+``ck == cq`` and skipped if ``ck > cq``. A rank's two chunks are in the sequence's order, so the keys of one
+shard that a query row sees are a prefix: of its own shard, those up to its own position; of a peer's, none, the
+first chunk or both. Without ``causal``, rank r holds the r-th contiguous ``1 / world_size`` of the sequence.
 
 Host: ``prepare`` (checks, agreement across ranks, plan, the gather buffer's context and flags, a ``host.Launcher``)
 is kept per call signature (``host.per_signature``; docs/design.md, "The host fast path"); a warm call allocates
@@ -82,9 +84,10 @@ RESERVED_SMS = 1
 # block of 128 rows keeps its two warpgroups in step. One H200, world size 1, CUDA graphs, 8K: head_dim 64 three
 # blocks (at most 168 registers) 1509 us to two blocks' 1786 (B4 H16 causal); head_dim 128 two blocks of 64 x 64
 # (3 stages: 2 x 112 KB of shared memory) 2078 us to one 8-warp block of 128 x 64's 2288 (non-causal), 1320 to 1536
-# (causal). Head_dim 128 runs two blocks at one rank only (``ONE_RANK_TILES``): with the peer loop too, both kernels
-# need all 255 registers in a 4-warp block and the Helion twin's spills from 2 ranks (cold: per-tile values), where
-# one 8-warp block of 128 x 64 fits both with no spill at 1 to 8 ranks (128 x 128 spills under causal from 2 ranks).
+# (causal). Head_dim 128 runs two blocks at one rank only (``ONE_RANK_TILES``): with the peer loop too, the 4-warp
+# block takes 221 registers here but all 255 in the Helion twin, which spills 8 bytes from 2 ranks (the predicate of
+# the thread that takes the next tile), where one 8-warp block of 128 x 64 fits both with no spill at 1 to 8 ranks
+# (128 x 128 spills under causal from 2 ranks).
 # Triton 3.6's warp specialization (tl.range(..., warp_specialize=True): a producer warpgroup and two consumer
 # warpgroups) compiles for sm_90 only for a key loop alone in its tile loop (no second loop, no branch in it), and
 # a one-loop persistent probe of it hung on the H200, as the GEMM did.
@@ -141,16 +144,6 @@ def attend(acc, m_i, l_i, q, k_desc, v_desc, k_row0, v_row0, lo, hi, q_limit, qk
 
 
 @triton.jit
-def key_range(before, diag, m0, chunk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(end of the unmasked keys, end of all keys) of a key chunk of ``chunk`` rows for the query tile at ``m0``:
-    all of it if ``before`` (the key chunk precedes the query chunk), the keys up to the tile's end if ``diag``
-    (the same chunk: the causal diagonal, masked from ``m0`` on), none if neither."""
-    full = before * (chunk // BLOCK_N * BLOCK_N) + diag * m0
-    hi = before * chunk + diag * tl.minimum(m0 + BLOCK_M, chunk)
-    return full, hi
-
-
-@triton.jit
 def context_parallel_attention_kernel(
     q_desc,  # q as [batch * heads * S_local, head_dim], BLOCK_M x HEAD_DIM boxes
     k_desc,  # my k as [batch * kv_heads * S_local, head_dim], BLOCK_N x HEAD_DIM boxes
@@ -176,6 +169,7 @@ def context_parallel_attention_kernel(
 ):
     HALVES: tl.constexpr = 2 if CAUSAL else 1
     chunk = s_local // HALVES
+    whole = chunk // BLOCK_N * BLOCK_N  # its keys in whole key tiles
     tiles_per_chunk = tl.cdiv(chunk, BLOCK_M)
     tiles_per_head = HALVES * tiles_per_chunk
     num_tiles = kv_rows * (heads // kv_heads) * tiles_per_head
@@ -185,36 +179,33 @@ def context_parallel_attention_kernel(
     tile = tl.atomic_add(taken, 1, sem="relaxed")
     last_piece = -1  # the piece of this block's previous tile
     while tile < num_tiles:
-        # The tile's (batch, head), (batch, kv head), half of my shard, first row in its chunk, and piece: decoded on
-        # the host, so no division here.
+        # The tile's first row of q, first row of its (batch, kv head)'s K/V, half of my shard, first row in its
+        # chunk, and piece: decoded on the host, so no division here.
         fields = order_ptr + tile * 5
-        bh = tl.load(fields)
-        kv_row = tl.load(fields + 1)
+        q_row0 = tl.load(fields)
+        kv_row0 = tl.load(fields + 1)
         half = tl.load(fields + 2)
         m0 = tl.load(fields + 3)
         piece = tl.load(fields + 4)
-        q = q_desc.load([bh * s_local + half * chunk + m0, 0])
+        q = q_desc.load([q_row0, 0])
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        # My own K/V first, read where the caller keeps them. Under causal, my query chunks are (rank, 2 ws - 1 -
-        # rank) and so are my key chunks: key half 0 is the diagonal of query half 0 and all visible to query
-        # half 1; key half 1 is invisible to query half 0 and the diagonal of query half 1. Linear in the halves,
-        # no comparisons (the Helion twin drops a comparison inside an int expression).
-        for kh in tl.static_range(HALVES):
-            if CAUSAL:
-                before = (1 - kh) * half
-                diag = (1 - kh) * (1 - half) + kh * half
-            else:
-                before = 1
-                diag = 0
-            full, hi = key_range(before, diag, m0, chunk, BLOCK_M, BLOCK_N)
-            row0 = kv_row * s_local + kh * chunk
-            acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, row0, row0, 0, full, offs_m, qk_scale,
-                                   False, BLOCK_N)
-            acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, row0, row0, full, hi,
-                                   offs_m + (1 - diag) * chunk, qk_scale, True, BLOCK_N)
+        # My own K/V first, read where the caller keeps them: a prefix of my shard's keys. Under causal my chunks are
+        # (rank, 2 ws - 1 - rank), in the sequence's order, so a query row at position p of my shard sees my keys
+        # 0 .. p: all of them unmasked up to the tile's first row (rounded down to a whole key tile: ``m0`` is one,
+        # so ``half * whole + m0``), the rest masked up to its last row.
+        if CAUSAL:
+            full = half * whole + m0
+            hi = half * chunk + tl.minimum(m0 + BLOCK_M, chunk)
+            limit = offs_m + half * chunk
+        else:
+            full, hi, limit = whole, chunk, offs_m + chunk
+        acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row0, kv_row0, 0, full, offs_m, qk_scale,
+                               False, BLOCK_N)
+        acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row0, kv_row0, full, hi, limit, qk_scale,
+                               True, BLOCK_N)
         # Then rank + 1's, rank + 2's, ... from the gather buffer, each once its piece has landed.
         for step in tl.range(1, world_size):
             src = (rank + step) % world_size
@@ -222,25 +213,24 @@ def context_parallel_attention_kernel(
                 if piece != last_piece:  # this block's first tile of the piece: wait once per peer
                     # Acquire: the copy engine's writes are visible; async-proxy fence: TMA sees them too.
                     wait_async(progress_ptr + src * pieces + piece, 1)
-            # A peer's key chunks are (src, 2 ws - 1 - src): never my diagonal. Key half 0 is visible to my query half
-            # 1, and to half 0 if src < rank (the step wrapped around); key half 1 to my query half 1 if src > rank.
-            wrapped = (rank + step) // world_size
-            for kh in tl.static_range(HALVES):
-                if CAUSAL:
-                    before = (1 - kh) * (half + (1 - half) * wrapped) + kh * half * (1 - wrapped)
-                else:
-                    before = 1
-                full, hi = key_range(before, 0, m0, chunk, BLOCK_M, BLOCK_N)
-                k_row0 = ((src * 2) * kv_rows + kv_row) * s_local + kh * chunk
-                v_row0 = k_row0 + kv_rows * s_local
-                acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, 0, full, offs_m,
-                                       qk_scale, False, BLOCK_N)
-                acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, full, hi,
-                                       offs_m + chunk, qk_scale, True, BLOCK_N)
+            # A peer's keys are a prefix of its shard too, never masked but at its end. Under causal its chunks are
+            # (src, 2 ws - 1 - src): chunk src is visible to my query half 1, and to half 0 if src < rank (the step
+            # wrapped around); chunk 2 ws - 1 - src to my query half 1 if src > rank (then chunk src is too).
+            if CAUSAL:
+                wrapped = (rank + step) // world_size
+                hi = (half * (2 - wrapped) + (1 - half) * wrapped) * chunk
+            else:
+                hi = chunk
+            k_row0 = (src * 2) * kv_rows * s_local + kv_row0
+            v_row0 = k_row0 + kv_rows * s_local
+            acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, 0, hi // BLOCK_N * BLOCK_N,
+                                   offs_m, qk_scale, False, BLOCK_N)
+            acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, hi // BLOCK_N * BLOCK_N, hi,
+                                   offs_m + hi, qk_scale, True, BLOCK_N)
         acc = acc / l_i[:, None]
         # Only the chunk's rows: a tile at a chunk's end also read some rows after it, discarded.
         dims = tl.arange(0, HEAD_DIM)
-        rows = bh * s_local + half * chunk + offs_m
+        rows = q_row0 - m0 + offs_m
         tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(offs_m < chunk)[:, None])
         last_piece = piece
@@ -425,9 +415,10 @@ _orders: dict = {}
 
 def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
                device) -> torch.Tensor:
-    """The query tiles in the order the kernel's blocks take them, each as (batch * head, its kv row, half of the
-    shard, first row in the chunk, piece): piece by piece (a piece's tiles need only its flags), and within a piece
-    position by position across its heads, the costliest position first. Under causal a tile's keys grow with its
+    """The query tiles in the order the kernel's blocks take them, each as (its first row of q, the first row of its
+    kv head's K/V: rows of the flattened [rows, head_dim] q and k; half of the shard, first row in the chunk, piece):
+    piece by piece (a piece's tiles need only its flags), and within a piece position by position across its heads,
+    the costliest position first. Under causal a tile's keys grow with its
     last row: the later half's tiles from its last, then the earlier half's from its last (longest first, so the last
     tiles taken are short and the blocks finish together); without, all cost the same. Cached per (shape, tiles,
     piece, device): built once on the host, an int32 [tiles, 5] tensor on ``device``."""
@@ -443,7 +434,9 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
         tiles = []
         for piece, first in enumerate(range(0, query_rows, heads_per_piece)):
             bh = torch.arange(first, min(first + heads_per_piece, query_rows))[None, :].expand(len(position), -1)
-            fields = (bh, bh // group, half[:, None].expand_as(bh), m0[:, None].expand_as(bh), torch.full_like(bh, piece))
+            tile_half, tile_m0 = half[:, None].expand_as(bh), m0[:, None].expand_as(bh)
+            fields = (bh * s_local + tile_half * (s_local // halves) + tile_m0, bh // group * s_local, tile_half,
+                      tile_m0, torch.full_like(bh, piece))
             tiles.append(torch.stack(fields, -1).reshape(-1, 5))  # position-major
         if len(_orders) >= host.MAX_PREPARED:
             _orders.clear()
