@@ -131,7 +131,7 @@ def test_default_tiles_per_shape():
         assert host.cdiv(total // 2, cfg["piece_rows"]) <= recipe.STAGE_PIECES
         assert cfg["num_blocks"] <= sm90.H200_NUM_SMS - recipe.RESERVED_SMS
     assert picks == {(1024, 6656, 5120): (128, 256, 8, 3), (2048, 14336, 8192): (128, 256, 8, 3),
-                     (8192, 14336, 8192): (128, 256, 8, 3), (256, 8192, 8192): (128, 128, 8, 4),
+                     (8192, 14336, 8192): (128, 256, 8, 3), (256, 8192, 8192): (128, 128, 8, 6),
                      (512, 8192, 8192): (128, 256, 8, 3)}
 
 
