@@ -13,6 +13,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["kraken*", "helion_ports*", "benchmark*"]),
     install_requires=requirements,
-    # matplotlib draws `--plot` figures; the tests draw one from a fixture, so they need it too.
-    extras_require={"plot": ["matplotlib"], "test": ["pytest", "matplotlib"]},
+    # matplotlib draws `--plot` figures; the tests draw one from a fixture, so they need it too. pytest-xdist spreads
+    # the CPU tests over workers (the README's test command).
+    extras_require={"plot": ["matplotlib"], "test": ["pytest", "pytest-xdist", "matplotlib"]},
 )
