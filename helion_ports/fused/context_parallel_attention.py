@@ -262,7 +262,7 @@ def spans(chunk: int, block_n: int, kv_block: int, rank: int, world_size: int, p
     ``block_n``, the more whole tiles that two chunks have), then per peer step (rank + 1 + step: the first row of its
     K in the gather buffer, whose blocks are ``kv_block`` rows; 1 if the step wrapped around past the last rank; the
     index of its first piece's flag in ``progress``). Cached per argument."""
-    key = (chunk, block_n, kv_block, rank, world_size, pieces, str(device))
+    key = (chunk, block_n, kv_block, rank, world_size, pieces, device)
     table = _spans.get(key)
     if table is None:
         whole, both = chunk // block_n * block_n, 2 * chunk // block_n * block_n

@@ -422,7 +422,7 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
     last row: the later half's tiles from its last, then the earlier half's from its last (longest first, so the last
     tiles taken are short and the blocks finish together); without, all cost the same. Cached per (shape, tiles,
     piece, device): built once on the host, an int32 [tiles, 5] tensor on ``device``."""
-    key = (query_rows, group, s_local, causal, block_m, piece_rows, str(device))
+    key = (query_rows, group, s_local, causal, block_m, piece_rows, device)
     order = _orders.get(key)
     if order is None:
         halves = 2 if causal else 1

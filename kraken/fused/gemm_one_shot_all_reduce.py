@@ -95,6 +95,13 @@ REDUCE_VALUES_PER_THREAD = 64
 
 
 @triton.jit
+def store_rows(out_ptr, rows, cols, values, M, N):
+    """``out[rows, cols] = values`` for the rows below M and the columns below N (a tile's tails)."""
+    tl.store(out_ptr + (rows[:, None] * N + cols[None, :]), values.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
 def gemm_one_shot_all_reduce_kernel(
     a_desc,  # TMA descriptor of a [M, K], BLOCK_M x BLOCK_K boxes
     b_desc,  # TMA descriptor of b [K, N], BLOCK_K x BLOCK_N boxes
@@ -199,10 +206,7 @@ def gemm_one_shot_all_reduce_kernel(
             else:
                 theirs = tl.where(rank == 0, peers[1], peers[0]) + last_slots + in_tile
             last_sum += tl.load(theirs).to(tl.float32)
-        last_rows = last_m0 + tl.arange(0, BLOCK_M)
-        last_cols = last_n0 + cols
-        tl.store(out_ptr + (last_rows[:, None] * N + last_cols[None, :]), last_sum.to(out_ptr.dtype.element_ty),
-                 mask=(last_rows[:, None] < M) & (last_cols[None, :] < N))
+        store_rows(out_ptr, last_m0 + tl.arange(0, BLOCK_M), last_n0 + cols, last_sum, M, N)
     else:
         # My partials are visible to every peer's block b, theirs (the same slices: same block id) to me.
         epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
@@ -229,10 +233,7 @@ def gemm_one_shot_all_reduce_kernel(
                         # Over my own partial of these rows: the peers read only the rows they own of it.
                         tl.store(workspace_ptr + offsets, total.to(workspace_ptr.dtype.element_ty))
                     else:
-                        offs_m = m0 + rows
-                        offs_n = n0 + cols
-                        tl.store(out_ptr + (offs_m[:, None] * N + offs_n[None, :]), total.to(out_ptr.dtype.element_ty),
-                                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+                        store_rows(out_ptr, m0 + rows, n0 + cols, total, M, N)
     if SHARDS > 1:
         # My sums are visible to every peer's block b, theirs to me: gather every slice from its owner (mine too,
         # from local memory: no branch between the loads, so they are all in flight at once).
@@ -247,10 +248,7 @@ def gemm_one_shot_all_reduce_kernel(
                     rows = split * SLICE_M + j * SHARD_M + r0 + tl.arange(0, REDUCE_M)
                     owner = peers[j % world_size]
                     summed = tl.load(owner + chunk + rnd * TILE + rows[:, None] * BLOCK_N + cols[None, :])
-                    offs_m = m0 + rows
-                    offs_n = n0 + cols
-                    tl.store(out_ptr + (offs_m[:, None] * N + offs_n[None, :]), summed.to(out_ptr.dtype.element_ty),
-                             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+                    store_rows(out_ptr, m0 + rows, n0 + cols, summed, M, N)
     # The next launch writes the other half: no "done reading" barrier needed (host.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
     tl.store(epochs_ptr + block, epoch + (2 if SHARDS > 1 else 1))
