@@ -23,7 +23,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run
+from helion_ports import flat_kernel, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.moe_dispatch import MoEHandle, dispatch, route  # shared with the Triton recipe
@@ -35,7 +35,7 @@ SYNC_END = SYMM_MEM_SYNC[(True, True)]
 def dispatch_body(
     tokens: torch.Tensor,
     slots: torch.Tensor,
-    recv_peers: tuple[torch.Tensor, ...],
+    recv_peers: tuple[torch.Tensor, ...],  # every rank's recv buffer, flat
     signal_pad_ptrs: int,
     num_blocks: int,
     pairs_per_block: int,
@@ -50,16 +50,22 @@ def dispatch_body(
     hidden = tokens.size(1)
     for block in hl.grid(num_blocks):
         start = block * pairs_per_block
-        for tile_p, tile_h in hl.tile([start, 0], [min(start + pairs_per_block, num_pairs), hidden]):
+        # Rows of pairs, then the hidden dimension in tiles, as the recipe: a row's slot, owner and token are
+        # worked out once for all its hidden tiles (one 2-D tile loop loaded the slots and divided again per tile).
+        for tile_p in hl.tile(start, min(start + pairs_per_block, num_pairs)):
             slot = hl.load(slots, [tile_p])
             kept = slot >= 0
             slot = torch.clamp(slot, min=0)
             owner = slot // capacity
             row = slot - owner * capacity
             token = tile_p.index // top_k
-            values = hl.load(tokens, [token, tile_h], extra_mask=kept[:, None])
-            for r in hl.static_range(world_size):  # one store per row lands: the owner's
-                hl.store(recv_peers[r], [row, tile_h], values, extra_mask=(kept & (owner == r))[:, None])
+            for tile_h in hl.tile(hidden):
+                values = hl.load(tokens, [token, tile_h], extra_mask=kept[:, None])
+                # Every rank's recv buffer flat, at one offset tensor (no stride registers per peer).
+                at = row[:, None] * hidden + tile_h.index[None, :]
+                inside = (tile_h.index < hidden)[None, :]  # a flat index carries no tile mask of its own
+                for r in hl.static_range(world_size):  # one store per row lands: the owner's
+                    hl.store(recv_peers[r], [at], values, extra_mask=(kept & (owner == r))[:, None] & inside)
         hl.inline_triton(
             SYNC_END,
             args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size},
@@ -92,7 +98,7 @@ def launch(
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.moe_dispatch.launch``."""
     route(expert_ids, handle, counts_ctx, rank, launcher=launcher, **routing)
     ctx = handle.recv_context
-    args = (tokens, handle.slots.view(-1), ctx.peers, ctx.signal_pad_ptrs, num_blocks, pairs_per_block,
+    args = (tokens, handle.slots.view(-1), views(ctx.peers, -1), ctx.signal_pad_ptrs, num_blocks, pairs_per_block,
             handle.capacity, expert_ids.shape[1], rank, len(ctx.peers), group_name)
     run(compiled(rows, block_h, num_warps), args, launcher)
     return handle
