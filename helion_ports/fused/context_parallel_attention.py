@@ -130,6 +130,8 @@ def context_parallel_attention_body(
                     hi = span
                     limit = offs_m + span
                 row0 = order[tile, 1]
+                # The online-softmax step is written out in each of the four key loops (the recipe's ``attend``): a
+                # Python helper called in a device loop does not lower in Helion 1.5 (docs/helion-notes.md, repro).
                 for tile_n in hl.tile(row0, row0 + full, block_size=block_n):
                     qk = hl.dot(q, k2[tile_n, tile_d].T, out_dtype=torch.float32)
                     m_ij = torch.maximum(m_i, torch.amax(qk, -1) * qk_scale)
