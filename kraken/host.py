@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 from triton import knobs
+from triton.runtime import _allocation
 
 from kraken._ptx_utils import timeout
 
@@ -637,10 +638,27 @@ def forget_prepared_calls() -> None:
         cache.clear()
 
 
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's allocator protocol: global scratch for a launch (device-built TMA descriptors live there)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@contextlib.contextmanager
+def scratch_allocator() -> Iterator[None]:
+    """Triton's allocator for the launches within (``triton.set_allocator``, undone after, so that a recipe sets no
+    process-wide state): kernels that build TMA descriptors on the device get their global scratch from torch."""
+    token = _allocation._allocator.set(_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
 def jit_launch(kernel, grid: tuple[int, ...], *args, **meta):
     """``kernel[grid](*args, **meta)``: Triton's own launch path (binds, specialises, finds the compiled kernel).
     The default ``launcher`` of every recipe's ``launch``; ``Launcher`` is the cached one."""
-    return kernel[grid](*args, **meta)
+    with scratch_allocator():
+        return kernel[grid](*args, **meta)
 
 
 def launch_hooked() -> bool:
@@ -678,32 +696,37 @@ class Launcher:
         global last_op
         last_op = self.op
         hit = self.compiled.get(id(kernel))
-        if hit is None or launch_hooked():
-            compiled = kernel[grid](*args, **meta)
+        grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
+        if hit is None or launch_hooked() or grid[0] * grid_y * grid_z > hit[3]:
+            compiled = jit_launch(kernel, grid, *args, **meta)
             if compiled is not None and hasattr(compiled, "packed_metadata"):  # None: a CPU capture recorded it
                 names, params = kernel.arg_names, kernel.params
                 tail = tuple(meta.get(name, params[i].default) for i, name in enumerate(names) if i >= len(args))
-                self.compiled[id(kernel)] = (*launch_function(compiled, len(args)), tail)
+                self.compiled[id(kernel)] = (*launch_function(compiled, len(args), grid[0] * grid_y * grid_z), tail)
             return compiled
-        run, head, descriptors, tail = hit
+        run, head, descriptors, _, tail = hit
         if descriptors:
             args = tensor_maps(args, descriptors)
-        grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # what Triton's driver asks too
         run(grid[0], grid_y, grid_z, stream, *head, *args, *tail)
 
 
-def launch_function(compiled, num_args: int) -> tuple[Callable, tuple, tuple]:
-    """How ``Launcher`` launches ``compiled`` (called with ``num_args`` positional arguments): a function, the
-    arguments that go between (grid, stream) and the kernel's own, and the tensor descriptors it turns into
-    TMA maps itself (``tensor_maps``). No launch metadata and no hooks (``launch_hooked`` is checked before)."""
+def launch_function(compiled, num_args: int, programs: int) -> tuple[Callable, tuple, tuple, int]:
+    """How ``Launcher`` launches ``compiled`` (called with ``num_args`` positional arguments, on a grid of
+    ``programs``): a function, the arguments that go between (grid, stream) and the kernel's own, the tensor
+    descriptors it turns into TMA maps itself (``tensor_maps``), and the most programs it serves. No launch metadata
+    and no hooks (``launch_hooked`` is checked before). A kernel that needs global scratch (device-built TMA
+    descriptors) gets one buffer for ``programs`` programs, kept with the launch: its launches run in stream order
+    and each rewrites what it reads there first."""
     run = compiled.run
     hooks = (None, None, None)  # launch metadata, enter hook, exit hook
-    if getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0:
-        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata)
+    scratch_size, profile_size = getattr(run, "global_scratch_size", None), getattr(run, "profile_scratch_size", None)
+    if scratch_size is not None and profile_size == 0:
+        scratch = None if scratch_size == 0 else _scratch(programs * run.num_ctas * scratch_size, 0, None)
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, scratch, None, compiled.packed_metadata)
         launch, descriptors = unwrap_descriptors(run.launch, num_args)
-        return launch, (*head, *hooks), descriptors
-    return run, (compiled.function, compiled.packed_metadata, *hooks), ()
+        return launch, (*head, *hooks), descriptors, programs if scratch_size else sys.maxsize
+    return run, (compiled.function, compiled.packed_metadata, *hooks), (), sys.maxsize
 
 
 def unwrap_descriptors(launch: Callable, num_args: int) -> tuple[Callable, tuple]:

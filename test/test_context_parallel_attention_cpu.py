@@ -73,7 +73,7 @@ def test_plan_defaults(world_size):
         cfg = recipe.plan(1, 32, 8, 4096, head_dim, world_size, True, {}, sm90.H200_NUM_SMS)
         assert cfg["block_m"] % cfg["block_n"] == 0
         # Leaves the barrier kernel an SM's worth of block slots.
-        tiles = recipe.default_tiles(head_dim, world_size)
+        tiles = recipe.default_tiles(head_dim, world_size, True)
         assert cfg["num_blocks"] == tiles["blocks_per_sm"] * (sm90.H200_NUM_SMS - recipe.RESERVED_SMS)
         # A register cap where blocks_per_sm blocks would not fit with 255 registers per thread.
         threads = tiles["blocks_per_sm"] * tiles["num_warps"] * 32
@@ -88,7 +88,7 @@ def test_plan_defaults(world_size):
     # Few tiles: never more blocks than tiles.
     assert recipe.plan(1, 1, 1, 60, 64, world_size, False, {}, 132)["num_blocks"] == 1
     assert recipe.plan(2, 4, 2, 150, 128, world_size, True, {}, 132)["num_blocks"] == 2 * 4 * 2 * -(
-        -75 // recipe.default_tiles(128, world_size)["block_m"])  # batch * heads * halves * query tiles per chunk
+        -75 // recipe.default_tiles(128, world_size, True)["block_m"])  # batch * heads * halves * query tiles per chunk
     assert recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"pieces": 3}, 132)["pieces"] == 3
     assert recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"max_blocks": 7}, 132)["num_blocks"] == 7
     two = recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"blocks_per_sm": 2, "max_blocks": 1000}, 132)
@@ -228,7 +228,7 @@ def compile_stats(module, world_size: int, causal: bool, head_dim: int, **config
     with sm90.capture_launches() as captured:
         op.example(module, world_size, shape=shape, **config)
     (launch,) = captured
-    cap = recipe.plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, config, sm90.H200_NUM_SMS)["maxnreg"]
+    cap = module.plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, config, sm90.H200_NUM_SMS)["maxnreg"]
     assert launch.kwargs.get("maxnreg") == cap, (launch.kwargs.get("maxnreg"), cap)
     real_compile = sm90.compile_sm90
     sm90.compile_sm90 = compile_with_register_cap
@@ -280,7 +280,7 @@ def innermost_loops(sass: list[str]) -> list[list[str]]:
     return [sass[a:b + 1] for a, b in loops if not any(a < c and d < b for c, d in loops if (c, d) != (a, b))]
 
 
-def check_kernel(stats: dict, world_size: int) -> None:
+def check_kernel(stats: dict, world_size: int, waits_per_tile: int = 1) -> None:
     assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
     # Under a register cap (several blocks per SM), ptxas may keep a few per-tile values in local memory; never in
     # a key loop, and never more than a few (ptxas counts each spilled register once per store and per load).
@@ -289,9 +289,10 @@ def check_kernel(stats: dict, world_size: int) -> None:
     assert stats["spill_bytes"] <= 512, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
     assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
     assert "cp.async.bulk.tensor" in stats["ptx"], f"{stats['kernel']}: no TMA loads"
-    # One flag wait (an acquire load at system scope), then the async-proxy fence before TMA reads the K/V; at world
-    # size 1 the peer loop has no step, and the compiler drops it with its wait.
-    waits = {"ld.global.acquire.sys.u32": 1} if world_size > 1 else {}
+    # Flag waits (acquire loads at system scope: one in the causal kernel's peer loop, one per peer before the
+    # warp-specialized kernel's key loop), then the async-proxy fence before TMA reads the K/V; at world size 1 there
+    # is no peer, and the compiler drops the waits.
+    waits = {"ld.global.acquire.sys.u32": waits_per_tile} if world_size > 1 else {}
     assert dict(sm90.barrier_opcodes(stats["ptx"])) == waits
     assert ("fence.proxy.async.global" in stats["ptx"]) == (world_size > 1)
     assert stats["shared_bytes"] <= H200_SHARED_BYTES
@@ -302,9 +303,13 @@ def check_kernel(stats: dict, world_size: int) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_recipe_compiles_for_sm90(head_dim, causal, world_size):
     stats = compile_stats(recipe, world_size, causal, head_dim)
-    check_kernel(stats, world_size)
-    tiles = recipe.default_tiles(head_dim, world_size)
-    check_residency(stats, tiles["num_warps"], tiles["blocks_per_sm"])
+    check_kernel(stats, world_size, 1 if causal else world_size - 1)
+    tiles = recipe.default_tiles(head_dim, world_size, causal)
+    # Without causal the kernel is warp-specialized: a producer warpgroup (``num_warps``) and two consumer warpgroups
+    # that trade registers with it (setmaxnreg); with causal, not.
+    assert stats["kernel"] == ("context_parallel_attention_kernel" if causal else "full_attention_kernel")
+    assert ("setmaxnreg" in stats["ptx"]) == (not causal)
+    check_residency(stats, tiles["num_warps"] * (1 if causal else 3), tiles["blocks_per_sm"])
 
 
 # The twin takes about a minute per variant to compile on the CPU: two variants at 1 and 2 ranks here, and the
@@ -312,12 +317,12 @@ def test_recipe_compiles_for_sm90(head_dim, causal, world_size):
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("causal,head_dim", [(False, 64), (True, 128)], ids=["full-64", "causal-128"])
 def test_twin_compiles_for_sm90_and_matches_its_recipe(causal, head_dim, world_size):
-    t = compile_stats(recipe, world_size, causal, head_dim)
     h = compile_stats(twin, world_size, causal, head_dim)
     check_kernel(h, world_size)
-    tiles = recipe.default_tiles(head_dim, world_size)
+    tiles = twin.default_tiles(head_dim, world_size, causal)
     check_residency(h, tiles["num_warps"], tiles["blocks_per_sm"])
-    assert h["shared_bytes"] == t["shared_bytes"]
+    if causal:  # the recipe's causal kernel, on the same tiles (without causal the recipe's is warp-specialized)
+        assert h["shared_bytes"] == compile_stats(recipe, world_size, causal, head_dim)["shared_bytes"]
     # Both on wgmma and TMA (check_kernel). The instruction counts differ: Triton pipelines and peels the
     # twin's masked key loops differently from the recipe's (60 wgmma to 72 under causal).
 
@@ -351,7 +356,13 @@ triton_compat.libdevice.exp2 = _exp2
 def count_wait(flag_ptr, value):
     tl.atomic_add(flag_ptr, 1)  # the inline-PTX wait cannot run here: count who waits for which piece instead
 
+@triton.jit
+def count_wait_token(flag_ptr, value):
+    tl.atomic_add(flag_ptr, 1)
+    return 0
+
 m.wait_async = count_wait
+m.wait_each_thread = count_wait_token
 
 def reference(q, k, v, causal, scale):
     group = q.shape[1] // k.shape[1]
@@ -395,7 +406,9 @@ for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, mo
         cfg = m.plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, {"max_blocks": 3, **config}, 132)
         out = torch.full((batch, heads, s_local, head_dim), float("nan"), dtype=torch.float16)
         mine = gathered.clone()
-        mine[rank] = float("nan")  # my own K/V come from k and v, never from the gather buffer
+        reads_own = module is m and not causal  # the warp-specialized kernel reads mine from the buffer, staged there
+        if not reads_own:
+            mine[rank] = float("nan")  # my own K/V come from k and v, never from the gather buffer
         progress = torch.zeros(m.progress_size(world_size, cfg["pieces"]), dtype=torch.int32)
         wait = world_size > 1 and module is m
         with sm90.capture_launches():  # Helion's host-built descriptors on the CPU (a Triton launch is not captured:
@@ -403,12 +416,18 @@ for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, mo
             module.launch_attention(m.shard_sequence(q, rank, world_size, causal), ks[rank], vs[rank], mine, out,
                                     progress, rank, world_size, causal, scale, wait, **cfg)
         outs.append(out)
-        # Each block waits once per (peer, piece) it has tiles in, and never for my own K/V. The recipe's blocks take
-        # tiles from a count (the last slot: every tile taken once, and once more by each block to learn it is done);
-        # the interpreter runs its blocks one after another, so the first takes every tile: one wait per piece.
+        # Each block waits once per (peer, piece) it has tiles in, and never for my own K/V. The causal kernel's blocks
+        # take tiles from a count (the last slot: every tile taken once, and once more by each block to learn it is
+        # done); the interpreter runs its blocks one after another, so the first takes every tile: one wait per piece.
+        # The warp-specialized kernel's waits once per tile and peer, and takes its tiles statically (no count).
         chunk = s_local // 2 if causal else s_local
         num_tiles = batch * heads * (2 if causal else 1) * -(-chunk // cfg["block_m"])
         expected = torch.ones(world_size, cfg["pieces"], dtype=torch.int32)
+        if reads_own:
+            order = m.tile_order(batch * heads, heads // kv_heads, s_local, causal, cfg["block_m"], cfg["piece_rows"],
+                                 "cpu")
+            expected *= torch.bincount(order[:, 4].long(), minlength=cfg["pieces"]).int()
+            num_tiles = -cfg["num_blocks"]  # the count stays 0
         expected[rank] = 0
         if wait:
             flags, taken = progress[:-1].view(world_size, -1), progress[-1].item()

@@ -46,9 +46,10 @@ from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with the recipe)
     OP,
     attend_to_sequence,
+    default_tiles as recipe_default_tiles,
     launch as recipe_launch,
     on_gathered,
-    plan,
+    plan as recipe_plan,
     prepare,
     shard_sequence,
     softmax_scale,
@@ -62,6 +63,19 @@ from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with
 # not this module (docs/helion-notes.md).
 # The flag (a pointer expression in the snippet): progress + index.
 WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
+
+
+def default_tiles(head_dim: int, world_size: int, causal: bool) -> dict:
+    """The twin's tiles (``plan``'s defaults for it): the recipe's causal tiles, causal or not. Without causal the
+    recipe runs a warp-specialized kernel (``full_attention_kernel``), which Helion 1.5 offers on sm_100+ only
+    (docs/helion-notes.md); the twin keeps one kernel, the causal kernel's structure, for both."""
+    return recipe_default_tiles(head_dim, world_size, True)
+
+
+def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, world_size: int, causal: bool,
+         config: dict, num_sms: int) -> dict:
+    """The recipe's ``plan`` with the twin's tiles (``default_tiles``)."""
+    return recipe_plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, config, num_sms, default_tiles)
 
 
 def indexing(causal: bool) -> tuple[str, ...]:
@@ -318,10 +332,10 @@ def context_parallel_attention(
     **config,
 ) -> torch.Tensor:
     """This rank's output of attention over the whole sequence; see the kraken recipe."""
-    return attend_to_sequence(q, k, v, group, causal, scale, config, f"helion {OP}", launch_attention)
+    return attend_to_sequence(q, k, v, group, causal, scale, config, f"helion {OP}", launch_attention, default_tiles)
 
 
 def attention_on_gathered(q, k, v, gathered, rank: int, causal: bool = False, scale: float | None = None,
                           **config) -> torch.Tensor:
     """This twin's kernel with every rank's K/V here already (no communication); see the recipe's."""
-    return on_gathered(q, k, v, gathered, rank, causal, scale, config, f"helion {OP}", launch_attention)
+    return on_gathered(q, k, v, gathered, rank, causal, scale, config, f"helion {OP}", launch_attention, default_tiles)

@@ -1,7 +1,7 @@
 """Every PTX barrier of the project, defined once (see each module's docstring)."""
 
 from . import inline_source
-from .gmem_barrier import arrive, wait, wait_async
+from .gmem_barrier import arrive, wait, wait_async, wait_each_thread
 from .symm_mem_barrier import epoch_sync, get_flat_bid, get_flat_tid, send_signal, symm_mem_sync, wait_signal
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "symm_mem_sync",
     "wait",
     "wait_async",
+    "wait_each_thread",
     "wait_signal",
 ]

@@ -88,3 +88,28 @@ def wait_async(flag_ptr, value):
     tl.inline_asm_elementwise(_WAIT, _CONSTRAINTS, [flag_ptr, v], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
     tl.inline_asm_elementwise(_FENCE_PROXY_ASYNC, _FENCE_CONSTRAINTS, [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+# For warp-specialized kernels (``tl.range(..., warp_specialize=True)``): a partition cannot meet the others at a CTA
+# barrier (they never arrive) and need not hold thread 0, so every thread of it spins on its own acquire load, then
+# fences the async proxy (TMA reads what the flag guards). The output is 0: the caller adds it into the coordinates of
+# the TMA loads the flag guards, and that data dependency puts the wait in the partition that issues them.
+GMEM_WAIT_EACH_THREAD_PTX = f"""{{
+    .reg .u32 %r_seen;
+    .reg .pred %p_spin;{timeout.REGISTERS}{timeout.start_clock()}
+    WAIT_EACH:
+    ld.global.acquire.sys.u32 %r_seen, [$1];
+    setp.ne.u32 %p_spin, %r_seen, $2;{timeout.give_up("WAIT_EACH", 4)}
+    fence.proxy.async.global;
+    mov.u32 $0, 0;
+    }}"""
+_WAIT_EACH_THREAD = tl.constexpr(GMEM_WAIT_EACH_THREAD_PTX)
+
+
+@triton.jit
+def wait_each_thread(flag_ptr, value):
+    """Every thread spins until ``*flag_ptr == value`` (acquire, system scope), then fences the async proxy; no
+    thread barrier. Returns 0, to add into the coordinates of the loads it guards (see above)."""
+    v = (tl.zeros([], tl.int32) + value).to(tl.int32)
+    return tl.inline_asm_elementwise(_WAIT_EACH_THREAD, _CONSTRAINTS, [flag_ptr, v], dtype=tl.int32, is_pure=False,
+                                     pack=1)

@@ -61,7 +61,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
-from kraken._ptx_utils import wait_async
+from kraken._ptx_utils import wait_async, wait_each_thread
 from kraken.comm.all_gather_with_progress import LANDED, GatherInProgress, barrier, copy_stream, set_flag
 
 OP = "context_parallel_attention"
@@ -76,7 +76,7 @@ _MASKED_SCORE = tl.constexpr(MASKED_SCORE)  # Triton reads module globals only a
 # The kernel leaves this many SMs' worth of block slots free: its blocks spin on flags that follow the gather's
 # one-block barrier kernel, which must find room on some SM while every attention block is resident.
 RESERVED_SMS = 1
-# Tiles per head_dim: (block_m, block_n, num_warps, num_stages) and the blocks resident per SM (the persistent
+# Causal tiles per head_dim (``context_parallel_attention_kernel``): (block_m, block_n, num_warps, num_stages) and the blocks resident per SM (the persistent
 # grid is blocks_per_sm * (SMs - RESERVED_SMS); ``plan`` caps each thread's registers so that many fit (``maxnreg``)
 # and the CPU test checks that the compiled kernels' registers and shared memory let them share an SM, else spinning
 # blocks could wait on blocks never scheduled). Several 4-warp blocks of 64-row tiles per SM: a block's CTA barriers
@@ -88,15 +88,22 @@ RESERVED_SMS = 1
 # block takes 221 registers here but all 255 in the Helion twin, which spills 8 bytes from 2 ranks (the predicate of
 # the thread that takes the next tile), where one 8-warp block of 128 x 64 fits both with no spill at 1 to 8 ranks
 # (128 x 128 spills under causal from 2 ranks).
-# Triton 3.6's warp specialization (tl.range(..., warp_specialize=True): a producer warpgroup and two consumer
-# warpgroups) compiles for sm_90 only for a key loop alone in its tile loop (no second loop, no branch in it), and
-# a one-loop persistent probe of it hung on the H200, as the GEMM did.
 TILES = {
     64: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 3},
     128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "blocks_per_sm": 1},
 }
 ONE_RANK_TILES = {
     128: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 2},
+}
+# Without causal (``full_attention_kernel``, warp-specialized): ``num_warps`` 4 is the producer warpgroup, and Triton
+# adds two consumer warpgroups of BLOCK_M / 2 query rows each (12 warps, one block per SM). One H200, world size 1,
+# CUDA graphs, B1 H32 Hkv8 head_dim 128, against cuDNN SDPA in the same process: 8K 1899 us (cuDNN 1697) to the causal
+# kernel's 2271, 32K 31408 (28883) to 37966. Causal needs a masked and an unmasked key loop per tile (or a mask on
+# every key tile, which made the warp-specialized kernel slower than this one: 8K 1253 us to 1065), and Triton 3.6
+# specializes only one loop per tile loop, so the causal kernel is not warp-specialized.
+FULL_TILES = {
+    64: {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2, "blocks_per_sm": 1},
+    128: {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2, "blocks_per_sm": 1},
 }
 # Registers per SM (and per thread at most): ``plan``'s register cap for blocks_per_sm blocks.
 SM_REGISTERS, MAX_REGISTERS = 65536, 255
@@ -237,6 +244,80 @@ def context_parallel_attention_kernel(
         tile = tl.atomic_add(taken, 1, sem="relaxed")
 
 
+@triton.jit
+def full_attention_kernel(
+    q_ptr,  # q as [batch * heads * S_local, head_dim]
+    kv_ptr,  # the gather buffer as [world_size * 2 * batch * kv_heads, S_local, head_dim]: (rank, k|v, (batch, kv head))
+    out_ptr,  # [batch, heads, S_local, head_dim]
+    progress_ptr,  # int32[world_size * pieces + 1]: [r * pieces + p] piece p of rank r's K/V has landed
+    order_ptr,  # int32[num_tiles, 5]: the query tiles in the order the blocks' rounds take them (``tile_order``)
+    heads,
+    kv_heads,
+    kv_rows,  # batch * kv_heads
+    s_local,
+    pieces,
+    qk_scale,  # softmax scale * log2(e)
+    rank,
+    num_blocks,  # the persistent grid
+    world_size: tl.constexpr,
+    WAIT: tl.constexpr,  # False: every rank's K/V is in the gather buffer already (no flags to wait for)
+    TAIL: tl.constexpr,  # S_local is not a whole number of key tiles: mask the keys past it
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Without ``causal``: every query sees every key, so each tile is ONE key loop over every rank's shard (mine, then
+    rank + 1's, ...), all read from the gather buffer (mine staged there, ``stage_own``), and the persistent tile loop
+    is warp-specialized: on sm_90 a producer warpgroup issues the TMA loads and two consumer warpgroups take BLOCK_M / 2
+    query rows each (FlashAttention-3's split). Triton 3.6 specializes this only for one key loop in the tile loop,
+    with no branch in it, and with descriptors built on the device (host-built ones hung, docs/helion-notes.md)."""
+    # K/V boxes are [1, BLOCK_N, HEAD_DIM] of one (rank, k|v, (batch, kv head)) shard: TMA fills the rows past its end
+    # with zeros, so no key tile reads another shard (of a piece that may be in flight).
+    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[kv_rows * (heads // kv_heads) * s_local, HEAD_DIM],
+                                       strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    kv_desc = tl.make_tensor_descriptor(kv_ptr, shape=[world_size * 2 * kv_rows, s_local, HEAD_DIM],
+                                        strides=[s_local * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_N, HEAD_DIM])
+    num_tiles = kv_rows * (heads // kv_heads) * tl.cdiv(s_local, BLOCK_M)
+    per_rank = tl.cdiv(s_local, BLOCK_N)  # key tiles per rank's shard
+    # Static persistent schedule: block b takes tiles b, b + num_blocks, ... of ``order`` (piece by piece).
+    for tile in tl.range(tl.program_id(0), num_tiles, num_blocks, warp_specialize=True):
+        fields = order_ptr + tile * 5  # first row of q, first row of its (batch, kv head)'s K/V, -, first row, piece
+        q_row0 = tl.load(fields)
+        kv_head = tl.load(fields + 1) // s_local
+        m0 = tl.load(fields + 3)
+        piece = tl.load(fields + 4)
+        if WAIT:  # every peer's piece has landed (acquire; async-proxy fence: TMA reads it)
+            for step in tl.static_range(1, world_size):
+                kv_head += wait_each_thread(progress_ptr + (rank + step) % world_size * pieces + piece, 1)
+        q = q_desc.load([q_row0, 0])
+        m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for i in tl.range(0, world_size * per_rank):
+            k_row = (rank + i // per_rank) % world_size * 2 * kv_rows + kv_head
+            start = i % per_rank * BLOCK_N
+            qk = tl.dot(q, kv_desc.load([k_row, start, 0]).reshape(BLOCK_N, HEAD_DIM).T)
+            if TAIL:  # keys past the shard (their values are TMA's zeros)
+                qk = tl.where((start + tl.arange(0, BLOCK_N) < s_local)[None, :], qk * qk_scale, _MASKED_SCORE)
+                m_ij = tl.maximum(m_i, tl.max(qk, 1))
+                qk = qk - m_ij[:, None]
+            else:
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                qk = qk * qk_scale - m_ij[:, None]
+            p = tl.math.exp2(qk)
+            alpha = tl.math.exp2(m_i - m_ij)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = kv_desc.load([k_row + kv_rows, start, 0]).reshape(BLOCK_N, HEAD_DIM)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_ij
+        acc = acc / l_i[:, None]
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, HEAD_DIM)
+        tl.store(out_ptr + (q_row0 + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM + dims[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=(offs_m < s_local)[:, None])
+
+
 # ---------------------------------------------------------------------------
 # The sequence layout
 # ---------------------------------------------------------------------------
@@ -281,13 +362,21 @@ def sequence_positions(s_local: int, rank: int, world_size: int, causal: bool = 
 # ---------------------------------------------------------------------------
 
 
+def default_tiles(head_dim: int, world_size: int, causal: bool) -> dict:
+    """``FULL_TILES`` without causal; under causal ``TILES``, or at one rank ``ONE_RANK_TILES`` where it has the
+    head_dim."""
+    if not causal:
+        return FULL_TILES.get(head_dim, FULL_TILES[128])
+    return (ONE_RANK_TILES if world_size == 1 else {}).get(head_dim) or TILES.get(head_dim, TILES[128])
+
+
 def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, world_size: int, causal: bool,
-         config: dict, num_sms: int) -> dict:
+         config: dict, num_sms: int, tiles=default_tiles) -> dict:
     """Resolve the launch configuration (shared with the Helion port). The grid is persistent: at most
     ``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, never more blocks than query tiles.
     ``piece_rows``: the (batch, kv head) rows of each flagged piece of a peer's K/V."""
     cfg = host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    tiles = default_tiles(head_dim, world_size)
+    tiles = tiles(head_dim, world_size, causal)  # the defaults: the recipe's, or the twin's own
     cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in tiles.items()}}
     for key in ("block_m", "block_n"):
         value = cfg[key]
@@ -315,11 +404,6 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     keys = ("block_m", "block_n", "num_warps", "num_stages")
     return {**{key: cfg[key] for key in keys}, "maxnreg": register_cap(cfg["blocks_per_sm"], cfg["num_warps"]),
             "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows), "num_blocks": num_blocks}
-
-
-def default_tiles(head_dim: int, world_size: int) -> dict:
-    """``TILES``, or at one rank ``ONE_RANK_TILES`` where it has the head_dim."""
-    return (ONE_RANK_TILES if world_size == 1 else {}).get(head_dim) or TILES.get(head_dim, TILES[128])
 
 
 def register_cap(blocks_per_sm: int, num_warps: int) -> int | None:
@@ -383,7 +467,7 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
 
 
 def descriptors(q, k, v, gathered, block_m: int, block_n: int):
-    """Host-built TMA descriptors over the flattened [rows, head_dim] tensors."""
+    """Host-built TMA descriptors over the flattened [rows, head_dim] tensors (the causal kernel's)."""
     head_dim = q.shape[-1]
     return (TensorDescriptor.from_tensor(q.view(-1, head_dim), [block_m, head_dim]),
             TensorDescriptor.from_tensor(k.view(-1, head_dim), [block_n, head_dim]),
@@ -394,19 +478,28 @@ def descriptors(q, k, v, gathered, block_m: int, block_n: int):
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
                      pieces: int, num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
-    """The attention kernel alone: my K/V from ``k``, ``v``, every other rank's from ``gathered`` [world_size, 2,
-    batch * kv_heads, S_local, head_dim], waiting on ``progress`` if ``wait``."""
+    """The attention kernel alone: every other rank's K/V from ``gathered`` [world_size, 2, batch * kv_heads, S_local,
+    head_dim], waiting on ``progress`` if ``wait``; my own from ``k`` and ``v`` (causal) or from ``gathered[rank]``,
+    where ``stage_own`` put them."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
-    q_desc, k_desc, v_desc, kv_desc = descriptors(q, k, v, gathered, block_m, block_n)
     order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
-    launcher(
-        context_parallel_attention_kernel, (num_blocks,),
-        q_desc, k_desc, v_desc, kv_desc, out, progress, order, heads, kv_heads, batch * kv_heads, s_local, pieces,
-        softmax_scale(scale, head_dim), rank, world_size, CAUSAL=causal, WAIT=wait, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
-    )
+    cap = {} if maxnreg is None else {"maxnreg": maxnreg}
+    if causal:
+        q_desc, k_desc, v_desc, kv_desc = descriptors(q, k, v, gathered, block_m, block_n)
+        launcher(
+            context_parallel_attention_kernel, (num_blocks,),
+            q_desc, k_desc, v_desc, kv_desc, out, progress, order, heads, kv_heads, batch * kv_heads, s_local, pieces,
+            softmax_scale(scale, head_dim), rank, world_size, CAUSAL=causal, WAIT=wait, HEAD_DIM=head_dim,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **cap,
+        )
+    else:
+        launcher(
+            full_attention_kernel, (num_blocks,),
+            q, gathered, out, progress, order, heads, kv_heads, batch * kv_heads, s_local, pieces,
+            softmax_scale(scale, head_dim), rank, num_blocks, world_size, WAIT=wait, TAIL=s_local % block_n != 0,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **cap,
+        )
     return out
 
 
@@ -473,6 +566,13 @@ def exchange_plan(peers, gathered, rank: int, piece_rows: int, pieces: int) -> t
     return hit[2]
 
 
+def stage_own(k: torch.Tensor, v: torch.Tensor, my_k: torch.Tensor, my_v: torch.Tensor) -> None:
+    """My ``k`` and ``v`` into my chunk of the gather buffer (``my_k``, ``my_v``: its [batch * kv_heads, S_local,
+    head_dim] halves), on the current stream: the kernel reads every rank's K/V, mine too, from the buffer."""
+    my_k.copy_(k.view(my_k.shape))
+    my_v.copy_(v.view(my_v.shape))
+
+
 def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank: int, piece_rows: int,
                     pieces: int, launcher=host.jit_launch) -> GatherInProgress:
     """Stage my ``k``, ``v`` into my chunk of the symmetric ``gathered`` and copy every peer's K/V into
@@ -484,10 +584,11 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
     current = torch.cuda.current_stream(k.device)
     side = copy_stream(k.device)
     progress.zero_()  # before the fork: no flag of the previous call survives into this one
-    side.wait_stream(current)  # k and v are written; the previous call's closing barrier is behind us
+    # My K/V into my chunk, on the current stream (after the previous call's closing barrier, which the current
+    # stream joined): the attention kernel reads them there in stream order, the peers after the first barrier.
+    stage_own(k, v, my_k, my_v)
+    side.wait_stream(current)
     with torch.cuda.stream(side):
-        my_k.copy_(k.view(my_k.shape))
-        my_v.copy_(v.view(my_v.shape))
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's K/V is staged
         for flag, piece in copies:  # piece by piece; within a piece rank + 1 first
             for dst, src in piece:
@@ -522,10 +623,10 @@ def progress_flags(count: int, device: torch.device) -> torch.Tensor:
     return _flags[key]
 
 
-@host.per_signature(lambda q, k, v, group, op, causal, scale, config: (
-    op, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.scalar_key(causal),
+@host.per_signature(lambda q, k, v, group, op, causal, scale, config, tiles: (
+    op, tiles, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.scalar_key(causal),
     host.scalar_key(scale), host.config_key(config)))
-def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple[host.SymmContext, dict]:
+def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict, tiles) -> tuple[host.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer (a slice of
     ``host.symm_workspace``) and the launch arguments but the output (every rank's own chunk of the buffer as
     ``peers``, ``gathered``, ``progress``, the plan, the ``launcher``); kept per signature."""
@@ -536,7 +637,7 @@ def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple
         check_sizes(q, k, world_size, op)
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         batch, heads, s_local, head_dim = q.shape
-        cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
+        cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms, tiles)
     pg = host.resolve_group(group, op)
     shape = (world_size, 2, k.shape[0] * k.shape[1], k.shape[2], k.shape[3])
     gathered = host.symm_workspace(math.prod(shape), k.dtype, k.device, pg, op).view(shape)
@@ -547,10 +648,11 @@ def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple
                  "launcher": host.Launcher(op)}
 
 
-def attend_to_sequence(q, k, v, group, causal: bool, scale, config: dict, op: str = OP, attention=None) -> torch.Tensor:
-    """``context_parallel_attention`` of the recipe (``attention`` None) or of the Helion twin (its op name and its
-    ``launch_attention``): the prepared call, a new output, the launch."""
-    ctx, cfg = prepare(q, k, v, group, op, causal, scale, config)
+def attend_to_sequence(q, k, v, group, causal: bool, scale, config: dict, op: str = OP, attention=None,
+                       tiles=default_tiles) -> torch.Tensor:
+    """``context_parallel_attention`` of the recipe (``attention`` None) or of the Helion twin (its op name, its
+    ``launch_attention`` and its ``default_tiles``): the prepared call, a new output, the launch."""
+    ctx, cfg = prepare(q, k, v, group, op, causal, scale, config, tiles)
     return launch(q, k, v, out=torch.empty_like(q), signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
                   scale=scale, **cfg, group_name=ctx.group_name, attention=attention)
 
@@ -589,11 +691,11 @@ def check_gathered(gathered, k, rank: int, op: str) -> None:
         raise ValueError(f"{op}: gathered must be on {k.device}, got {gathered.device}")
 
 
-@host.per_signature(lambda q, k, v, gathered, rank, op, causal, scale, config: (
-    op, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.tensor_key(gathered), rank,
+@host.per_signature(lambda q, k, v, gathered, rank, op, causal, scale, config, tiles: (
+    op, tiles, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.tensor_key(gathered), rank,
     host.scalar_key(causal), host.scalar_key(scale), host.config_key(config)))
 def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, scale,
-                        config: dict) -> tuple[dict, torch.Tensor, host.Launcher]:
+                        config: dict, tiles) -> tuple[dict, torch.Tensor, host.Launcher]:
     """``attention_on_gathered``'s checks and plan, its (never read) flags and its launcher; kept per signature."""
     check_inputs(q, k, v, causal, scale, op)
     check_gathered(gathered, k, rank, op)
@@ -601,15 +703,16 @@ def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, sca
     check_sizes(q, k, world_size, op)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     batch, heads, s_local, head_dim = q.shape
-    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
+    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms, tiles)
     return cfg, progress_flags(progress_size(world_size, cfg["pieces"]), q.device), host.Launcher(op)
 
 
 def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict, op: str = OP,
-                attention=None) -> torch.Tensor:
+                attention=None, tiles=default_tiles) -> torch.Tensor:
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
-    cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config)
-    progress.zero_()  # no flag is read here, but the count of tiles taken starts at zero
+    cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config, tiles)
+    progress.zero_()  # no flag is read here, but the twin's count of tiles taken starts at zero
+    stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
     return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
                                            causal, scale, False, **cfg, launcher=launcher)
 
@@ -627,7 +730,8 @@ def attention_on_gathered(
     """The same attention kernel with every rank's K/V here already: no communication, no flag waits.
 
     ``gathered`` [world_size, 2, batch * kv_heads, S_local, head_dim]: rank r's k and v at ``[r, 0]`` and
-    ``[r, 1]`` (any memory; ``[rank]`` is not read: my K/V come from ``k`` and ``v``). Also attention on one GPU
-    (world size 1: ``gathered`` [1, ...], the whole sequence in order, causal or not). No process group.
+    ``[r, 1]`` (any memory; ``[rank]`` is overwritten with ``k`` and ``v``, which the kernel reads there). Also
+    attention on one GPU (world size 1: ``gathered`` [1, ...], the whole sequence in order, causal or not). No
+    process group.
     """
     return on_gathered(q, k, v, gathered, rank, causal, scale, config)
