@@ -279,6 +279,7 @@ def full_attention_kernel(
                                         strides=[s_local * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_N, HEAD_DIM])
     num_tiles = kv_rows * (heads // kv_heads) * tl.cdiv(s_local, BLOCK_M)
     per_rank = tl.cdiv(s_local, BLOCK_N)  # key tiles per rank's shard
+    later = world_size - 1 - rank  # peers after me (rank + 1 ...); the other ``rank`` peers wrap around (0 ...)
     # Static persistent schedule: block b takes tiles b, b + num_blocks, ... of ``order`` (piece by piece).
     for tile in tl.range(tl.program_id(0), num_tiles, num_blocks, warp_specialize=True):
         fields = order_ptr + tile * 5  # first row of q, first row of its (batch, kv head)'s K/V, -, first row, piece
@@ -290,15 +291,34 @@ def full_attention_kernel(
             for step in tl.static_range(1, world_size):
                 kv_head += wait_each_thread(progress_ptr + (rank + step) % world_size * pieces + piece, 1)
         q = q_desc.load([q_row0, 0])
+        # (The epilogue's rows come from ``offs_m``, made here, before the key loop: a value the producer uses before
+        # the loop and the consumers after it, ``q_row0`` alone, gave wrong rows under warp specialization.)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
         m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        end_later = per_rank + later * per_rank
+        # Key tile i: my own (i < per_rank), then rank + 1's, ..., then the wrapped ones (0, ...).
         for i in tl.range(0, world_size * per_rank):
-            k_row = (rank + i // per_rank) % world_size * 2 * kv_rows + kv_head
-            start = i % per_rank * BLOCK_N
-            qk = tl.dot(q, kv_desc.load([k_row, start, 0]).reshape(BLOCK_N, HEAD_DIM).T)
+            if world_size == 1:
+                src = rank
+                start = i * BLOCK_N
+            else:
+                own = i < per_rank
+                is_later = i < end_later
+                j_later = i - per_rank
+                j_wrapped = i - end_later
+                step_later = j_later // per_rank
+                step_wrapped = j_wrapped // per_rank
+                src = (rank + tl.where(own, 0, tl.where(is_later, 1 + step_later, 1 + later + step_wrapped))) % world_size
+                start = tl.where(own, i, tl.where(is_later, j_later - step_later * per_rank,
+                                                  j_wrapped - step_wrapped * per_rank)) * BLOCK_N
+            k_row = src * 2 * kv_rows + kv_head
+            k = kv_desc.load([k_row, start, 0]).reshape(BLOCK_N, HEAD_DIM)
+            qk = tl.dot(q, k.T)
             if TAIL:  # keys past the shard (their values are TMA's zeros)
-                qk = tl.where((start + tl.arange(0, BLOCK_N) < s_local)[None, :], qk * qk_scale, _MASKED_SCORE)
+                cols = start + tl.arange(0, BLOCK_N)
+                qk = tl.where(cols[None, :] <= (s_local - 1), qk * qk_scale, _MASKED_SCORE)
                 m_ij = tl.maximum(m_i, tl.max(qk, 1))
                 qk = qk - m_ij[:, None]
             else:
@@ -312,10 +332,11 @@ def full_attention_kernel(
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_ij
         acc = acc / l_i[:, None]
-        offs_m = m0 + tl.arange(0, BLOCK_M)
+        # Only the shard's rows: a tile at its end also read some rows after it, discarded.
         dims = tl.arange(0, HEAD_DIM)
-        tl.store(out_ptr + (q_row0 + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM + dims[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=(offs_m < s_local)[:, None])
+        rows = q_row0 - m0 + offs_m
+        tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(offs_m < s_local)[:, None])
 
 
 # ---------------------------------------------------------------------------
@@ -623,10 +644,11 @@ def progress_flags(count: int, device: torch.device) -> torch.Tensor:
     return _flags[key]
 
 
-@host.per_signature(lambda q, k, v, group, op, causal, scale, config, tiles: (
+@host.per_signature(lambda q, k, v, group, op, causal, scale, config, tiles=default_tiles: (
     op, tiles, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.scalar_key(causal),
     host.scalar_key(scale), host.config_key(config)))
-def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict, tiles) -> tuple[host.SymmContext, dict]:
+def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict,
+            tiles=default_tiles) -> tuple[host.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer (a slice of
     ``host.symm_workspace``) and the launch arguments but the output (every rank's own chunk of the buffer as
     ``peers``, ``gathered``, ``progress``, the plan, the ``launcher``); kept per signature."""
