@@ -91,7 +91,7 @@ def test_plan_defaults(world_size):
         -75 // recipe.default_tiles(128, world_size, True)["block_m"])  # batch * heads * halves * query tiles per chunk
     assert recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"pieces": 3}, 132)["pieces"] == 3
     assert recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"max_blocks": 7}, 132)["num_blocks"] == 7
-    two = recipe.plan(1, 32, 8, 4096, 128, world_size, False, {"blocks_per_sm": 2, "max_blocks": 1000}, 132)
+    two = recipe.plan(1, 32, 8, 4096, 128, world_size, True, {"blocks_per_sm": 2, "max_blocks": 1000}, 132)
     assert two["num_blocks"] == 2 * (132 - recipe.RESERVED_SMS)
 
 
@@ -115,12 +115,19 @@ def test_plan_refuses_bad_config():
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
         recipe.plan(1, 4, 4, 64, 64, 2, False, {"block_n": 48}, 132)
     with pytest.raises(ValueError, match="block_n must divide block_m"):
-        recipe.plan(1, 4, 4, 64, 64, 2, False, {"block_m": 64, "block_n": 128}, 132)
+        recipe.plan(1, 4, 4, 64, 64, 2, True, {"block_m": 64, "block_n": 128}, 132)
     with pytest.raises(ValueError, match="pieces must be >= 1"):
         recipe.plan(1, 4, 4, 64, 64, 2, False, {"pieces": 0}, 132)
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="blocks_per_sm must be an int >= 1"):
             recipe.plan(1, 4, 4, 64, 64, 2, False, {"blocks_per_sm": bad}, 132)
+    # Without causal the recipe's kernel is warp-specialized: only the tiles that compile and run under Triton 3.6.
+    for bad in ({"block_m": 64, "block_n": 64}, {"num_warps": 8}, {"num_stages": 3}, {"blocks_per_sm": 2}, {"block_n": 32}):
+        with pytest.raises(ValueError, match=f"without causal the kernel is warp-specialized.*got {next(iter(bad))}="):
+            recipe.plan(1, 4, 4, 640, 128, 2, False, bad, 132)
+        recipe.plan(1, 4, 4, 640, 128, 2, True, bad, 132)  # the causal kernel takes them
+        twin.plan(1, 4, 4, 640, 128, 2, False, bad, 132)  # and so does the twin's, causal or not
+    assert recipe.plan(1, 4, 4, 640, 128, 2, False, {"block_n": 64}, 132)["block_n"] == 64
 
 
 # ---------------------------------------------------------------------------
@@ -403,7 +410,8 @@ for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, mo
                             for r in range(world_size)])
     outs = []
     for rank in range(world_size):
-        cfg = m.plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, {"max_blocks": 3, **config}, 132)
+        cfg = module.plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, {"max_blocks": 3, **config},
+                          132)
         out = torch.full((batch, heads, s_local, head_dim), float("nan"), dtype=torch.float16)
         mine = gathered.clone()
         reads_own = module is m and not causal  # the warp-specialized kernel reads mine from the buffer, staged there

@@ -58,7 +58,9 @@ CASES = [
     (1, 1000, 4, 4, 64, CAUSAL, FP16, {"pieces": 1}, True),
     # Two blocks per SM, more blocks than SMs (512 and 384 tiles of 64 rows).
     (1, 2048, 16, 4, 64, CAUSAL, BF16, {"block_m": 64, "block_n": 64, "num_warps": 4, "blocks_per_sm": 2}, True),
-    (2, 1500, 8, 2, 128, NONE, FP16, {"block_m": 64, "block_n": 64, "num_warps": 4, "blocks_per_sm": 2}, False),
+    (2, 1500, 8, 2, 128, CAUSAL, FP16, {"block_m": 64, "block_n": 64, "num_warps": 4, "blocks_per_sm": 2}, False),
+    # The warp-specialized kernel (without causal) on its other key tile, and a tail in every chunk.
+    (2, 1000, 8, 2, 128, NONE, FP16, {"block_n": 64}, False),
     # The defaults at head_dim 64 (three blocks per SM under the plan's register cap) with more tiles than blocks.
     (2, 2048, 16, 8, 64, CAUSAL, BF16, {}, False),
 ]

@@ -7,28 +7,32 @@ per step and a log-sum-exp merge). Here one kernel launch does the whole attenti
 its own K/V at once:
 
 * K/V travel on the copy engine (the machinery of ``kraken.comm.all_gather_with_progress``: a side
-  stream, one-block barrier kernels, flags written by stream memory operations). On the side stream
+  stream, one-block barrier kernels, flags written by stream memory operations). On the current stream
   this rank's ``k`` and ``v`` are staged into its chunk of a symmetric gather buffer
-  [world_size, 2 (k, v), batch * kv_heads, S_local, head_dim]; the ranks meet at a barrier; then every
-  peer's K/V is copied in ``pieces`` (a range of (batch, kv head) rows of K, then of V), piece-major
-  and, within a piece, ``rank + 1`` first, each piece flagged as it lands; a last barrier says
-  "done reading". No SM moves data, so attention blocks spinning on a flag cannot starve the copies.
+  [world_size, 2 (k, v), batch * kv_heads, S_local, head_dim] (``stage_own``); on the side stream the ranks
+  meet at a barrier; then every peer's K/V is copied in ``pieces`` (a range of (batch, kv head) rows of K,
+  then of V), piece-major and, within a piece, ``rank + 1`` first, each piece flagged as it lands; a last
+  barrier says "done reading". No SM moves data, so attention blocks spinning on a flag cannot starve the copies.
 * The attention kernel is persistent (``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, left
-  to the barrier kernel); each block takes the next query tile from a count in memory when it is done with its
-  last one (a dynamic schedule), in the order of a host-built table (``tile_order``): piece by piece, so the first
-  tiles need only the first pieces, and within a piece the tiles with the most keys first (under causal), so the
-  blocks finish together.
-  Each tile keeps its online-softmax state (row max, row sum, fp32 accumulator) in registers across
-  every chunk of keys: its own K/V first, read straight from ``k`` and ``v``, then ``rank + 1``'s,
-  ``rank + 2``'s, ... from the gather buffer. Before a peer's piece a block waits on its flag once
-  (an acquire spin by one thread, then every thread's async-proxy fence, ``_ptx_utils.wait_async``:
-  the K/V tiles load through TMA). No per-step launches and no merge pass.
-* Loads go through host-built TMA descriptors over the flattened [rows, head_dim] tensors; a tile
-  that runs past the end of a chunk masks those keys' scores to ``MASKED_SCORE`` and zeroes their
-  values (the rows after a chunk belong to another head, or to a piece still in flight). The keys a
-  tile sees of each rank's shard are a prefix of it (below): full key tiles run an unmasked loop,
-  then the prefix's last tile, and under ``causal`` the diagonal's, run the masked one: two key
-  loops per rank.
+  to the barrier kernel) and takes the query tiles in the order of a host-built table (``tile_order``): piece by
+  piece, so the first tiles need only the first pieces, and within a piece the tiles with the most keys first
+  (under causal), so the blocks finish together. Each tile keeps its online-softmax state (row max, row sum,
+  fp32 accumulator) in registers across every rank's keys: its own first, then ``rank + 1``'s, ``rank + 2``'s,
+  ... Before a peer's piece it waits on that piece's flag (an acquire spin, then the async-proxy fence: the K/V
+  tiles load through TMA). No per-step launches and no merge pass. Two kernels:
+* Without ``causal``, ``full_attention_kernel``: every query sees every key, so a tile is one key loop over
+  every rank's shard, all read from the gather buffer through device-built TMA descriptors whose [1, BLOCK_N,
+  head_dim] boxes end at each shard's end (TMA's zeros past it). Its tile loop is warp-specialized (Triton 3.6
+  on sm_90: a producer warpgroup issues the loads, two consumer warpgroups take 64 query rows each, as in
+  FlashAttention-3), with a static schedule (block b takes tiles b, b + blocks, ...) and fixed tiles
+  (``FULL_CHOICES``).
+* With ``causal``, ``context_parallel_attention_kernel``: each block takes the next tile from a count in memory
+  when done with its last one (a dynamic schedule); its own K/V come straight from ``k`` and ``v`` and the
+  peers' from the gather buffer, through host-built descriptors over the flattened [rows, head_dim] tensors.
+  The keys a tile sees of each rank's shard are a prefix of it (below): full key tiles run an unmasked loop,
+  then the prefix's last tile, and the diagonal's, run the masked one (scores past a chunk's end masked to
+  ``MASKED_SCORE``, values zeroed: those rows belong to another head, or to a piece still in flight). Triton
+  3.6 warp-specializes only one key loop per tile loop, so this kernel is not.
 
 ``causal=True`` uses the load-balanced layout: the sequence is cut into ``2 * world_size`` equal
 chunks and rank r holds chunks ``r`` and ``2 * world_size - 1 - r``, in that order, as its S_local
@@ -76,18 +80,18 @@ _MASKED_SCORE = tl.constexpr(MASKED_SCORE)  # Triton reads module globals only a
 # The kernel leaves this many SMs' worth of block slots free: its blocks spin on flags that follow the gather's
 # one-block barrier kernel, which must find room on some SM while every attention block is resident.
 RESERVED_SMS = 1
-# Causal tiles per head_dim (``context_parallel_attention_kernel``): (block_m, block_n, num_warps, num_stages) and the blocks resident per SM (the persistent
-# grid is blocks_per_sm * (SMs - RESERVED_SMS); ``plan`` caps each thread's registers so that many fit (``maxnreg``)
-# and the CPU test checks that the compiled kernels' registers and shared memory let them share an SM, else spinning
-# blocks could wait on blocks never scheduled). Several 4-warp blocks of 64-row tiles per SM: a block's CTA barriers
-# (around its TMA loads) hold only its own warps, so one block's softmax runs under another's GEMMs, where one 8-warp
-# block of 128 rows keeps its two warpgroups in step. One H200, world size 1, CUDA graphs, 8K: head_dim 64 three
-# blocks (at most 168 registers) 1509 us to two blocks' 1786 (B4 H16 causal); head_dim 128 two blocks of 64 x 64
-# (3 stages: 2 x 112 KB of shared memory) 2078 us to one 8-warp block of 128 x 64's 2288 (non-causal), 1320 to 1536
-# (causal). Head_dim 128 runs two blocks at one rank only (``ONE_RANK_TILES``): with the peer loop too, the 4-warp
-# block takes 221 registers here but all 255 in the Helion twin, which spills 8 bytes from 2 ranks (the predicate of
-# the thread that takes the next tile), where one 8-warp block of 128 x 64 fits both with no spill at 1 to 8 ranks
-# (128 x 128 spills under causal from 2 ranks).
+# Causal tiles per head_dim (``context_parallel_attention_kernel``): (block_m, block_n, num_warps, num_stages) and the
+# blocks resident per SM (the persistent grid is blocks_per_sm * (SMs - RESERVED_SMS); ``plan`` caps each thread's
+# registers so that many fit (``maxnreg``) and the CPU test checks that the compiled kernels' registers and shared
+# memory let them share an SM, else spinning blocks could wait on blocks never scheduled). Several 4-warp blocks of
+# 64-row tiles per SM: a block's CTA barriers (around its TMA loads) hold only its own warps, so one block's softmax
+# runs under another's GEMMs, where one 8-warp block of 128 rows keeps its two warpgroups in step. One H200, world size
+# 1, CUDA graphs, 8K: head_dim 64 three blocks (at most 168 registers) 1509 us to two blocks' 1786 (B4 H16 causal);
+# head_dim 128 two blocks of 64 x 64 (3 stages: 2 x 112 KB of shared memory) 2078 us to one 8-warp block of 128 x 64's
+# 2288 (non-causal), 1320 to 1536 (causal). Head_dim 128 runs two blocks at one rank only (``ONE_RANK_TILES``): with the
+# peer loop too, the 4-warp block takes 221 registers here but all 255 in the Helion twin, which spills 8 bytes from 2
+# ranks (the predicate of the thread that takes the next tile), where one 8-warp block of 128 x 64 fits both with no
+# spill at 1 to 8 ranks (128 x 128 spills under causal from 2 ranks).
 TILES = {
     64: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 3},
     128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "blocks_per_sm": 1},
@@ -105,6 +109,10 @@ FULL_TILES = {
     64: {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2, "blocks_per_sm": 1},
     128: {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2, "blocks_per_sm": 1},
 }
+# The configs the warp-specialized kernel takes (``plan`` refuses the rest): under Triton 3.6, 64-row tiles with 4
+# warps fail to compile (PassManager::run failed), two blocks per SM hung at 2 ranks on one H200, and 128 x 64 tiles
+# at 3 stages gave NaN outputs.
+FULL_CHOICES = {"block_m": (128,), "block_n": (64, 128), "num_warps": (4,), "num_stages": (2,), "blocks_per_sm": (1,)}
 # Registers per SM (and per thread at most): ``plan``'s register cap for blocks_per_sm blocks.
 SM_REGISTERS, MAX_REGISTERS = 65536, 255
 # ``pieces``: each peer's K/V is copied (and flagged) in up to this many ranges of (batch, kv head) rows; by
@@ -247,7 +255,7 @@ def context_parallel_attention_kernel(
 @triton.jit
 def full_attention_kernel(
     q_ptr,  # q as [batch * heads * S_local, head_dim]
-    kv_ptr,  # the gather buffer as [world_size * 2 * batch * kv_heads, S_local, head_dim]: (rank, k|v, (batch, kv head))
+    kv_ptr,  # the gather buffer as [world_size * 2 * batch * kv_heads, S_local, head_dim]: rank, k|v, (batch, kv head)
     out_ptr,  # [batch, heads, S_local, head_dim]
     progress_ptr,  # int32[world_size * pieces + 1]: [r * pieces + p] piece p of rank r's K/V has landed
     order_ptr,  # int32[num_tiles, 5]: the query tiles in the order the blocks' rounds take them (``tile_order``)
@@ -397,8 +405,8 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     ``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, never more blocks than query tiles.
     ``piece_rows``: the (batch, kv head) rows of each flagged piece of a peer's K/V."""
     cfg = host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    tiles = tiles(head_dim, world_size, causal)  # the defaults: the recipe's, or the twin's own
-    cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in tiles.items()}}
+    defaults = tiles(head_dim, world_size, causal)  # the recipe's, or the twin's own
+    cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in defaults.items()}}
     for key in ("block_m", "block_n"):
         value = cfg[key]
         if value < 16 or value & (value - 1):
@@ -408,6 +416,12 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
                          f"got block_m={cfg['block_m']}, block_n={cfg['block_n']}")
     if isinstance(cfg["blocks_per_sm"], bool) or not isinstance(cfg["blocks_per_sm"], int) or cfg["blocks_per_sm"] < 1:
         raise ValueError(f"{OP}: blocks_per_sm must be an int >= 1, got {cfg['blocks_per_sm']!r}")
+    if not causal and tiles is default_tiles:  # the recipe's warp-specialized kernel
+        refused = {key: cfg[key] for key, allowed in FULL_CHOICES.items() if cfg[key] not in allowed}
+        if refused:
+            raise ValueError(f"{OP}: without causal the kernel is warp-specialized and takes only "
+                             f"{', '.join(f'{key} in {allowed}' for key, allowed in FULL_CHOICES.items())}; got "
+                             f"{', '.join(f'{key}={value!r}' for key, value in refused.items())}")
     pieces = max(2, PIECE_BUDGET // world_size) if cfg["pieces"] is None else cfg["pieces"]
     if pieces < 1:
         raise ValueError(f"{OP}: pieces must be >= 1, got {pieces}")
@@ -694,7 +708,8 @@ def context_parallel_attention(
     shard of the sequence (``shard_sequence``; with ``causal``, the load-balanced layout), contiguous CUDA
     tensors, bf16 or fp16, head_dim 64 or 128, kv_heads dividing heads, the same shapes on every rank.
     ``scale`` defaults to 1 / sqrt(head_dim). ``config`` overrides ``block_m``, ``block_n``, ``num_warps``,
-    ``num_stages``, ``blocks_per_sm``, ``pieces`` and ``max_blocks`` (see ``plan``).
+    ``num_stages``, ``blocks_per_sm``, ``pieces`` and ``max_blocks`` (see ``plan``; without ``causal`` the tiles
+    are limited to ``FULL_CHOICES``).
     """
     return attend_to_sequence(q, k, v, group, causal, scale, config)
 
