@@ -319,6 +319,19 @@ def test_recipe_compiles_for_sm90(head_dim, causal, world_size):
     check_residency(stats, tiles["num_warps"] * (1 if causal else 3), tiles["blocks_per_sm"])
 
 
+@pytest.mark.parametrize("config", [{}, {"block_n": 64}], ids=["128x128", "128x64"])
+def test_warp_specialized_kernel_compiles_for_one_key_row(config):
+    """One rank, one row per head (``s_local`` 1): one key tile, whose loop the compiler would drop (and warp
+    specialization then fail) were ``s_local`` specialized to the constant 1; and the kernel's other key tile."""
+    with sm90.capture_launches() as captured:
+        op.example(recipe, 1, shape=(1, 1, 2, 2, 64, op.NONE), **config)
+    (launch,) = captured
+    stats = sm90.kernel_stats(launch)
+    assert stats["kernel"] == "full_attention_kernel"
+    for instruction in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"):
+        assert instruction in stats["ptx"], instruction
+
+
 # The twin takes about a minute per variant to compile on the CPU: two variants at 1 and 2 ranks here, and the
 # registry's example (causal, head_dim 128) at world sizes 2, 3 and 8 in test_compile_cpu.
 @pytest.mark.parametrize("world_size", [1, 2])

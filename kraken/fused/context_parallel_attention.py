@@ -252,7 +252,9 @@ def context_parallel_attention_kernel(
         tile = tl.atomic_add(taken, 1, sem="relaxed")
 
 
-@triton.jit
+# ``s_local`` is never specialized: at 1 (Triton's constant for an int argument of 1) with one rank the key loop has
+# one trip, the compiler drops the loop, and warp specialization fails to compile without it.
+@triton.jit(do_not_specialize=["s_local"])
 def full_attention_kernel(
     q_ptr,  # q as [batch * heads * S_local, head_dim]
     kv_ptr,  # the gather buffer as [world_size * 2 * batch * kv_heads, S_local, head_dim]: rank, k|v, (batch, kv head)
