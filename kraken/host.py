@@ -638,7 +638,7 @@ def forget_prepared_calls() -> None:
         cache.clear()
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+def _triton_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Triton's allocator protocol: global scratch for a launch (device-built TMA descriptors live there)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -647,7 +647,7 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def scratch_allocator() -> Iterator[None]:
     """Triton's allocator for the launches within (``triton.set_allocator``, undone after, so that a recipe sets no
     process-wide state): kernels that build TMA descriptors on the device get their global scratch from torch."""
-    token = _allocation._allocator.set(_scratch)
+    token = _allocation._allocator.set(_triton_scratch)
     try:
         yield
     finally:
@@ -722,7 +722,7 @@ def launch_function(compiled, num_args: int, programs: int) -> tuple[Callable, t
     hooks = (None, None, None)  # launch metadata, enter hook, exit hook
     scratch_size, profile_size = getattr(run, "global_scratch_size", None), getattr(run, "profile_scratch_size", None)
     if scratch_size is not None and profile_size == 0:
-        scratch = None if scratch_size == 0 else _scratch(programs * run.num_ctas * scratch_size, 0, None)
+        scratch = None if scratch_size == 0 else _triton_scratch(programs * run.num_ctas * scratch_size, 0, None)
         head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, scratch, None, compiled.packed_metadata)
         launch, descriptors = unwrap_descriptors(run.launch, num_args)
         return launch, (*head, *hooks), descriptors, programs if scratch_size else sys.maxsize

@@ -267,3 +267,15 @@ def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
         assert args[:13] == (5, 1, 1, 1234, "cufunction", False, False, None, None, "packed metadata", None, None,
                              None)
         assert args[15:19] == (64, 128, 128, 1) and args[19:] == (*rest, 1024, False)
+
+
+def test_local_scratch_is_kept_per_device_and_dtype():
+    """One buffer per (device, dtype), grown when a bigger one is asked for (a later name in host.py once shadowed
+    its cache, and every GEMM + all-reduce at world size 1 failed on the GPU)."""
+    cpu = torch.device("cpu")
+    a = host.local_scratch((4, 8), torch.float32, cpu)
+    b = host.local_scratch((2, 3), torch.float32, cpu)
+    assert a.shape == (4, 8) and b.shape == (2, 3) and a.data_ptr() == b.data_ptr()
+    c = host.local_scratch((100,), torch.float32, cpu)
+    assert c.numel() == 100 and host.local_scratch((2,), torch.int32, cpu).dtype == torch.int32
+
