@@ -112,10 +112,28 @@ def _worker(rank: int, world_size: int, port: int, reports, fn: Callable, args: 
         reports.put(("error", rank, traceback.format_exc()))
 
 
+class _PortTaken(Exception):
+    """The rendezvous port was taken between ``_free_port`` and rank 0's store binding it (another process)."""
+
+
 def spawn(fn: Callable, args: tuple = (), world_size: int | None = None, stall_s: float = 60.0, name: str = "") -> list:
     """Run ``fn(*args)`` on ``world_size`` ranks, one per GPU (default: ``default_world_size()``); returns each
-    rank's result."""
+    rank's result. Where another process took the rendezvous port before the ranks bound it (many launches side by
+    side), up to ``PORT_ATTEMPTS`` fresh ports are tried, ``fn`` never having started."""
     world_size = default_world_size() if world_size is None else world_size
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _spawn_once(fn, args, world_size, stall_s, name)
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise WorkerError(f"{name or fn.__name__}: the rendezvous port was taken {PORT_ATTEMPTS} times") from None
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+
+
+def _spawn_once(fn: Callable, args: tuple, world_size: int, stall_s: float, name: str) -> list:
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     port = _free_port()
@@ -162,6 +180,8 @@ def spawn(fn: Callable, args: tuple = (), world_size: int | None = None, stall_s
                 p.kill()
     if errors:
         rank = min(errors)
+        if "EADDRINUSE" in errors[rank] and all(label == "starting" for _, label in last_beat.values()):
+            raise _PortTaken()
         raise WorkerError(f"{name or fn.__name__}: rank {rank} failed:\n{errors[rank]}")
     return [results[r] for r in range(world_size)]
 

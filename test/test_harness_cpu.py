@@ -320,3 +320,25 @@ def test_an_eager_only_backend_is_a_row_that_says_so_under_cuda_graphs(monkeypat
     # The NCCL MoE dispatch brings its splits to the host: still the baseline (the reference is computed eagerly).
     dispatch = registry.get("moe_dispatch")
     assert dispatch.eager_only == {"nccl"} and dispatch.baseline == "nccl"
+
+
+def test_spawn_retries_a_taken_rendezvous_port(monkeypatch):
+    """A port taken between ``_free_port`` and rank 0's store (many launches side by side): fresh ports, up to
+    ``PORT_ATTEMPTS``, then a clear error."""
+    from benchmark import launch
+
+    tries = []
+
+    def once(fn, args, world_size, stall_s, name):
+        tries.append(world_size)
+        if len(tries) < 3:
+            raise launch._PortTaken()
+        return ["ok"] * world_size
+
+    monkeypatch.setattr(launch, "_spawn_once", once)
+    assert launch.spawn(print, world_size=2) == ["ok", "ok"] and tries == [2, 2, 2]
+    tries.clear()
+    monkeypatch.setattr(launch, "PORT_ATTEMPTS", 2)
+    with pytest.raises(launch.WorkerError, match="port was taken 2 times"):
+        launch.spawn(print, world_size=2)
+    assert len(tries) == 2
