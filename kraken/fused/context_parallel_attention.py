@@ -129,26 +129,32 @@ DEFAULT_CONFIG = {"block_m": None, "block_n": None, "num_warps": None, "num_stag
 
 
 @triton.jit
+def softmax_step(qk, m_i, l_i, acc, qk_scale, keep, MASKED: tl.constexpr):
+    """One online-softmax step on a key tile's raw scores ``qk`` (MASKED: only where ``keep``, the rest scored
+    ``MASKED_SCORE``): the probabilities ``p`` (exp2, the scale folded in), the new row max and row sum, and ``acc``
+    rescaled to the new max, ready for ``acc += p @ v``. Both kernels' key loops take it."""
+    if MASKED:
+        qk = tl.where(keep, qk * qk_scale, _MASKED_SCORE)
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        qk = qk - m_ij[:, None]
+    else:
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = qk * qk_scale - m_ij[:, None]
+    p = tl.math.exp2(qk)
+    alpha = tl.math.exp2(m_i - m_ij)
+    return p, m_ij, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
 def attend(acc, m_i, l_i, q, k_desc, v_desc, k_row0, v_row0, lo, hi, q_limit, qk_scale,
            MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over keys ``lo .. hi`` of one chunk (rows ``k_row0 + ...`` of ``k_desc``, ``v_row0 + ...``
     of ``v_desc``). MASKED: key ``j`` counts for query row ``i`` only if ``j <= q_limit[i]`` and ``j < hi``."""
     for start in tl.range(lo, hi, BLOCK_N):
         k = k_desc.load([k_row0 + start, 0])
-        qk = tl.dot(q, k.T)
-        if MASKED:
-            cols = start + tl.arange(0, BLOCK_N)
-            keep = (cols[None, :] <= q_limit[:, None]) & (cols[None, :] < hi)
-            qk = tl.where(keep, qk * qk_scale, _MASKED_SCORE)
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            qk = qk - m_ij[:, None]
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_ij[:, None]
-        p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        cols = start + tl.arange(0, BLOCK_N)
+        keep = (cols[None, :] <= q_limit[:, None]) & (cols[None, :] < hi)
+        p, m_ij, l_i, acc = softmax_step(tl.dot(q, k.T), m_i, l_i, acc, qk_scale, keep, MASKED)
         v = v_desc.load([v_row0 + start, 0])
         if MASKED:
             # Rows past the chunk: another head's values, or a piece still in flight (any bits, NaN too).
@@ -325,19 +331,8 @@ def full_attention_kernel(
                                                   j_wrapped - step_wrapped * per_rank)) * BLOCK_N
             k_row = src * 2 * kv_rows + kv_head
             k = kv_desc.load([k_row, start, 0]).reshape(BLOCK_N, HEAD_DIM)
-            qk = tl.dot(q, k.T)
-            if TAIL:  # keys past the shard (their values are TMA's zeros)
-                cols = start + tl.arange(0, BLOCK_N)
-                qk = tl.where(cols[None, :] <= (s_local - 1), qk * qk_scale, _MASKED_SCORE)
-                m_ij = tl.maximum(m_i, tl.max(qk, 1))
-                qk = qk - m_ij[:, None]
-            else:
-                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-                qk = qk * qk_scale - m_ij[:, None]
-            p = tl.math.exp2(qk)
-            alpha = tl.math.exp2(m_i - m_ij)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
+            keep = (start + tl.arange(0, BLOCK_N))[None, :] <= (s_local - 1)  # TAIL: keys past the shard (TMA's zeros)
+            p, m_ij, l_i, acc = softmax_step(tl.dot(q, k.T), m_i, l_i, acc, qk_scale, keep, TAIL)
             v = kv_desc.load([k_row + kv_rows, start, 0]).reshape(BLOCK_N, HEAD_DIM)
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_ij
