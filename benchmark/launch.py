@@ -121,13 +121,12 @@ def spawn(fn: Callable, args: tuple = (), world_size: int | None = None, stall_s
     rank's result. Where another process took the rendezvous port before the ranks bound it (many launches side by
     side), up to ``PORT_ATTEMPTS`` fresh ports are tried, ``fn`` never having started."""
     world_size = default_world_size() if world_size is None else world_size
-    for attempt in range(PORT_ATTEMPTS):
+    for _ in range(PORT_ATTEMPTS):
         try:
             return _spawn_once(fn, args, world_size, stall_s, name)
         except _PortTaken:
-            if attempt == PORT_ATTEMPTS - 1:
-                raise WorkerError(f"{name or fn.__name__}: the rendezvous port was taken {PORT_ATTEMPTS} times") from None
-    raise AssertionError("unreachable")
+            pass
+    raise WorkerError(f"{name or fn.__name__}: the rendezvous port was taken {PORT_ATTEMPTS} times")
 
 
 PORT_ATTEMPTS = 3

@@ -697,12 +697,13 @@ class Launcher:
         last_op = self.op
         hit = self.compiled.get(id(kernel))
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
-        if hit is None or launch_hooked() or grid[0] * grid_y * grid_z > hit[3]:
+        programs = grid[0] * grid_y * grid_z
+        if hit is None or launch_hooked() or programs > hit[3]:
             compiled = jit_launch(kernel, grid, *args, **meta)
             if compiled is not None and hasattr(compiled, "packed_metadata"):  # None: a CPU capture recorded it
                 names, params = kernel.arg_names, kernel.params
                 tail = tuple(meta.get(name, params[i].default) for i, name in enumerate(names) if i >= len(args))
-                self.compiled[id(kernel)] = (*launch_function(compiled, len(args), grid[0] * grid_y * grid_z), tail)
+                self.compiled[id(kernel)] = (*launch_function(compiled, len(args), programs), tail)
             return compiled
         run, head, descriptors, _, tail = hit
         if descriptors:

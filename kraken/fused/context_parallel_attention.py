@@ -745,8 +745,9 @@ def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict,
                 attention=None, tiles=default_tiles) -> torch.Tensor:
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config, tiles)
-    progress.zero_()  # no flag is read here, but the twin's count of tiles taken starts at zero
-    stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
+    progress.zero_()  # no flag is read here, but the causal kernels' and the twin's count of tiles taken starts at 0
+    if attention is None and not causal:  # only the warp-specialized kernel reads my K/V from the buffer
+        stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
     return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
                                            causal, scale, False, **cfg, launcher=launcher)
 
@@ -764,7 +765,8 @@ def attention_on_gathered(
     """The same attention kernel with every rank's K/V here already: no communication, no flag waits.
 
     ``gathered`` [world_size, 2, batch * kv_heads, S_local, head_dim]: rank r's k and v at ``[r, 0]`` and
-    ``[r, 1]`` (any memory; ``[rank]`` is overwritten with ``k`` and ``v``, which the kernel reads there). Also
+    ``[r, 1]`` (any memory; without ``causal`` ``[rank]`` is overwritten with ``k`` and ``v``, which the kernel
+    reads there; with it, ``[rank]`` is not read: my K/V come from ``k`` and ``v``). Also
     attention on one GPU (world size 1: ``gathered`` [1, ...], the whole sequence in order, causal or not). No
     process group.
     """
