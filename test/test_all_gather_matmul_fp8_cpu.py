@@ -170,7 +170,7 @@ def test_plan_is_well_formed(world_size):
 
 def test_plan_refuses_bad_config():
     with pytest.raises(TypeError, match="unknown config keys"):
-        recipe.plan(64, 64, 64, 2, {"stage": "sm"}, 132)  # the bf16 recipe's staging modes are not offered
+        recipe.plan(64, 64, 64, 2, {"stage": "sm"}, 132)  # no such key (the bf16 recipe had one once)
     with pytest.raises(ValueError, match="block_k must be a power of two >= 32"):
         recipe.plan(64, 64, 64, 2, {"block_k": 16}, 132)
     with pytest.raises(ValueError, match="block_k must be <= 128"):

@@ -26,11 +26,10 @@ MODULES = {
 }
 BF16, FP16 = torch.bfloat16, torch.float16
 # (rows per rank, N, K). Odd: one row per rank; tails everywhere, N or K not multiples of 8 (the padded
-# operands); more rows than a stage piece; a chunk end inside a tile. Classes: the 128x128 and 128x256 tiles.
+# operands); a chunk end inside a tile. Classes: the 128x128 and 128x256 tiles.
 ODD_SHAPES = ((1, 8, 16), (37, 100, 72), (129, 257, 130), (300, 1000, 520))
 CLASS_SHAPES = ((128, 4096, 1024), (1024, 4096, 1024))
 STRESS_SHAPES = ((64, 1024, 512), (300, 2048, 256))
-COPY_ENGINE = {"stage": "copy_engine"}
 
 
 def reference(shape, dtype, seed: int, world_size: int, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,6 +60,13 @@ def launch_into(module, a, b, out: torch.Tensor, **config) -> torch.Tensor:
                          group_name=ctx.group_name)
 
 
+def all_rows(a: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``a``, by NCCL."""
+    rows = [torch.empty_like(a) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, a)
+    return rows
+
+
 def layouts(b: torch.Tensor, which: str) -> torch.Tensor:
     """The same values of b stored row-major, transposed (``w.t()``) or strided (every other column of a wider one)."""
     if which == "transposed":
@@ -78,8 +84,6 @@ def correctness(backend: str, module, fn) -> None:
     cases += [(s, BF16, "row-major", {}) for s in CLASS_SHAPES]
     cases += [(ODD_SHAPES[2], BF16, "transposed", {}), (CLASS_SHAPES[0], BF16, "transposed", {}),
               (ODD_SHAPES[1], FP16, "strided", {})]
-    # My rows staged by the copy engine in flagged pieces (the GEMM waits on each), one piece and several.
-    cases += [(ODD_SHAPES[3], BF16, "row-major", COPY_ENGINE), (CLASS_SHAPES[1], FP16, "row-major", COPY_ENGINE)]
     for shape, dtype, layout, config in cases:
         seed += 1
         what = f"{backend} {'x'.join(map(str, shape))} {dtype} b {layout} {config}"
@@ -93,15 +97,14 @@ def correctness(backend: str, module, fn) -> None:
         ref = reference(shape, dtype, seed, world_size)
         check(out, ref, what)
         assert torch.equal(public, out), f"{what}: the public call and launch() disagree"
-        rows = [torch.empty_like(a) for _ in range(world_size)]
-        dist.all_gather(rows, a)
-        assert torch.equal(gathered, torch.cat(rows)), f"{what}: the returned gathered a is not every rank's rows"
+        assert torch.equal(gathered, torch.cat(all_rows(a))), f"{what}: the returned gathered a is not every rank's rows"
 
 
 def stress_and_cuda_graph(backend: str, module, fn) -> None:
-    """200 back-to-back launches on rotating inputs, alternating shapes and staging modes (a shard overwritten
-    while a peer still copies it, or a flag left over from the previous launch, shows up here), then CUDA-graph
-    capture and 20 replays against eager, bitwise (with the staging pieces' flags set inside the graph too)."""
+    """200 back-to-back launches on rotating inputs, alternating shapes and the returned gathered ``a`` (a shard
+    overwritten while a peer still copies it, or a flag left over from the previous launch, shows up here), then
+    CUDA-graph capture and 20 replays against eager, bitwise (with and without ``return_a``: in a group of one, my
+    rows are staged only for that copy)."""
     world_size = dist.get_world_size()
     shapes = [STRESS_SHAPES[s % 2] for s in range(6)]
     inputs = [operands(shape, BF16, 100 + s) for s, shape in enumerate(shapes)]
@@ -109,7 +112,12 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
     outs = [torch.full((world_size * shape[0], shape[1]), POISON, dtype=BF16, device="cuda") for shape in shapes]
     for i in range(200):
         a, b = inputs[i % 6]
-        launch_into(module, a, b, outs[i % 6], **(COPY_ENGINE if i % 6 == 3 else {}))
+        if i % 6 == 3:
+            gathered, public = fn(a, b, return_a=True)
+            outs[i % 6].copy_(public)
+            assert torch.equal(gathered, torch.cat(all_rows(a))), f"{backend} launch {i}: the returned gathered a"
+        else:
+            launch_into(module, a, b, outs[i % 6])
         if i % 50 == 49:
             heartbeat(f"{backend} launch {i + 1}")
             torch.cuda.synchronize()
@@ -121,22 +129,24 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
     eager = {k: fn(*inputs[k]) for k in slots}
     static_a, static_b = (t.clone() for t in inputs[0])
     fn(static_a, static_b)  # warm-up before capture
-    fn(static_a, static_b, **COPY_ENGINE)
+    fn(static_a, static_b, return_a=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = fn(static_a, static_b)
-        static_out_ce = fn(static_a, static_b, **COPY_ENGINE)
+        static_gathered, static_out_ra = fn(static_a, static_b, return_a=True)
     for i in range(20):
         k = slots[i % len(slots)]
         static_a.copy_(inputs[k][0])
         static_b.copy_(inputs[k][1])
         static_out.fill_(POISON)
-        static_out_ce.fill_(POISON)
+        static_out_ra.fill_(POISON)
+        static_gathered.fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, eager[k]), f"{backend} graph replay {i} differs from eager"
-        assert torch.equal(static_out_ce, eager[k]), f"{backend} graph replay {i} (copy-engine staging) differs from eager"
+        assert torch.equal(static_out_ra, eager[k]), f"{backend} graph replay {i} (return_a) differs from eager"
+        assert torch.equal(static_gathered, torch.cat(all_rows(static_a))), f"{backend} graph replay {i}: gathered a"
     heartbeat(f"{backend} graph replays done")
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from benchmark.registry import Op, Pair, gemm_us, register
-from benchmark.sm90 import H200_NUM_SMS
+from benchmark.sm90 import H200_NUM_SMS, example_rank
 
 RECIPE = "fused.all_gather_matmul"
 # Rows per rank, N and K not multiples of the tiles (N and K multiples of 8: TMA-aligned, no padding copy),
@@ -96,12 +96,11 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, 
     a = torch.randn(m, k, dtype=dtype)
     b = torch.randn(k, n, dtype=dtype) if b_layout != "nk" else torch.randn(n, k, dtype=dtype).t()
     cfg = module.plan(m, n, k, world_size, {"b_layout": b_layout, **config}, H200_NUM_SMS)
-    cfg.pop("stage")  # the staging is host code (kraken.comm.all_gather_with_progress.start)
     a, b, b_trans = module.tma_inputs(a, b, cfg.pop("b_layout"))
     gathered = torch.empty(world_size * m, a.shape[1], dtype=dtype)
     out = torch.empty(world_size * m, n, dtype=dtype)
-    progress = torch.zeros(world_size + module.STAGE_PIECES, dtype=torch.int32)
-    module.launch_matmul(gathered, b, out, progress, min(1, world_size - 1), world_size, b_trans, **cfg)
+    progress = torch.zeros(world_size, dtype=torch.int32)
+    module.launch_matmul(a, gathered, b, out, progress, example_rank(world_size), world_size, b_trans, **cfg)
 
 
 # ---------------------------------------------------------------------------

@@ -2,14 +2,19 @@
 
 The gather is the recipe's (``kraken.comm.all_gather_with_progress``: copy-engine copies,
 stream memory operations and two one-block barrier kernels, all host code), and so are
-``plan``, ``prepare``, ``tma_inputs`` and the host side of ``launch``. The GEMM mirrors the recipe's kernel
-one to one:
+``plan``, ``prepare`` and ``tma_inputs``. The GEMM mirrors the recipe's kernel one to one but in
+one thing: the recipe's tiles of my own rows read ``a`` itself and the others the gather buffer (a
+descriptor picked per tile, before the k loop), and Helion 1.5 cannot pick a load's tensor per tile
+without losing the k loop's pipeline (docs/helion-notes.md). So the twin reads every row from the
+gather buffer, with my rows staged into it by an elementwise kernel on the current stream before the
+GEMM (``stage_with_sms``), at every world size. (Not ``a`` itself in a group of one: where Helion
+loads a tensor smaller than its box through pointers, it reads whole boxes, past the end of a
+standalone ``a``; in the buffer those reads stay inside the symmetric allocation and are discarded.)
 
 * ``hl.grid(num_blocks)`` is the persistent grid; block ``b`` takes tiles ``b, b +
   num_blocks, ...`` (``hl.grid(rounds)``; a round past the last tile does nothing), chunk
   by chunk of the gather buffer: this rank's rows first, then rank + 1's, rank + 2's, ...;
-* a block waits for the rows' flag at its first tile of each chunk (and at every own tile
-  while the copy engine stages them piece by piece), with the recipe's PTX
+* a block waits for the rows' flag at its first tile of each peer's chunk, with the recipe's PTX
   (``GMEM_WAIT_ASYNC``: acquire spin by one thread, thread barrier, every thread's
   async-proxy fence) pasted in with ``hl.inline_triton``;
 * within a chunk, ``group_m``-row bands of tiles, as the recipe;
@@ -19,8 +24,8 @@ one to one:
   A transposed ``b`` arrives as its [N, K] transpose and each tile is transposed in
   registers (``b_trans``), as the recipe.
 
-The body also serves the fp8 twin (``own_staged``, ``scaled`` and the scales; off and None here, and
-absent from the generated kernel). The config is explicit: ``block_sizes`` follow the loops (the tile's m
+The body also serves the fp8 twin (``scaled`` and the scales; off and None here, and absent from the
+generated kernel). The config is explicit: ``block_sizes`` follow the loops (the tile's m
 and n, its k step), from the recipe's ``plan``. Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
 """
 
@@ -38,7 +43,7 @@ from kraken import host
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul import (  # noqa: F401 (shared with the recipe)
-    OP, STAGE_PIECES, outputs, plan, prepare, tma_inputs,
+    OP, outputs, plan, prepare, tma_inputs,
 )
 
 # The flag (a pointer expression in the snippet): progress + index.
@@ -55,12 +60,9 @@ def all_gather_matmul_body(
     out: torch.Tensor,
     progress: torch.Tensor,
     num_blocks: int,
-    piece_rows: int,
-    piecewise: int,
     rank: int,
     world_size: hl.constexpr,
     b_trans: hl.constexpr,
-    own_staged: hl.constexpr,  # the fp8 twin's: my rows were written by earlier kernels on this stream
     scaled: hl.constexpr,  # the fp8 twin's: the epilogue multiplies by the rows' and columns' scales
     block_m: hl.constexpr,
     block_n: hl.constexpr,
@@ -88,17 +90,11 @@ def all_gather_matmul_body(
                 band_rows = min(tiles_m - band * group_m, group_m)
                 m0 = (band * group_m + within % band_tiles % band_rows) * block_m
                 n0 = within % band_tiles // band_rows * block_n
-                # The copy engine has landed these rows (acquire), and TMA will see them (async-proxy fence): at a
-                # block's first tile of each chunk, and at every own tile while my rows land piece by piece.
-                if own_staged:  # only at the first tile of each peer's chunk (a group of one has none)
-                    if world_size > 1:
-                        if step != prev_step and step > 0:
-                            hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src, "value": 1}, output_like=None)
-                else:
-                    own = 1 - min(step, 1)  # (Helion 1.5 has no dynamic conditional expression)
-                    if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
-                        flag = src + own * (world_size + m0 // piece_rows - src)
-                        hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": flag, "value": 1}, output_like=None)
+                # At a block's first tile of each peer's chunk: the copy engine has landed these rows (acquire), and
+                # TMA will see them (async-proxy fence). My own rows were written earlier on this stream.
+                if world_size > 1:
+                    if step != prev_step and step > 0:
+                        hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src, "value": 1}, output_like=None)
                 row0 = src * m + m0
                 for tile_g, tile_n in hl.tile([row0, n0], [row0 + block_m, n0 + block_n]):
                     acc = hl.zeros([tile_g, tile_n], dtype=torch.float32)
@@ -131,6 +127,7 @@ def compiled(block_m: int, block_n: int, block_k: int, num_warps: int, num_stage
 
 
 def launch_matmul(
+    a: torch.Tensor,
     gathered: torch.Tensor,
     b: torch.Tensor,
     out: torch.Tensor,
@@ -138,7 +135,6 @@ def launch_matmul(
     rank: int,
     world_size: int,
     b_trans: bool,
-    piece_rows: int,
     block_m: int,
     block_n: int,
     block_k: int,
@@ -148,10 +144,11 @@ def launch_matmul(
     num_blocks: int,
     launcher=host.jit_launch,
 ) -> torch.Tensor:
-    """The GEMM alone, on TMA-ready operands; mirrors the recipe's ``launch_matmul``."""
+    """The GEMM alone, on TMA-ready operands; mirrors the recipe's ``launch_matmul`` but reads my rows from
+    ``gathered`` too, staged there (the module docstring says why; ``a`` is unused)."""
     args = (
-        gathered, b, None, None, out, progress, num_blocks, piece_rows, int(piece_rows < out.shape[0] // world_size),
-        rank, world_size, b_trans, False, False, block_m, block_n, group_m,
+        gathered, b, None, None, out, progress, num_blocks, rank, world_size, b_trans,
+        False, block_m, block_n, group_m,
     )
     run(compiled(block_m, block_n, block_k, num_warps, num_stages), args, launcher)
     return out
@@ -168,8 +165,6 @@ def launch(
     rank: int,
     a_out: torch.Tensor | None,
     b_layout: str,
-    stage: str,
-    piece_rows: int,
     block_m: int,
     block_n: int,
     block_k: int,
@@ -181,12 +176,13 @@ def launch(
     launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul.launch`` (the
-    same gather on the copy engine, then this GEMM)."""
+    same gather on the copy engine, then this GEMM), but stages my rows on the SMs, before the GEMM: the GEMM
+    reads them from the buffer."""
     a, b, b_trans = tma_inputs(a, b, b_layout)
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, stage_piece_rows=piece_rows,
-                           stage_with_sms=stage == "sm", snapshot=a_out, launcher=launcher)
-    launch_matmul(gathered, b, out, progress, rank, len(peers), b_trans, piece_rows, block_m, block_n, block_k,
-                  group_m, num_warps, num_stages, num_blocks, launcher)
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, stage_with_sms=True,
+                           snapshot=a_out, launcher=launcher)
+    launch_matmul(a, gathered, b, out, progress, rank, len(peers), b_trans, block_m, block_n, block_k, group_m,
+                  num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 

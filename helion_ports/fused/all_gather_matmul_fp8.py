@@ -3,7 +3,7 @@
 The staging and the gather are the recipe's (its one-kernel ``stage`` into this rank's chunk of the gather
 buffer, then ``kraken.comm.all_gather_with_progress`` on the copy engine), and so are ``plan``,
 ``prepare``, ``b_operand`` and ``buffer_views``. The GEMM is the bf16 twin's body
-(``helion_ports.fused.all_gather_matmul``) with ``own_staged`` and ``scaled`` on, mirroring the recipe's
+(``helion_ports.fused.all_gather_matmul``) with ``scaled`` on, mirroring the recipe's
 kernel one to one:
 
 * ``hl.grid(num_blocks)`` is the persistent grid, tiles ``b, b + num_blocks, ...`` chunk by chunk (own
@@ -68,8 +68,8 @@ def launch_matmul(
     """The GEMM alone; mirrors the recipe's ``launch_matmul``."""
     values, row_scales = buffer_views(gathered, k)
     args = (
-        values, b, row_scales, scale_b.reshape(-1).expand(out.shape[1]), out, progress, num_blocks, 0, 0, rank,
-        world_size, b_trans, True, True, block_m, block_n, group_m,
+        values, b, row_scales, scale_b.reshape(-1).expand(out.shape[1]), out, progress, num_blocks, rank,
+        world_size, b_trans, True, block_m, block_n, group_m,
     )
     run(compiled(block_m, block_n, block_k, num_warps, num_stages), args, launcher)
     return out

@@ -130,30 +130,6 @@ class GatherInProgress:
         return self.out
 
 
-_staged_flags: dict[tuple, torch.Tensor] = {}
-
-
-def reset_flags(progress: torch.Tensor, world_size: int, staged_pieces: int) -> None:
-    """Set ``progress`` as it is before any rank's chunk has landed: 0 for every rank, ``LANDED`` for the first
-    ``staged_pieces`` pieces of my rows (staged already, on the SMs). With staged pieces that is one copy from a
-    device tensor kept per (device, length), made outside any CUDA-graph capture (where it is made, it is
-    complete before it is used: a synchronisation, once); otherwise, or while capturing the first time, a fill."""
-    if staged_pieces:
-        key = (progress.device, progress.numel(), world_size, staged_pieces)
-        flags = _staged_flags.get(key)
-        if flags is None and not torch.cuda.is_current_stream_capturing():
-            flags = torch.zeros(progress.numel(), dtype=progress.dtype, device=progress.device)
-            flags[world_size:world_size + staged_pieces] = LANDED
-            torch.cuda.synchronize(progress.device)
-            _staged_flags[key] = flags
-        if flags is not None:
-            progress.copy_(flags)
-            return
-    progress.zero_()
-    if staged_pieces:
-        progress[world_size:world_size + staged_pieces].fill_(LANDED)
-
-
 def check_progress(progress: torch.Tensor, world_size: int, device: torch.device, op: str) -> None:
     host.check_tensor(progress, "progress", op, (torch.int32,), ndim=1)
     if progress.numel() != world_size or progress.device != device:
@@ -220,7 +196,6 @@ def start(
     out: torch.Tensor,
     progress: torch.Tensor,
     stage_from: torch.Tensor | None = None,
-    stage_piece_rows: int | None = None,
     stage_with_sms: bool = False,
     snapshot: torch.Tensor | None = None,
     launcher=host.jit_launch,
@@ -229,33 +204,28 @@ def start(
     mine) and ``signal_pad_ptrs`` as ``host.symm_context`` gives them.
 
     For consumers that gather in place (``all_gather_matmul``): ``stage_from``, an ordinary tensor, is
-    first copied into my shard, in pieces of ``stage_piece_rows`` rows, piece p flagged at
-    ``progress[world_size + p]``: on the side stream by the copy engine (the current stream goes straight
-    on to the consumer), or with ``stage_with_sms`` on the current stream by an elementwise kernel on
-    every SM, before the fork (the consumer starts a little later, on rows that are all there). When my
-    shard is my own chunk of ``out`` (each rank's shard a chunk of its symmetric ``out``), the own rows
-    need no second copy. ``snapshot``: a copy of the whole ``out`` made on the side stream after the last
-    chunk (overlapping the consumer), for callers that return it. ``launcher`` launches the barriers.
+    first copied into my shard, for the peers (and ``snapshot``) to read; it is not flagged. By default
+    the copy engine copies it on the side stream, before the first barrier, while the consumer on the
+    current stream reads my rows from ``stage_from`` itself; with ``stage_with_sms`` an elementwise
+    kernel on every SM copies it on the current stream, before the fork, for a consumer that reads my
+    rows from my shard (in stream order). When my shard is my own chunk of ``out`` (each rank's shard a
+    chunk of its symmetric ``out``), the own rows need no second copy. ``snapshot``: a copy of the
+    whole ``out`` made on the side stream after the last chunk (overlapping the consumer), for callers
+    that return it. ``launcher`` launches the barriers.
     """
     world_size, shard = len(peers), peers[rank]
     rows = shard.shape[0]
     current = torch.cuda.current_stream(shard.device)
     side = copy_stream(shard.device)
-    pieces = []
-    if stage_from is not None:
-        piece_rows = stage_piece_rows or rows
-        pieces = [(world_size + p, begin, begin + piece_rows) for p, begin in enumerate(range(0, rows, piece_rows))]
-    staged = 0
-    if pieces and stage_with_sms:
+    if stage_from is not None and stage_with_sms:
         torch.mul(stage_from, 1, out=shard)  # exact for every value; runs on all SMs, unlike the copy engine
-        staged, pieces = len(pieces), []
-    reset_flags(progress, world_size, staged)  # before the fork: no flag of the previous call survives into this one
+        stage_from = None
+    progress.zero_()  # before the fork: no flag of the previous call survives into this one
     side.wait_stream(current)
     order = tuple((rank + step) % world_size for step in range(world_size))
     with on_stream(side):
-        for flag, begin, end in pieces:
-            shard[begin:end].copy_(stage_from[begin:end])
-            set_flag(progress, flag)
+        if stage_from is not None:
+            shard.copy_(stage_from)
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's shard is complete
         for peer in order[1:]:
             out[peer * rows:(peer + 1) * rows].copy_(peers[peer])

@@ -7,24 +7,25 @@ needs the product of all ``world_size * M`` rows. The gather moves (ws-1)/ws of
 making it wait for rows that are not there yet.
 
 * The gather runs on the copy engine (``kraken.comm.all_gather_with_progress``) into a
-  symmetric gather buffer [world_size * M, K]. First ``a`` is staged into this rank's
-  chunk of it: by default (``stage="sm"``) one elementwise copy on the current stream
-  before the GEMM, on every SM; or (``stage="copy_engine"``) on the side stream in up
-  to ``STAGE_PIECES`` pieces, each flagged as it lands. Then, on the side stream, the
-  ranks meet at one barrier (a one-block kernel), each peer's chunk is copied from the
-  peer's buffer (rank + 1 first) and flagged, and a last barrier says "done reading".
-  The flags are set by stream memory operations: no SM is involved, so GEMM blocks
-  spinning on a flag cannot starve the copies.
+  symmetric gather buffer [world_size * M, K]. On the side stream, the copy engine stages
+  ``a`` into this rank's chunk of it (for the peers to read), the ranks meet at one
+  barrier (a one-block kernel), each peer's chunk is copied from the peer's buffer
+  (rank + 1 first) and flagged, and a last barrier says "done reading". The flags are
+  set by stream memory operations: no SM is involved, so GEMM blocks spinning on a flag
+  cannot starve the copies. A group of one has no peer to stage for: nothing is staged
+  (but for ``return_a``, whose copy of the buffer needs my rows in it).
 * The GEMM is persistent (one block per SM but ``RESERVED_SMS``, left to the barrier
-  kernel) and walks its tiles chunk by chunk: first this rank's rows, then rank + 1's,
-  rank + 2's, ... At its first tile of each chunk (and, staging by the copy engine, at
-  every own tile) a block waits for the rows' flag: one thread spins on an acquire
-  load, then every thread fences the async proxy (``wait_async``): the rows are read
-  through TMA. Within a chunk, tiles go in ``GROUP_M``-row bands (a band's rows and a
-  column of ``b`` tiles stay in L2).
-* The GEMM is ``kraken._gemm_core.mainloop``: the gathered rows and ``b`` load through
+  kernel) and walks its tiles chunk by chunk: first this rank's rows, read from ``a``
+  itself (so the GEMM starts at once, while the copy engine stages them), then rank + 1's,
+  rank + 2's, ... from the gather buffer. At its first tile of each peer's chunk a block
+  waits for the rows' flag: one thread spins on an acquire load, then every thread fences
+  the async proxy (``wait_async``): the rows are read through TMA. Within a chunk, tiles
+  go in ``GROUP_M``-row bands (a band's rows and a column of ``b`` tiles stay in L2).
+* The GEMM is ``kraken._gemm_core.mainloop``: ``a``, the gathered rows and ``b`` load through
   host-built TMA descriptors (zero-padded in k and n where a base or a row is not 16-byte
-  aligned, ``tma_operands``); a ``b`` stored transposed (``w.t()`` of an [N, K] weight:
+  aligned, ``tma_operands``); a tile picks its rows' descriptor (``a``'s or the buffer's)
+  before the k loop, so both share one pipeline and its shared memory. A ``b`` stored
+  transposed (``w.t()`` of an [N, K] weight:
   strides (1, K)) is read as is, its tiles transposed in registers (``b_layout``); any
   other layout is copied contiguous. ``tl.dot`` accumulates in fp32; the output, in ``a``'s dtype, is stored through
   pointers, masked to the chunk's rows (a tile at a chunk's end also reads some of the
@@ -36,8 +37,9 @@ protocol, with no host round trip. Rank r's rows of the output are ``r * M ...``
 ``all_gather(a) @ b`` has them. With ``return_a=True`` the gathered ``a`` is returned too
 (a fresh copy, made on the side stream while the GEMM runs).
 
-The kernel and ``tile_plan`` also serve ``kraken.fused.all_gather_matmul_fp8``: the kernel's constexpr
-switches (``OWN_STAGED``, ``SCALED``) and scale arguments stay at their defaults here, and compile away.
+The kernel and ``tile_plan`` also serve ``kraken.fused.all_gather_matmul_fp8`` (its own rows are staged by its
+quantization kernel: its ``a_desc`` is its chunk of the buffer): the kernel's constexpr switch (``SCALED``) and scale
+arguments stay at their defaults here, and compile away.
 """
 
 from __future__ import annotations
@@ -65,32 +67,24 @@ GROUP_M = 8
 # kernel, which must find an SM while every GEMM block is resident (the twin's 8-warp block can take all of
 # an SM's registers). At the default shapes the last round of tiles is partial anyway: no round is added.
 RESERVED_SMS = 1
-# With stage="copy_engine", this rank's rows are staged into its chunk of the symmetric gather buffer in up to
-# this many pieces, each flagged: the GEMM starts on the first piece while the rest is copied.
-STAGE_PIECES = 4
 # ``b_layout``: "auto" reads b as it is stored (row-major, or transposed: strides (1, K)); "kn" / "nk" force
 # a row-major / transposed copy when b is stored otherwise.
 B_LAYOUTS = ("auto", "kn", "nk")
-# ``stage``: how this rank's rows get into its chunk of the gather buffer. "sm": one elementwise copy on the
-# current stream before the GEMM (all SMs, a few microseconds); "copy_engine": on the side stream, in up to
-# ``STAGE_PIECES`` flagged pieces that the GEMM starts on as they land.
-STAGES = ("sm", "copy_engine")
-DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_layout": "auto", "stage": "sm"}
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_layout": "auto"}
 
 
 @triton.jit
 def all_gather_matmul_kernel(
-    gathered_desc,  # the gathered a [world_size * M, K], BLOCK_M x BLOCK_K boxes: rank r's rows at r * M
+    a_desc,  # my rows [M, K] (``a``, or the fp8 recipe's chunk of the buffer), BLOCK_M x BLOCK_K boxes
+    gathered_desc,  # the gathered a [world_size * M, K], the same boxes: rank r's rows at r * M
     b_desc,  # b [K, N] in BLOCK_K x BLOCK_N boxes, or (B_TRANS) its transpose [N, K] in BLOCK_N x BLOCK_K
     out_ptr,  # [world_size * M, N]
-    progress_ptr,  # int32 flags, 0 -> 1: [r] rank r's rows, [world_size + p] piece p of my own (staged) rows
+    progress_ptr,  # int32 flags, 0 -> 1: [r] rank r's rows have landed
     row_scales_ptr,  # SCALED: fp32 scale of gathered row i at row_scales_ptr + i * scale_stride; None here
     scale_b_ptr,  # SCALED: fp32 [N] (B_COLWISE) or [1]; None here
     M,
     N,
     K,
-    piece_rows,  # rows per staged piece of my own rows (a multiple of BLOCK_M); None with OWN_STAGED
-    piecewise,  # 1 if my own rows land in several pieces, else 0; None with OWN_STAGED
     scale_stride,  # SCALED; None here
     rank,
     world_size: tl.constexpr,
@@ -100,7 +94,6 @@ def all_gather_matmul_kernel(
     GROUP_M: tl.constexpr,
     B_TRANS: tl.constexpr,
     # The fp8 recipe's (``kraken.fused.all_gather_matmul_fp8``); this one leaves them at their defaults.
-    OWN_STAGED: tl.constexpr = False,  # my rows were written by earlier kernels on this stream: no flag to wait on
     SCALED: tl.constexpr = False,  # the epilogue multiplies by the gathered rows' scales and b's column scales
     B_COLWISE: tl.constexpr = 0,
 ):
@@ -116,17 +109,20 @@ def all_gather_matmul_kernel(
         tile_m, tile_n = tile_coords(tile % chunk_tiles, tiles_m, tiles_n, GROUP_M)
         m0 = tile_m * BLOCK_M
         n0 = tile_n * BLOCK_N
-        # These rows have landed (acquire), and TMA will see them (async-proxy fence). A block waits at its
-        # first tile of each chunk, and at every own tile while my rows land piece by piece ("copy_engine").
-        if OWN_STAGED:  # only at the first tile of each peer's chunk (a group of one has none)
-            if world_size > 1:
-                if (step != prev_step) & (step > 0):
-                    wait_async(progress_ptr + src, 1)
-        else:
-            own = 1 - tl.minimum(step, 1)
-            if (step - prev_step) * (step - prev_step) + own * piecewise > 0:
-                wait_async(progress_ptr + src + own * (world_size + m0 // piece_rows - src), 1)
-        acc = mainloop(gathered_desc, b_desc, src * M + m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
+        # At a block's first tile of each peer's chunk: these rows have landed (acquire), and TMA will see them
+        # (async-proxy fence). My own rows need no flag: earlier work on this stream wrote them (a group of one
+        # has no peer).
+        if world_size > 1:
+            if (step != prev_step) & (step > 0):
+                wait_async(progress_ptr + src, 1)
+        # One k loop for both sources (a branch around two would give each its own pipeline buffers): my rows
+        # from a_desc, a peer's from the buffer.
+        rows_desc = gathered_desc
+        row0 = src * M + m0
+        if step == 0:
+            rows_desc = a_desc
+            row0 = m0
+        acc = mainloop(rows_desc, b_desc, row0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
         # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -167,6 +163,7 @@ def tma_inputs(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple[torch.T
 
 
 def launch_matmul(
+    a: torch.Tensor,
     gathered: torch.Tensor,
     b: torch.Tensor,
     out: torch.Tensor,
@@ -174,7 +171,6 @@ def launch_matmul(
     rank: int,
     world_size: int,
     b_trans: bool,
-    piece_rows: int,
     block_m: int,
     block_n: int,
     block_k: int,
@@ -184,14 +180,15 @@ def launch_matmul(
     num_blocks: int,
     launcher=host.jit_launch,
 ) -> torch.Tensor:
-    """The GEMM alone, on TMA-ready operands (``tma_inputs``): the consumer of the flags in ``progress``."""
+    """The GEMM alone, on TMA-ready operands (``tma_inputs``; my rows ``a``, the peers' in ``gathered``): the
+    consumer of the flags in ``progress``."""
     k = gathered.shape[1]
     m, n = out.shape[0] // world_size, out.shape[1]
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
-        TensorDescriptor.from_tensor(gathered, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box), out,
-        progress, None, None, m, n, k, piece_rows, int(piece_rows < m), None, rank, world_size,
+        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(gathered, [block_m, block_k]),
+        TensorDescriptor.from_tensor(b, b_box), out, progress, None, None, m, n, k, None, rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -209,8 +206,6 @@ def launch(
     rank: int,
     a_out: torch.Tensor | None,
     b_layout: str,
-    stage: str,
-    piece_rows: int,
     block_m: int,
     block_n: int,
     block_k: int,
@@ -228,10 +223,12 @@ def launch(
     ``a_out``: where to copy the gathered ``a`` (``return_a``), or None; ``group_name`` is unused here.
     """
     a, b, b_trans = tma_inputs(a, b, b_layout)
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, stage_piece_rows=piece_rows,
-                           stage_with_sms=stage == "sm", snapshot=a_out, launcher=launcher)
-    launch_matmul(gathered, b, out, progress, rank, len(peers), b_trans, piece_rows, block_m, block_n, block_k,
-                  group_m, num_warps, num_stages, num_blocks, launcher)
+    # My rows go into the buffer only for its readers: the peers, and the returned copy.
+    readers = len(peers) > 1 or a_out is not None
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a if readers else None,
+                           snapshot=a_out, launcher=launcher)
+    launch_matmul(a, gathered, b, out, progress, rank, len(peers), b_trans, block_m, block_n, block_k, group_m,
+                  num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 
@@ -262,19 +259,14 @@ def tile_plan(m: int, n: int, world_size: int, config: dict, num_sms: int, tile_
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
     """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows.
 
-    The tiles and the persistent grid of ``tile_plan``. ``piece_rows``: the rows of each flagged
-    piece of this rank's staged rows (all of them with ``stage="sm"``).
+    The tiles and the persistent grid of ``tile_plan``.
     """
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     cfg, num_blocks = tile_plan(m, n, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP)
     if cfg["b_layout"] not in B_LAYOUTS:
         raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
-    if cfg["stage"] not in STAGES:
-        raise ValueError(f"{OP}: stage must be one of {STAGES}, got {cfg['stage']!r}")
-    keys = ("b_layout", "stage", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
-    pieces = STAGE_PIECES if cfg["stage"] == "copy_engine" else 1
-    piece_rows = host.round_up(host.cdiv(max(m, 1), pieces), cfg["block_m"])
-    return {**{key: cfg[key] for key in keys}, "piece_rows": piece_rows, "num_blocks": num_blocks}
+    keys = ("b_layout", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+    return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
 
 
 def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
@@ -345,11 +337,10 @@ _flags: dict[tuple, torch.Tensor] = {}
 
 
 def progress_flags(world_size: int, device: torch.device) -> torch.Tensor:
-    """The flags of one launch: a peer's chunk each, then a piece of the own rows each (cached; zeroed by
-    every launch before its gather starts)."""
+    """The flags of one launch, a rank's chunk each (cached; zeroed by every launch before its gather starts)."""
     key = (device, world_size)
     if key not in _flags:
-        _flags[key] = torch.zeros(world_size + STAGE_PIECES, dtype=torch.int32, device=device)
+        _flags[key] = torch.zeros(world_size, dtype=torch.int32, device=device)
     return _flags[key]
 
 
@@ -365,8 +356,7 @@ def all_gather_matmul(
 
     ``a`` [M, K]: this rank's rows, an ordinary contiguous CUDA tensor, bf16 or fp16, the same shape on
     every rank; ``b`` [K, N] in any layout. ``config`` overrides the tiles (``block_m``, ``block_n``,
-    ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks``, ``b_layout`` and ``stage``
-    (see ``plan`` and ``STAGES``).
+    ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks`` and ``b_layout`` (see ``plan``).
     """
     ctx, cfg = prepare(a, b, group, OP, config, return_a)
     new = outputs(a, b, cfg["gathered"], return_a)

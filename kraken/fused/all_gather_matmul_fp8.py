@@ -14,8 +14,8 @@ tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide
   values and scales into its chunk). The GEMM's own rows therefore need no flag: they were written by
   kernels earlier on its stream. A block waits (acquire + async-proxy fence, ``wait_async``) only at
   its first tile of each peer's chunk.
-* The GEMM is the bf16 recipe's kernel (``all_gather_matmul_kernel`` with ``OWN_STAGED`` and ``SCALED``:
-  own rows first, then rank + 1's, ..., ``GROUP_M``-row bands), on 128-wide k steps (the same bytes per
+* The GEMM is the bf16 recipe's kernel (``all_gather_matmul_kernel`` with ``SCALED``, its own rows read from
+  its chunk of the buffer: own rows first, then rank + 1's, ..., ``GROUP_M``-row bands), on 128-wide k steps (the same bytes per
   stage as bf16's 64), planned by its ``tile_plan`` over this recipe's ``TILE_CONFIGS``. The
   descriptor over the gathered values has shape [world_size * M, K] with the buffer's row stride:
   TMA zero-fills past K, and the scale bytes are never read as values.
@@ -150,10 +150,10 @@ def launch_matmul(
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
+        TensorDescriptor.from_tensor(values[rank * m:(rank + 1) * m], [block_m, block_k]),
         TensorDescriptor.from_tensor(values, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box), out,
-        progress, scales, scale_b, m, n, k, None, None, scales.stride(0), rank, world_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans, OWN_STAGED=True,
-        SCALED=True, B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps, num_stages=num_stages,
+        progress, scales, scale_b, m, n, k, scales.stride(0), rank, world_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans, SCALED=True, B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
