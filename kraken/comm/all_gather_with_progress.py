@@ -206,7 +206,8 @@ def start(
     For consumers that gather in place (``all_gather_matmul``): ``stage_from``, an ordinary tensor, is
     first copied into my shard, for the peers (and ``snapshot``) to read; it is not flagged. By default
     the copy engine copies it on the side stream, before the first barrier, while the consumer on the
-    current stream reads my rows from ``stage_from`` itself; with ``stage_with_sms`` an elementwise
+    current stream reads my rows from ``stage_from`` itself (so a group of one without ``snapshot``,
+    where nobody reads the shard, skips the copy); with ``stage_with_sms`` an elementwise
     kernel on every SM copies it on the current stream, before the fork, for a consumer that reads my
     rows from my shard (in stream order). When my shard is my own chunk of ``out`` (each rank's shard a
     chunk of its symmetric ``out``), the own rows need no second copy. ``snapshot``: a copy of the
@@ -219,12 +220,12 @@ def start(
     side = copy_stream(shard.device)
     if stage_from is not None and stage_with_sms:
         torch.mul(stage_from, 1, out=shard)  # exact for every value; runs on all SMs, unlike the copy engine
-        stage_from = None
+    copy_in = stage_from is not None and not stage_with_sms and (world_size > 1 or snapshot is not None)
     progress.zero_()  # before the fork: no flag of the previous call survives into this one
     side.wait_stream(current)
     order = tuple((rank + step) % world_size for step in range(world_size))
     with on_stream(side):
-        if stage_from is not None:
+        if copy_in:
             shard.copy_(stage_from)
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's shard is complete
         for peer in order[1:]:

@@ -223,10 +223,8 @@ def launch(
     ``a_out``: where to copy the gathered ``a`` (``return_a``), or None; ``group_name`` is unused here.
     """
     a, b, b_trans = tma_inputs(a, b, b_layout)
-    # My rows go into the buffer only for its readers: the peers, and the returned copy.
-    readers = len(peers) > 1 or a_out is not None
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a if readers else None,
-                           snapshot=a_out, launcher=launcher)
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, snapshot=a_out,
+                           launcher=launcher)
     launch_matmul(a, gathered, b, out, progress, rank, len(peers), b_trans, block_m, block_n, block_k, group_m,
                   num_warps, num_stages, num_blocks, launcher)
     started.wait()
