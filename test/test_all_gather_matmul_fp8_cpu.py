@@ -105,14 +105,15 @@ def test_b_layouts():
 
 
 def test_gather_buffer_rows_hold_values_and_scale():
-    """A row: K fp8 values, padding to 16 bytes, the fp32 scale (``stage`` fills them: the interpreter test checks
-    its bytes; here it compiles for sm_90 with 16-byte accesses)."""
+    """A row: K fp8 values, padding to 16 bytes, the fp32 scale, padding to 128 bytes (``stage`` fills them: the
+    interpreter test checks its bytes; here it compiles for sm_90 with 16-byte accesses)."""
     k, m = 72, 5
-    assert recipe.row_bytes(k) == 96 and recipe.row_bytes(64) == 80
+    assert recipe.row_bytes(k) == 128 and recipe.row_bytes(112) == 128 and recipe.row_bytes(113) == 256
+    assert recipe.row_bytes(8192) == 8320  # 128-byte lines: a TMA box row never straddles two
     gathered = torch.zeros(2 * m, recipe.row_bytes(k), dtype=torch.uint8)
     values, scales = recipe.buffer_views(gathered, k)
-    assert values.shape == (2 * m, k) and values.stride() == (96, 1) and values.dtype == FP8
-    assert scales.shape == (2 * m,) and scales.stride() == (24,)
+    assert values.shape == (2 * m, k) and values.stride() == (128, 1) and values.dtype == FP8
+    assert scales.shape == (2 * m,) and scales.stride() == (32,)
     assert values.data_ptr() == gathered.data_ptr() and scales.data_ptr() == gathered.data_ptr() + 80
     a = torch.randn(1024, 4096).to(FP8)
     gathered = torch.zeros(2 * 1024, recipe.row_bytes(4096), dtype=torch.uint8)
@@ -294,7 +295,8 @@ for rows, n, k, world_size, per_tensor, layout, config, module in cases:
         m.stage(a, sa, values[r * rows:(r + 1) * rows], scales[r * rows:(r + 1) * rows])
         assert torch.equal(staged[r * rows:(r + 1) * rows, :k], a.view(torch.uint8))
         assert torch.equal(scales[r * rows:(r + 1) * rows], sa.reshape(-1).expand(rows))
-    assert (staged[:, k:m.row_bytes(k) - 16] == 0x7F).all() and (staged[:, -12:] == 0x7F).all()
+    scale_at = -(-k // 16) * 16
+    assert (staged[:, k:scale_at] == 0x7F).all() and (staged[:, scale_at + 4:] == 0x7F).all()
     for rank in range(world_size):
         cfg = m.plan(rows, n, k, world_size, {"b_layout": layout, **config}, 132)
         b_op, b_trans = m.b_operand(b, cfg.pop("b_layout"))
@@ -318,6 +320,14 @@ for rows, n, k, world_size, per_tensor, layout, config, module in cases:
             assert progress.tolist() == expected, (progress.tolist(), expected)
     print(module.__name__, rows, n, k, world_size, per_tensor, layout, config, f"relative error {err:.2e}")
 assert worst < 5e-3, worst
+# Staging over several blocks of rows and of bytes (the GEMM cases above fit one): every byte and scale, no padding.
+a = torch.randn(37, 1100).to(torch.float8_e4m3fn)
+sa = torch.rand(37, 1) + 0.5
+staged = torch.full((37, m.row_bytes(1100)), 0x7F, dtype=torch.uint8)
+values, scales = m.buffer_views(staged, 1100)
+m.stage(a, sa, values, scales)
+assert torch.equal(staged[:, :1100], a.view(torch.uint8)) and torch.equal(scales, sa.reshape(-1))
+assert (staged[:, 1100:1104] == 0x7F).all() and (staged[:, 1108:] == 0x7F).all()
 print("ok")
 '''
 
