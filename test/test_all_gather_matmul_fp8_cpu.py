@@ -56,7 +56,7 @@ def test_both_kernels_compile_to_fp8_wgmma_and_match(shape_class, world_size):
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert fp8_wgmma(stats["ptx"]), f"{stats['kernel']}: tl.dot did not become fp8 wgmma"
         # One flag wait per peer chunk: an acquire load at system scope, then the async-proxy fence before TMA.
-        # A group of one has no peer chunk (its own rows are staged on its stream): no wait at all.
+        # A group of one has no peer chunk (its own rows come from a): no wait at all.
         waits = dict(sm90.barrier_opcodes(stats["ptx"]))
         assert waits == ({} if world_size == 1 else {"ld.global.acquire.sys.u32": 1}), waits
         assert ("fence.proxy.async.global" in stats["ptx"]) == (world_size > 1)
@@ -303,11 +303,14 @@ for rows, n, k, world_size, per_tensor, layout, config, module in cases:
         gathered = torch.full((world_size * rows, m.row_bytes(k)), 0x7F, dtype=torch.uint8)  # padding: NaN bytes
         values, scales = m.buffer_views(gathered, k)
         for r, (a, _, sa, _) in enumerate(parts):  # what staging and the copy engine leave in the buffer
-            m.stage(a, sa, values[r * rows:(r + 1) * rows], scales[r * rows:(r + 1) * rows])
+            if r != rank or module is twin:  # the recipe reads my rows from a: my chunk stays NaN bytes
+                m.stage(a, sa, values[r * rows:(r + 1) * rows], scales[r * rows:(r + 1) * rows])
         out = torch.full((world_size * rows, n), float("nan"), dtype=torch.bfloat16)
         progress = torch.zeros(world_size + 4, dtype=torch.int32)
         with sm90.capture_launches():  # Helion's host-built descriptors on the CPU
-            module.launch_matmul(gathered, b_op, scale_b, out, progress, rank, world_size, k, b_trans, **cfg)
+            a_mine, _, sa_mine, _ = parts[rank]
+            module.launch_matmul(m.tma_fp8(a_mine), sa_mine, gathered, b_op, scale_b, out, progress, rank, world_size,
+                                 k, b_trans, **cfg)
         assert not torch.isnan(out).any(), "an output element was never written"
         err = ((out.double() - ref).norm() / ref.norm()).item()
         worst = max(worst, err)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from benchmark.ops.all_gather_matmul import DEFAULT_SHAPES
 from benchmark.registry import Op, Pair, register
 from benchmark.sm90 import H200_NUM_SMS
+from kraken._gemm_core import tma_fp8
 
 RECIPE = "fused.all_gather_matmul_fp8"
 FP8 = torch.float8_e4m3fn
@@ -151,12 +152,13 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, b_layout: str = "auto"
     b = w.t() if b_layout != "kn" else w.t().contiguous()
     cfg = module.plan(m, n, k, world_size, {"b_layout": b_layout, **config}, H200_NUM_SMS)
     b, b_trans = module.b_operand(b, cfg.pop("b_layout"))
+    a = tma_fp8(torch.randn(m, k).to(FP8))  # my rows as TMA reads them (a padded copy for an odd K)
     gathered = torch.zeros(world_size * m, module.row_bytes(k), dtype=torch.uint8)
     scale_b = torch.ones(()) if per_tensor_b else torch.ones(1, n)
     out = torch.empty(world_size * m, n, dtype=OUT_DTYPE)
     progress = torch.zeros(world_size + 4, dtype=torch.int32)
-    module.launch_matmul(gathered, b, scale_b, out, progress, min(1, world_size - 1), world_size, k, b_trans,
-                         **cfg)
+    module.launch_matmul(a, torch.ones(m, 1), gathered, b, scale_b, out, progress, min(1, world_size - 1), world_size,
+                         k, b_trans, **cfg)
 
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Helion twin of ``kraken.fused.all_gather_matmul_fp8``: same function, same arguments.
 
-The staging and the gather are the recipe's (its one-kernel ``stage`` into this rank's chunk of the gather
-buffer, then ``kraken.comm.all_gather_with_progress`` on the copy engine), and so are ``plan``,
+The staging kernel and the gather are the recipe's (its one-kernel ``stage`` into this rank's chunk of the
+gather buffer, here on the current stream before the gather forks, since this GEMM reads my rows from the
+buffer too; then ``kraken.comm.all_gather_with_progress`` on the copy engine), and so are ``plan``,
 ``prepare``, ``b_operand`` and ``buffer_views``. The GEMM is the bf16 twin's body
 (``helion_ports.fused.all_gather_matmul``) with ``scaled`` on, mirroring the recipe's
 kernel one to one:
@@ -47,6 +48,8 @@ def compiled(block_m: int, block_n: int, block_k: int, num_warps: int, num_stage
 
 
 def launch_matmul(
+    a: torch.Tensor,
+    scale_a: torch.Tensor,
     gathered: torch.Tensor,
     b: torch.Tensor,
     scale_b: torch.Tensor,
@@ -65,7 +68,8 @@ def launch_matmul(
     num_blocks: int,
     launcher=host.jit_launch,
 ) -> torch.Tensor:
-    """The GEMM alone; mirrors the recipe's ``launch_matmul``."""
+    """The GEMM alone; mirrors the recipe's ``launch_matmul`` but reads my rows and their scales from ``gathered``
+    too, staged there (``a`` and ``scale_a`` are unused: the bf16 twin's module docstring says why)."""
     values, row_scales = buffer_views(gathered, k)
     args = (
         values, b, row_scales, scale_b.reshape(-1).expand(out.shape[1]), out, progress, num_blocks, rank,
@@ -101,10 +105,10 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul_fp8.launch``."""
     b, b_trans = b_operand(b, b_layout)
-    stage(a, scale_a, own_values, own_scales, launcher)
+    stage(a, scale_a, own_values, own_scales, launcher)  # on the current stream: this GEMM reads my rows there
     started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher)
-    launch_matmul(gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans, block_m, block_n,
-                  block_k, group_m, num_warps, num_stages, num_blocks, launcher)
+    launch_matmul(a, scale_a, gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans, block_m,
+                  block_n, block_k, group_m, num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 

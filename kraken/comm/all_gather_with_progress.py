@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -198,6 +198,7 @@ def start(
     stage_from: torch.Tensor | None = None,
     stage_with_sms: bool = False,
     snapshot: torch.Tensor | None = None,
+    stage_launch: Callable[[], None] | None = None,
     launcher=host.jit_launch,
 ) -> GatherInProgress:
     """``all_gather_with_progress`` on checked arguments: ``peers`` (every rank's shard, ``peers[rank]``
@@ -209,7 +210,9 @@ def start(
     current stream reads my rows from ``stage_from`` itself (so a group of one without ``snapshot``,
     where nobody reads the shard, skips the copy); with ``stage_with_sms`` an elementwise
     kernel on every SM copies it on the current stream, before the fork, for a consumer that reads my
-    rows from my shard (in stream order). When my shard is my own chunk of ``out`` (each rank's shard a
+    rows from my shard (in stream order). ``stage_launch``, for shards that are no plain copy (the fp8
+    recipe's values and row scales): a function that launches the kernel writing my shard, called on
+    the side stream where ``stage_from``'s copy would be, under the same rule. When my shard is my own chunk of ``out`` (each rank's shard a
     chunk of its symmetric ``out``), the own rows need no second copy. ``snapshot``: a copy of the
     whole ``out`` made on the side stream after the last chunk (overlapping the consumer), for callers
     that return it. ``launcher`` launches the barriers.
@@ -220,13 +223,16 @@ def start(
     side = copy_stream(shard.device)
     if stage_from is not None and stage_with_sms:
         torch.mul(stage_from, 1, out=shard)  # exact for every value; runs on all SMs, unlike the copy engine
-    copy_in = stage_from is not None and not stage_with_sms and (world_size > 1 or snapshot is not None)
+    has_reader = world_size > 1 or snapshot is not None  # of my shard: a peer, or the snapshot
+    copy_in = stage_from is not None and not stage_with_sms and has_reader
     progress.zero_()  # before the fork: no flag of the previous call survives into this one
     side.wait_stream(current)
     order = tuple((rank + step) % world_size for step in range(world_size))
     with on_stream(side):
         if copy_in:
             shard.copy_(stage_from)
+        if stage_launch is not None and has_reader:
+            stage_launch()
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's shard is complete
         for peer in order[1:]:
             out[peer * rows:(peer + 1) * rows].copy_(peers[peer])

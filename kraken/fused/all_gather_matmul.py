@@ -37,9 +37,9 @@ protocol, with no host round trip. Rank r's rows of the output are ``r * M ...``
 ``all_gather(a) @ b`` has them. With ``return_a=True`` the gathered ``a`` is returned too
 (a fresh copy, made on the side stream while the GEMM runs).
 
-The kernel and ``tile_plan`` also serve ``kraken.fused.all_gather_matmul_fp8`` (its own rows are staged by its
-quantization kernel: its ``a_desc`` is its chunk of the buffer): the kernel's constexpr switch (``SCALED``) and scale
-arguments stay at their defaults here, and compile away.
+The kernel and ``tile_plan`` also serve ``kraken.fused.all_gather_matmul_fp8`` (its ``a_desc`` is its fp8 ``a``,
+its own rows' scales ``scale_a``): the kernel's constexpr switches (``SCALED``, ``A_ROWWISE``, ``B_COLWISE``) and
+scale arguments stay at their defaults here, and compile away.
 """
 
 from __future__ import annotations
@@ -75,12 +75,13 @@ DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_
 
 @triton.jit
 def all_gather_matmul_kernel(
-    a_desc,  # my rows [M, K] (``a``, or the fp8 recipe's chunk of the buffer), BLOCK_M x BLOCK_K boxes
+    a_desc,  # my rows [M, K] (``a``), BLOCK_M x BLOCK_K boxes
     gathered_desc,  # the gathered a [world_size * M, K], the same boxes: rank r's rows at r * M
     b_desc,  # b [K, N] in BLOCK_K x BLOCK_N boxes, or (B_TRANS) its transpose [N, K] in BLOCK_N x BLOCK_K
     out_ptr,  # [world_size * M, N]
     progress_ptr,  # int32 flags, 0 -> 1: [r] rank r's rows have landed
     row_scales_ptr,  # SCALED: fp32 scale of gathered row i at row_scales_ptr + i * scale_stride; None here
+    scale_a_ptr,  # SCALED: my rows' fp32 scales, [M] (A_ROWWISE) or [1]; None here
     scale_b_ptr,  # SCALED: fp32 [N] (B_COLWISE) or [1]; None here
     M,
     N,
@@ -94,7 +95,8 @@ def all_gather_matmul_kernel(
     GROUP_M: tl.constexpr,
     B_TRANS: tl.constexpr,
     # The fp8 recipe's (``kraken.fused.all_gather_matmul_fp8``); this one leaves them at their defaults.
-    SCALED: tl.constexpr = False,  # the epilogue multiplies by the gathered rows' scales and b's column scales
+    SCALED: tl.constexpr = False,  # the epilogue multiplies by the rows' scales and b's column scales
+    A_ROWWISE: tl.constexpr = 0,
     B_COLWISE: tl.constexpr = 0,
 ):
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -126,10 +128,13 @@ def all_gather_matmul_kernel(
         # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
-        if SCALED:  # the fp8 epilogue: times the gathered rows' scales and b's column scales
+        if SCALED:  # the fp8 epilogue: times the rows' scales (mine from scale_a, a peer's from its rows) and b's
             row_in = rows < M
             col_in = cols < N
-            scale_a = tl.load(row_scales_ptr + (src * M + rows) * scale_stride, mask=row_in, other=0.0)
+            if step == 0:
+                scale_a = tl.load(scale_a_ptr + rows * A_ROWWISE, mask=row_in, other=0.0)
+            else:
+                scale_a = tl.load(row_scales_ptr + (src * M + rows) * scale_stride, mask=row_in, other=0.0)
             scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=col_in, other=0.0)
             acc = acc * scale_a[:, None] * scale_b[None, :]
         offsets = (src * M + rows)[:, None] * N + cols[None, :]
@@ -188,7 +193,7 @@ def launch_matmul(
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(gathered, [block_m, block_k]),
-        TensorDescriptor.from_tensor(b, b_box), out, progress, None, None, m, n, k, None, rank, world_size,
+        TensorDescriptor.from_tensor(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
         num_warps=num_warps, num_stages=num_stages,
     )

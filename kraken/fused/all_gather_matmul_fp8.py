@@ -12,13 +12,15 @@ tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide
   128-byte line (one H200, 256x8192x8192 on 128x128 tiles: 35.8 us with 16-byte aligned rows, 27.8
   with 128-byte aligned ones). One contiguous copy per peer chunk moves both, on the copy engine, with the chunk's flag
   (``kraken.comm.all_gather_with_progress``); no second gather, no second flag.
-* Staging is on the current stream, before the gather forks (``stage``: one kernel, a block per 16 rows
-  x 512 bytes, writes this rank's values and scales into its chunk). The GEMM's own rows therefore need no flag: they were written by
-  kernels earlier on its stream. A block waits (acquire + async-proxy fence, ``wait_async``) only at
-  its first tile of each peer's chunk.
-* The GEMM is the bf16 recipe's kernel (``all_gather_matmul_kernel`` with ``SCALED``, its own rows read from
-  its chunk of the buffer: own rows first, then rank + 1's, ..., ``GROUP_M``-row bands), on 128-wide k steps (the same bytes per
-  stage as bf16's 64), planned by its ``tile_plan`` over this recipe's ``TILE_CONFIGS``. The
+* Staging runs on the gather's side stream, before its first barrier (``stage``: one kernel, a block per
+  16 rows x 512 bytes, writes this rank's values and scales into its chunk), and only for the peers: the
+  GEMM reads my rows from ``a`` itself and their scales from ``scale_a``, so it starts at once and a
+  group of one stages nothing (one H200, 256x8192x8192: the staging kernel on the current stream cost
+  2.1 us of 33). A block waits (acquire + async-proxy fence, ``wait_async``) only at its first tile of
+  each peer's chunk.
+* The GEMM is the bf16 recipe's kernel (``all_gather_matmul_kernel`` with ``SCALED``: own rows first, from
+  ``a``, then rank + 1's, ..., from the buffer, ``GROUP_M``-row bands), on 128-wide k steps (the same bytes
+  per stage as bf16's 64), planned by its ``tile_plan`` over this recipe's ``TILE_CONFIGS``. The
   descriptor over the gathered values has shape [world_size * M, K] with the buffer's row stride:
   TMA zero-fills past K, and the scale bytes are never read as values.
 * ``b``: Hopper's fp8 wgmma takes both operands K-major from shared memory. A column-major ``b``
@@ -33,8 +35,8 @@ tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide
   accumulate fp8 products over the whole k loop with no promotion to exact fp32 adds
   (``max_num_imprecise_acc`` defaults to 2**30 there): what ``_scaled_mm(..., use_fast_accum=True)``
   does. The baselines run ``_scaled_mm``'s default (promoting); the GPU tests bound the difference.
-* Epilogue: fp32 accumulator times ``scale_a[rows, None] * scale_b[None, cols]`` (the row scales
-  from the gathered rows), then bf16, stored masked to the chunk's rows.
+* Epilogue: fp32 accumulator times ``scale_a[rows, None] * scale_b[None, cols]`` (a peer's row scales
+  from its gathered rows), then bf16, stored masked to the chunk's rows.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
-from kraken._gemm_core import FP8, MAX_INDEX
+from kraken._gemm_core import FP8, MAX_INDEX, tma_fp8
 from kraken._gemm_core import check_fp8_inputs as check_inputs
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
 from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
@@ -124,7 +126,8 @@ STAGE_BLOCK_M, STAGE_BLOCK_K, STAGE_WARPS = 16, 512, 4
 def stage(a: torch.Tensor, scale_a: torch.Tensor, own_values: torch.Tensor, own_scales: torch.Tensor,
           launcher=host.jit_launch) -> None:
     """This rank's rows and their scales (a per-tensor scale into every row) into its chunk of the gather
-    buffer (``buffer_views``), on the current stream: one kernel."""
+    buffer (``buffer_views``), on the current stream (``launch`` calls it on the gather's side stream): one
+    kernel."""
     m, k = a.shape
     grid = (host.cdiv(m, STAGE_BLOCK_M), host.cdiv(k, STAGE_BLOCK_K))
     launcher(stage_kernel, grid, a.view(torch.uint8), scale_a,
@@ -134,6 +137,8 @@ def stage(a: torch.Tensor, scale_a: torch.Tensor, own_values: torch.Tensor, own_
 
 
 def launch_matmul(
+    a: torch.Tensor,
+    scale_a: torch.Tensor,
     gathered: torch.Tensor,
     b: torch.Tensor,
     scale_b: torch.Tensor,
@@ -152,17 +157,19 @@ def launch_matmul(
     num_blocks: int,
     launcher=host.jit_launch,
 ) -> torch.Tensor:
-    """The GEMM alone, on the gather buffer (bytes, [world_size * M, ``row_bytes(k)``]) and a TMA-ready ``b``
-    (``b_operand``): the consumer of the flags in ``progress``."""
+    """The GEMM alone: my rows from ``a`` (a TMA-ready fp8 [M, K], ``tma_fp8``) and ``scale_a``, the peers' from
+    the gather buffer (bytes, [world_size * M, ``row_bytes(k)``]), a TMA-ready ``b`` (``b_operand``): the
+    consumer of the flags in ``progress``."""
     m, n = out.shape[0] // world_size, out.shape[1]
     values, scales = buffer_views(gathered, k)
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
-        TensorDescriptor.from_tensor(values[rank * m:(rank + 1) * m], [block_m, block_k]),
-        TensorDescriptor.from_tensor(values, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box), out,
-        progress, scales, scale_b, m, n, k, scales.stride(0), rank, world_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans, SCALED=True, B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps, num_stages=num_stages,
+        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(values, [block_m, block_k]),
+        TensorDescriptor.from_tensor(b, b_box), out, progress, scales, scale_a, scale_b, m, n, k, scales.stride(0),
+        rank, world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
+        SCALED=True, A_ROWWISE=int(scale_a.numel() > 1), B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -198,10 +205,10 @@ def launch(
     values and fp32 scales (``buffer_views``); ``out`` [world_size * M, N] bf16; ``group_name`` is unused here.
     """
     b, b_trans = b_operand(b, b_layout)
-    stage(a, scale_a, own_values, own_scales, launcher)
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher)
-    launch_matmul(gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans, block_m, block_n,
-                  block_k, group_m, num_warps, num_stages, num_blocks, launcher)
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher,
+                           stage_launch=lambda: stage(a, scale_a, own_values, own_scales, launcher))
+    launch_matmul(tma_fp8(a), scale_a, gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans,
+                  block_m, block_n, block_k, group_m, num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 
