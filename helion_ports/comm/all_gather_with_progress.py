@@ -12,6 +12,7 @@ Triton barrier, so the copy order, the flags and both barriers stay exactly the 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import helion
 import helion.language as hl
@@ -86,11 +87,13 @@ def start(
     stage_from: torch.Tensor | None = None,
     stage_with_sms: bool = False,
     snapshot: torch.Tensor | None = None,
+    stage_launch: Callable[[], None] | None = None,
     launcher=host.jit_launch,
 ) -> GatherInProgress:
     """The recipe's ``start`` with the Helion barrier; mirrors ``kraken.comm.all_gather_with_progress.start``."""
-    return recipe_start(peers, signal_pad_ptrs, rank, out, progress, stage_from, stage_with_sms,
-                        snapshot, HelionBarrier(launcher))
+    return recipe_start(peers, signal_pad_ptrs, rank, out, progress, stage_from=stage_from,
+                        stage_with_sms=stage_with_sms, snapshot=snapshot, stage_launch=stage_launch,
+                        launcher=HelionBarrier(launcher))
 
 
 def all_gather_with_progress(
