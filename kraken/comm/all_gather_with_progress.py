@@ -201,21 +201,21 @@ def start(
     stage_launch: Callable[[], None] | None = None,
     launcher=host.jit_launch,
 ) -> GatherInProgress:
-    """``all_gather_with_progress`` on checked arguments: ``peers`` (every rank's shard, ``peers[rank]``
-    mine) and ``signal_pad_ptrs`` as ``host.symm_context`` gives them.
+    """``all_gather_with_progress`` on checked arguments: ``peers`` (every rank's shard, ``peers[rank]`` mine) and
+    ``signal_pad_ptrs`` as ``host.symm_context`` gives them.
 
-    For consumers that gather in place (``all_gather_matmul``): ``stage_from``, an ordinary tensor, is
-    first copied into my shard, for the peers (and ``snapshot``) to read; it is not flagged. By default
-    the copy engine copies it on the side stream, before the first barrier, while the consumer on the
-    current stream reads my rows from ``stage_from`` itself (so a group of one without ``snapshot``,
-    where nobody reads the shard, skips the copy); with ``stage_with_sms`` an elementwise
-    kernel on every SM copies it on the current stream, before the fork, for a consumer that reads my
-    rows from my shard (in stream order). ``stage_launch``, for shards that are no plain copy (the fp8
-    recipe's values and row scales): a function that launches the kernel writing my shard, called on
-    the side stream where ``stage_from``'s copy would be, under the same rule. When my shard is my own chunk of ``out`` (each rank's shard a
-    chunk of its symmetric ``out``), the own rows need no second copy. ``snapshot``: a copy of the
-    whole ``out`` made on the side stream after the last chunk (overlapping the consumer), for callers
-    that return it. ``launcher`` launches the barriers.
+    For consumers that gather in place (``all_gather_matmul``): ``stage_from``, an ordinary tensor, is first
+    copied into my shard, for the peers (and ``snapshot``) to read; it is not flagged. By default the copy
+    engine copies it on the side stream, before the first barrier, while the consumer on the current stream
+    reads my rows from ``stage_from`` itself (so a group of one without ``snapshot``, where nobody reads the
+    shard, skips the copy); with ``stage_with_sms`` an elementwise kernel on every SM copies it on the current
+    stream, before the fork, for a consumer that reads my rows from my shard (in stream order).
+    ``stage_launch``, for shards that are no plain copy (the fp8 recipe's values and row scales): a function
+    that launches the kernel writing my shard, called on the side stream where ``stage_from``'s copy would be,
+    under the same rule. When my shard is my own chunk of ``out`` (each rank's shard a chunk of its symmetric
+    ``out``), the own rows need no second copy. ``snapshot``: a copy of the whole ``out`` made on the side
+    stream after the last chunk (overlapping the consumer), for callers that return it. ``launcher`` launches
+    the barriers.
     """
     world_size, shard = len(peers), peers[rank]
     rows = shard.shape[0]

@@ -10,14 +10,14 @@ tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide
   up to 16), its fp32 scale (a per-tensor ``scale_a`` is written into every row: ranks may have
   different ones). Rows start on 128-byte boundaries: a TMA box row (128 fp8 values) then sits in one
   128-byte line (one H200, 256x8192x8192 on 128x128 tiles: 35.8 us with 16-byte aligned rows, 27.8
-  with 128-byte aligned ones). One contiguous copy per peer chunk moves both, on the copy engine, with the chunk's flag
-  (``kraken.comm.all_gather_with_progress``); no second gather, no second flag.
+  with 128-byte aligned ones). One contiguous copy per peer chunk moves both, on the copy engine, with
+  the chunk's flag (``kraken.comm.all_gather_with_progress``); no second gather, no second flag.
 * Staging runs on the gather's side stream, before its first barrier (``stage``: one kernel, a block per
   16 rows x 512 bytes, writes this rank's values and scales into its chunk), and only for the peers: the
   GEMM reads my rows from ``a`` itself and their scales from ``scale_a``, so it starts at once and a
-  group of one stages nothing (one H200, 256x8192x8192: the staging kernel on the current stream cost
-  2.1 us of 33). A block waits (acquire + async-proxy fence, ``wait_async``) only at its first tile of
-  each peer's chunk.
+  group of one stages nothing (one H200, 256x8192x8192: on the current stream, the staging kernel and its
+  gap to the GEMM cost 2.7 us of 33). A block waits (acquire + async-proxy fence, ``wait_async``) only at
+  its first tile of each peer's chunk.
 * The GEMM is the bf16 recipe's kernel (``all_gather_matmul_kernel`` with ``SCALED``: own rows first, from
   ``a``, then rank + 1's, ..., from the buffer, ``GROUP_M``-row bands), on 128-wide k steps (the same bytes
   per stage as bf16's 64), planned by its ``tile_plan`` over this recipe's ``TILE_CONFIGS``. The
