@@ -424,3 +424,26 @@ def test_every_forced_form_backend_calls_its_function_with_the_recipes_form(monk
         for shot in ("1shot", "2shot", None):
             gemm_all_reduce.fused(package, shot)(inputs)
         assert [c.get("shot") for c in calls] == [recipe.one_shot_form(64, world_size), "two", None], package
+
+
+def test_tma_operands_pad_rows_to_whole_tiles():
+    """``tma_operands(a, b, block_m)``: up to ``SKINNY_M`` rows, ``a``'s rows zero-padded to a multiple of
+    ``block_m`` (a box past the last row is slow), ``b`` untouched when aligned; without ``block_m``, aligned
+    operands come back as they are."""
+    from kraken._gemm_core import tma_operands
+
+    a, b = torch.randn(37, 64, dtype=torch.bfloat16), torch.randn(64, 48, dtype=torch.bfloat16)
+    same_a, same_b = tma_operands(a, b)
+    assert same_a is a and same_b is b
+    padded, same_b = tma_operands(a, b, 64)
+    assert same_b is b and padded.shape == (64, 64)
+    assert torch.equal(padded[:37], a) and not padded[37:].any()
+    assert tma_operands(a[:32], b, 32)[0].data_ptr() == a.data_ptr()  # whole tiles already: no copy
+    big = torch.randn(300, 64, dtype=torch.bfloat16)  # above SKINNY_M rows: the partial tile stays, no copy
+    assert tma_operands(big, b, 128)[0] is big
+    # K not 16-byte aligned (k = 60): both padded in k, a's rows to the tile as well.
+    a60, b60 = torch.randn(37, 60, dtype=torch.bfloat16), torch.randn(60, 48, dtype=torch.bfloat16)
+    pa, pb = tma_operands(a60, b60, 128)
+    assert pa.shape == (128, 64) and pb.shape == (64, 48)
+    assert torch.equal(pa[:37, :60], a60) and not pa[37:].any() and not pa[:, 60:].any()
+    assert torch.equal(pb[:60], b60) and not pb[60:].any()

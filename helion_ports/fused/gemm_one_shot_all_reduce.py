@@ -245,7 +245,7 @@ def boxed_operands(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int,
     when a kernel is first bound, then reused for other shapes. Zero rows and columns add nothing; the output
     keeps the true M and N (``out``'s).
     """
-    a, b = tma_operands(a, b)
+    a, b = tma_operands(a, b, block_m)  # as the recipe: up to SKINNY_M rows, a multiple of block_m
     (m, k), n = a.shape, b.shape[1]
     rows, depth, cols = max(m, block_m), max(k, block_k), max(n, block_n)
     if (rows, depth) != (m, k):

@@ -169,7 +169,7 @@ def launch(
     runtime value, and a tuple is indexed only by ``hl.static_range``), under its own storage object
     (``own_storage``: no CTA barrier before its loads), and inside ``peers``.
     """
-    a, b = tma_operands(a, b)
+    a, b = tma_operands(a, b, block_m)  # as the recipe
     args = (
         a, b, None, None, own_storage(peers[rank]), peers, parity, epochs, out, signal_pad_ptrs, num_blocks, rank,
         len(peers), False, False, block_m, block_n, group_m, group_name,

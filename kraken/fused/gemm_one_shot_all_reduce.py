@@ -285,7 +285,7 @@ def launch(
     ``group_name`` is unused here (Helion's ``hl.ProcessGroupName``).
     """
     m, n = out.shape
-    a, b = tma_operands(a, b)
+    a, b = tma_operands(a, b, block_m)  # a's rows zero-padded to whole tiles (``tma_operands`` says why)
     workspace = peers[rank]
     launcher(
         gemm_one_shot_all_reduce_kernel, (num_blocks,),

@@ -171,7 +171,7 @@ def launch(
     is this rank's band [M / world_size, N]; ``group_name`` is unused here (Helion's ``hl.ProcessGroupName``).
     """
     band_m, n = out.shape
-    a, b = tma_operands(a, b)
+    a, b = tma_operands(a, b, block_m)  # a's rows zero-padded to whole tiles (``tma_operands`` says why)
     workspace = peers[rank]
     launcher(
         gemm_reduce_scatter_kernel, (num_blocks,),
