@@ -121,14 +121,16 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor, block_m: int = 1) -> tuple[to
     return a, b
 
 
-def tma_fp8(a: torch.Tensor) -> torch.Tensor:
-    """An fp8 ``a`` as TMA can load it: itself, or (a row stride or base not 16-byte aligned) a zero-padded copy;
-    the k loop's bound is the true K either way (the descriptor's shape), TMA fills past it with zeros."""
+def tma_fp8(a: torch.Tensor, block_m: int = 1) -> torch.Tensor:
+    """An fp8 ``a`` as TMA can load it: itself, or (a row stride or base not 16-byte aligned, or, with ``block_m``,
+    up to ``SKINNY_M`` rows that are not whole tiles: ``tma_operands`` says why) a zero-padded copy; the k loop's
+    bound is the true K either way (the descriptor's shape), TMA fills past it with zeros."""
     m, k = a.shape
-    if k % TMA_ALIGN == 0 and a.data_ptr() % TMA_ALIGN == 0:
+    rows = host.round_up(m, block_m) if m <= SKINNY_M else m
+    if k % TMA_ALIGN == 0 and a.data_ptr() % TMA_ALIGN == 0 and rows == m:
         return a
-    padded = torch.zeros(m, host.round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
-    padded[:, :k].copy_(a.view(torch.uint8))
+    padded = torch.zeros(rows, host.round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
+    padded[:m, :k].copy_(a.view(torch.uint8))
     return padded.view(FP8)[:, :k]
 
 

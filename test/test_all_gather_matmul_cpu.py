@@ -25,8 +25,9 @@ gather = importlib.import_module("kraken.comm.all_gather_with_progress")
 
 H200_SHARED_BYTES = 232448  # 227 KiB per block
 # (rows per rank, N, K): the 128x256 tiles (default shapes from M = 1024 on), the 128x128 tiles (256 and 512
-# rows in all), and the registry's odd example.
-SHAPES = {"large": (1024, 14336, 8192), "small": (128, 8192, 8192), "odd": op.EXAMPLE_SHAPE}
+# rows in all), the skinny tiles (too few rows for those to fill the SMs), and the registry's odd example.
+SHAPES = {"large": (1024, 14336, 8192), "small": (128, 8192, 8192), "skinny": (40, 4096, 4096),
+          "odd": op.EXAMPLE_SHAPE}
 
 
 def compile_stats(module, world_size: int, shape, **config) -> dict:
@@ -65,14 +66,12 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size):
     barrier = barrier_kernel_stats(world_size)
     assert barrier["shared_bytes"] == 0 and sm90.signal_rounds(barrier["ptx"]) == 1
     assert cfg["num_blocks"] <= sm90.H200_NUM_SMS - recipe.RESERVED_SMS
-    if world_size * shape[0] < cfg["block_m"]:
-        # Helion 1.5 loads a tensor smaller than its box through pointers, not TMA: the gathered a of a group
-        # of one with fewer rows than a tile (the odd example's 100) is the one case where the GEMMs differ.
-        assert "cp.async.bulk.tensor" in h["ptx"]
-        return
+    # The twin walks the recipe's tiles in one tile loop per source of rows (a, then the gather buffer), each
+    # with its own k loop: one loop in a group of one, two above, in the shared memory of the recipe's one.
+    loops = 1 if world_size == 1 else 2
     assert h["shared_bytes"] == t["shared_bytes"]
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor"):
-        assert h["ptx"].count(instruction) == t["ptx"].count(instruction) > 0, instruction
+        assert h["ptx"].count(instruction) == loops * t["ptx"].count(instruction) > 0, instruction
 
 
 @pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
@@ -133,6 +132,23 @@ def test_default_tiles_per_shape():
     assert picks == {(1024, 6656, 5120): (128, 256, 8, 3), (2048, 14336, 8192): (128, 256, 8, 3),
                      (8192, 14336, 8192): (128, 256, 8, 3), (256, 8192, 8192): (128, 128, 8, 6),
                      (512, 8192, 8192): (128, 256, 8, 3)}
+
+
+@pytest.mark.parametrize("module", ["kraken.fused.all_gather_matmul", "kraken.fused.all_gather_matmul_fp8"])
+def test_skinny_tiles_where_large_ones_leave_sms_idle(module):
+    """Up to SKINNY_M rows, where not even 128x128 tiles give 90% of the SMs a tile, the reduce recipes' skinny
+    tiles: one warpgroup, 128-deep k steps, tiles narrow enough to fill a wave of the SMs."""
+    plan = importlib.import_module(module).plan
+    for (m, n, k, world_size), tiles in {
+        (32, 4096, 4096, 1): (64, 32, 128, 4),  # 128 tiles
+        (40, 4096, 4096, 2): (64, 32, 128, 4),  # 128 tiles a chunk, two chunks
+        (160, 4096, 4096, 1): (128, 64, 128, 4),  # 2 x 64 tiles
+        (16, 8192, 8192, 1): (64, 64, 128, 4),  # 128 tiles
+        (300, 4096, 4096, 1): (128, 128, 64 if module.endswith("matmul") else 128, 8),  # above SKINNY_M: the smallest
+    }.items():
+        cfg = plan(m, n, k, world_size, {}, sm90.H200_NUM_SMS)
+        assert (cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["num_warps"]) == tiles, (m, n, k, cfg)
+        assert cfg["num_blocks"] <= sm90.H200_NUM_SMS - recipe.RESERVED_SMS
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))

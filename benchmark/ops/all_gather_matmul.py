@@ -96,7 +96,7 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, 
     a = torch.randn(m, k, dtype=dtype)
     b = torch.randn(k, n, dtype=dtype) if b_layout != "nk" else torch.randn(n, k, dtype=dtype).t()
     cfg = module.plan(m, n, k, world_size, {"b_layout": b_layout, **config}, H200_NUM_SMS)
-    a, b, b_trans = module.tma_inputs(a, b, cfg.pop("b_layout"))
+    a, b, b_trans = module.tma_inputs(a, b, cfg.pop("b_layout"), cfg["block_m"])
     gathered = torch.empty(world_size * m, a.shape[1], dtype=dtype)
     out = torch.empty(world_size * m, n, dtype=dtype)
     progress = torch.zeros(world_size, dtype=torch.int32)

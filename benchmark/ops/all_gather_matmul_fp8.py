@@ -152,7 +152,7 @@ def example(module, world_size: int, shape=EXAMPLE_SHAPE, b_layout: str = "auto"
     b = w.t() if b_layout != "kn" else w.t().contiguous()
     cfg = module.plan(m, n, k, world_size, {"b_layout": b_layout, **config}, H200_NUM_SMS)
     b, b_trans = module.b_operand(b, cfg.pop("b_layout"))
-    a = tma_fp8(torch.randn(m, k).to(FP8))  # my rows as TMA reads them (a padded copy for an odd K)
+    a = tma_fp8(torch.randn(m, k).to(FP8), cfg["block_m"])  # my rows as TMA reads them (padded: odd K, M)
     gathered = torch.zeros(world_size * m, module.row_bytes(k), dtype=torch.uint8)
     scale_b = torch.ones(()) if per_tensor_b else torch.ones(1, n)
     out = torch.empty(world_size * m, n, dtype=OUT_DTYPE)

@@ -85,14 +85,13 @@ def start(
     out: torch.Tensor,
     progress: torch.Tensor,
     stage_from: torch.Tensor | None = None,
-    stage_with_sms: bool = False,
     snapshot: torch.Tensor | None = None,
     stage_launch: Callable[[], None] | None = None,
     launcher=host.jit_launch,
 ) -> GatherInProgress:
     """The recipe's ``start`` with the Helion barrier; mirrors ``kraken.comm.all_gather_with_progress.start``."""
-    return recipe_start(peers, signal_pad_ptrs, rank, out, progress, stage_from=stage_from,
-                        stage_with_sms=stage_with_sms, snapshot=snapshot, stage_launch=stage_launch,
+    return recipe_start(peers, signal_pad_ptrs, rank, out, progress, stage_from=stage_from, snapshot=snapshot,
+                        stage_launch=stage_launch,
                         launcher=HelionBarrier(launcher))
 
 

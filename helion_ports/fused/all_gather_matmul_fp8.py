@@ -1,50 +1,38 @@
 """Helion twin of ``kraken.fused.all_gather_matmul_fp8``: same function, same arguments.
 
 The staging kernel and the gather are the recipe's (its one-kernel ``stage`` into this rank's chunk of the
-gather buffer, here on the current stream before the gather forks, since this GEMM reads my rows from the
-buffer too; then ``kraken.comm.all_gather_with_progress`` on the copy engine), and so are ``plan``,
-``prepare``, ``b_operand`` and ``buffer_views``. The GEMM is the bf16 twin's body
-(``helion_ports.fused.all_gather_matmul``) with ``scaled`` on, mirroring the recipe's
-kernel one to one:
+gather buffer, launched on the gather's side stream for the peers; then ``kraken.comm.all_gather_with_progress``
+on the copy engine), and so are ``plan``, ``prepare``, ``b_operand`` and ``buffer_views``. The GEMM is the bf16
+twin's kernel (``helion_ports.fused.all_gather_matmul``) with ``scaled`` on, mirroring the recipe's kernel:
 
 * ``hl.grid(num_blocks)`` is the persistent grid, tiles ``b, b + num_blocks, ...`` chunk by chunk (own
-  rows first), ``group_m``-row bands;
+  rows first, from ``a`` and ``scale_a``; then the peers', from the buffer), ``group_m``-row bands;
 * a block waits for a peer's chunk at its first tile of it (the recipe's ``GMEM_WAIT_ASYNC`` PTX through
   ``hl.inline_triton``); the own rows need no wait;
-* the fp8 values of the gathered rows and ``b`` load through host-built tensor descriptors (TMA); ``b``
-  arrives as [N, K] and its tiles go to ``hl.dot`` transposed (``b_trans``), fp32 accumulation;
-* the epilogue loads each row's scale from the gathered rows (``row_scales``, a strided fp32 view of the
-  buffer) and the column scales (``scale_b`` as an [N] view: stride 0 for a per-tensor scale), masked to
-  the chunk's rows and to N, and stores bf16.
+* the fp8 values of ``a``, of the gathered rows and ``b`` load through host-built tensor descriptors (TMA);
+  ``b`` arrives as [N, K] and its tiles go to ``hl.dot`` transposed (``b_trans``), fp32 accumulation;
+* the epilogue loads the rows' scales (``scale_a`` as an [M] view, or each gathered row's from the buffer,
+  ``row_scales``, a strided fp32 view) and the column scales (``scale_b`` as an [N] view: stride 0 for a
+  per-tensor scale), masked to the chunk's rows and to N, and stores bf16.
 """
 
 from __future__ import annotations
 
-import functools
-
-import helion
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run
-from helion_ports.fused.all_gather_matmul import all_gather_matmul_body  # the bf16 twin's, scaled
+from helion_ports import run
+from helion_ports.fused.all_gather_matmul import compiled  # the bf16 twin's kernel, scaled
 from kraken import host
+from kraken._gemm_core import tma_fp8
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul_fp8 import (  # noqa: F401 (shared with the recipe)
     OP, OUT_DTYPE, b_operand, buffer_views, plan, prepare, row_bytes, stage,
 )
 
-# Per load/store, in program order: the gathered rows and b through TMA; the row and column scales and the
-# store to out through pointers.
+# Per load/store of one tile loop, in program order: the rows (a's or the buffer's) and b through TMA; the row and
+# column scales and the store to out through pointers.
 INDEXING = ("tensor_descriptor", "tensor_descriptor", "pointer", "pointer", "pointer")
-
-
-@functools.cache
-def compiled(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> helion.Kernel:
-    """One Helion kernel per tile config (``block_sizes``: the tile's m, n and k step; TMA through host-built
-    descriptors for the values and b; ``pid_type="flat"``: the recipe's grid)."""
-    return flat_kernel(all_gather_matmul_body, (block_m, block_n, block_k), num_warps, num_stages,
-                       indexing=INDEXING, host_tensor_descriptors=True)
 
 
 def launch_matmul(
@@ -68,14 +56,15 @@ def launch_matmul(
     num_blocks: int,
     launcher=host.jit_launch,
 ) -> torch.Tensor:
-    """The GEMM alone; mirrors the recipe's ``launch_matmul`` but reads my rows and their scales from ``gathered``
-    too, staged there (``a`` and ``scale_a`` are unused: the bf16 twin's module docstring says why)."""
+    """The GEMM alone; mirrors the recipe's ``launch_matmul``: my rows from ``a`` (TMA-ready, ``tma_fp8``) and
+    ``scale_a``, the peers' rows and scales from the gather buffer."""
     values, row_scales = buffer_views(gathered, k)
+    m, n = out.shape[0] // world_size, out.shape[1]
     args = (
-        values, b, row_scales, scale_b.reshape(-1).expand(out.shape[1]), out, progress, num_blocks, rank,
-        world_size, b_trans, True, block_m, block_n, group_m,
+        a, values, b, scale_a.reshape(-1).expand(m), row_scales, scale_b.reshape(-1).expand(n), out, progress,
+        num_blocks, rank, world_size, b_trans, True, block_m, block_n, group_m,
     )
-    run(compiled(block_m, block_n, block_k, num_warps, num_stages), args, launcher)
+    run(compiled(block_m, block_n, block_k, num_warps, num_stages, world_size, INDEXING), args, launcher)
     return out
 
 
@@ -105,10 +94,10 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul_fp8.launch``."""
     b, b_trans = b_operand(b, b_layout)
-    stage(a, scale_a, own_values, own_scales, launcher)  # on the current stream: this GEMM reads my rows there
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher)
-    launch_matmul(a, scale_a, gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans, block_m,
-                  block_n, block_k, group_m, num_warps, num_stages, num_blocks, launcher)
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher,
+                           stage_launch=lambda: stage(a, scale_a, own_values, own_scales, launcher))
+    launch_matmul(tma_fp8(a, block_m), scale_a, gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1],
+                  b_trans, block_m, block_n, block_k, group_m, num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 

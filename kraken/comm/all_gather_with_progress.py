@@ -196,7 +196,6 @@ def start(
     out: torch.Tensor,
     progress: torch.Tensor,
     stage_from: torch.Tensor | None = None,
-    stage_with_sms: bool = False,
     snapshot: torch.Tensor | None = None,
     stage_launch: Callable[[], None] | None = None,
     launcher=host.jit_launch,
@@ -205,11 +204,9 @@ def start(
     ``signal_pad_ptrs`` as ``host.symm_context`` gives them.
 
     For consumers that gather in place (``all_gather_matmul``): ``stage_from``, an ordinary tensor, is first
-    copied into my shard, for the peers (and ``snapshot``) to read; it is not flagged. By default the copy
-    engine copies it on the side stream, before the first barrier, while the consumer on the current stream
-    reads my rows from ``stage_from`` itself (so a group of one without ``snapshot``, where nobody reads the
-    shard, skips the copy); with ``stage_with_sms`` an elementwise kernel on every SM copies it on the current
-    stream, before the fork, for a consumer that reads my rows from my shard (in stream order).
+    copied into my shard, for the peers (and ``snapshot``) to read; it is not flagged. The copy engine copies it
+    on the side stream, before the first barrier, while the consumer on the current stream reads my rows from
+    ``stage_from`` itself (so a group of one without ``snapshot``, where nobody reads the shard, skips the copy).
     ``stage_launch``, for shards that are no plain copy (the fp8 recipe's values and row scales): a function
     that launches the kernel writing my shard, called on the side stream where ``stage_from``'s copy would be,
     under the same rule. When my shard is my own chunk of ``out`` (each rank's shard a chunk of its symmetric
@@ -221,10 +218,8 @@ def start(
     rows = shard.shape[0]
     current = torch.cuda.current_stream(shard.device)
     side = copy_stream(shard.device)
-    if stage_from is not None and stage_with_sms:
-        torch.mul(stage_from, 1, out=shard)  # exact for every value; runs on all SMs, unlike the copy engine
     has_reader = world_size > 1 or snapshot is not None  # of my shard: a peer, or the snapshot
-    copy_in = stage_from is not None and not stage_with_sms and has_reader
+    copy_in = stage_from is not None and has_reader
     progress.zero_()  # before the fork: no flag of the previous call survives into this one
     side.wait_stream(current)
     order = tuple((rank + step) % world_size for step in range(world_size))

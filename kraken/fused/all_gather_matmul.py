@@ -52,7 +52,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._ptx_utils import wait_async
-from kraken._gemm_core import INPUT_DTYPES, MAX_INDEX, TILE_CONFIGS as CORE_TILES, mainloop, tile_coords, tma_operands
+from kraken._gemm_core import (
+    INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, mainloop, skinny_or_large_tiles, tile_coords,
+    tma_operands,
+)
 from kraken.comm.all_gather_with_progress import start as start_gather
 
 OP = "all_gather_matmul"
@@ -157,11 +160,13 @@ def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
     return (b if b.is_contiguous() else b.contiguous()), False
 
 
-def tma_inputs(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def tma_inputs(a: torch.Tensor, b: torch.Tensor, b_layout: str, block_m: int = 1
+               ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(a, b, b transposed) as TMA loads them: ``b`` in its layout (``b_operand``), and both zero-padded in
-    k and n where a base or a row is not 16-byte aligned (``tma_operands``, by way of b's row-major view)."""
+    k and n where a base or a row is not 16-byte aligned, ``a``'s rows to whole ``block_m`` tiles up to
+    ``SKINNY_M`` rows (``tma_operands``, by way of b's row-major view)."""
     b, trans = b_operand(b, b_layout)
-    a, b_kn = tma_operands(a, b.t() if trans else b)
+    a, b_kn = tma_operands(a, b.t() if trans else b, block_m)
     if trans:
         return a, (b if b_kn.data_ptr() == b.data_ptr() else b_kn.t().contiguous()), True
     return a, b_kn, False
@@ -227,25 +232,30 @@ def launch(
     ``peers[r]`` rank r's chunk of rank r's (where r's own rows go); ``out`` [world_size * M, N];
     ``a_out``: where to copy the gathered ``a`` (``return_a``), or None; ``group_name`` is unused here.
     """
-    a, b, b_trans = tma_inputs(a, b, b_layout)
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a, snapshot=a_out,
-                           launcher=launcher)
+    m = a.shape[0]
+    a, b, b_trans = tma_inputs(a, b, b_layout, block_m)
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a if len(a) == m else a[:m],
+                           snapshot=a_out, launcher=launcher)
     launch_matmul(a, gathered, b, out, progress, rank, len(peers), b_trans, block_m, block_n, block_k, group_m,
                   num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 
 
-def tile_plan(m: int, n: int, world_size: int, config: dict, num_sms: int, tile_configs: list, defaults: dict,
-              op: str, least_block_k: int = 16) -> tuple[dict, int]:
+def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int, tile_configs: list,
+              defaults: dict, op: str, least_block_k: int = 16) -> tuple[dict, int]:
     """What both GEMMs' plans share: the largest of ``tile_configs`` that gives ``MIN_TILES_PER_SM`` of the SMs a
-    tile, under the ``config``; tile sizes powers of two (at least 16, ``block_k`` at least ``least_block_k``);
-    and the grid: at most one block per SM but ``RESERVED_SMS`` (the GEMM waits on flags in local memory and
-    uses no signal pad), never more blocks than tiles. (cfg, num_blocks)."""
+    tile; where none does, up to ``SKINNY_M`` rows, the reduce recipes' skinny tiles (one warpgroup, narrow tiles
+    that fill a wave: ``skinny_or_large_tiles``), else the smallest; under the ``config``; tile sizes powers of two
+    (at least 16, ``block_k`` at least ``least_block_k``); and the grid: at most one block per SM but
+    ``RESERVED_SMS`` (the GEMM waits on flags in local memory and uses no signal pad), never more blocks than
+    tiles. (cfg, num_blocks)."""
     def fills(cfg: dict) -> bool:
         return world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
 
-    tiles = next((cfg for cfg in tile_configs if fills(cfg)), tile_configs[-1])
+    tiles = next((cfg for cfg in tile_configs if fills(cfg)), None)
+    if tiles is None:
+        tiles = skinny_or_large_tiles(m, n, k, num_sms, push=False) if m <= SKINNY_M else tile_configs[-1]
     cfg = {**defaults, **tiles, **config}
     for key in ("block_m", "block_n", "block_k", "group_m"):
         value = cfg[key]
@@ -265,7 +275,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     The tiles and the persistent grid of ``tile_plan``.
     """
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    cfg, num_blocks = tile_plan(m, n, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP)
+    cfg, num_blocks = tile_plan(m, n, k, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP)
     if cfg["b_layout"] not in B_LAYOUTS:
         raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
     keys = ("b_layout", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")

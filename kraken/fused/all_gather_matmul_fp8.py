@@ -207,8 +207,8 @@ def launch(
     b, b_trans = b_operand(b, b_layout)
     started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher,
                            stage_launch=lambda: stage(a, scale_a, own_values, own_scales, launcher))
-    launch_matmul(tma_fp8(a), scale_a, gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1], b_trans,
-                  block_m, block_n, block_k, group_m, num_warps, num_stages, num_blocks, launcher)
+    launch_matmul(tma_fp8(a, block_m), scale_a, gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1],
+                  b_trans, block_m, block_n, block_k, group_m, num_warps, num_stages, num_blocks, launcher)
     started.wait()
     return out
 
@@ -223,7 +223,8 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     recipe's ``tile_plan`` over this recipe's ``TILE_CONFIGS``: the largest that gives ``MIN_TILES_PER_SM`` of
     the SMs a tile, a persistent grid of at most one block per SM but ``RESERVED_SMS``."""
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    cfg, num_blocks = tile_plan(m, n, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP, least_block_k=32)
+    cfg, num_blocks = tile_plan(m, n, k, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP,
+                                least_block_k=32)
     if cfg["block_k"] > MAX_BLOCK_K:
         raise ValueError(f"{OP}: block_k must be <= 128 (128 fp8 bytes: one TMA swizzle row), got {cfg['block_k']}")
     if cfg["b_layout"] not in B_LAYOUTS:
