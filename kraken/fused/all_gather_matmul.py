@@ -106,47 +106,52 @@ def all_gather_matmul_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     chunk_tiles = tiles_m * tiles_n
     num_tiles = world_size * chunk_tiles
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        step = tile // chunk_tiles  # 0: my rows, then rank + 1's, rank + 2's, ...
-        # The step of this block's previous tile (negative before its first: operands stay >= 0 for //).
-        prev_step = (tile + num_tiles - tl.num_programs(0)) // chunk_tiles - world_size
-        src = (rank + step) % world_size
-        tile_m, tile_n = tile_coords(tile % chunk_tiles, tiles_m, tiles_n, GROUP_M)
-        m0 = tile_m * BLOCK_M
-        n0 = tile_n * BLOCK_N
-        # At a block's first tile of each peer's chunk: these rows have landed (acquire), and TMA will see them
-        # (async-proxy fence). My own rows need no flag: earlier work on this stream wrote them (a group of one
-        # has no peer).
-        if world_size > 1:
-            if (step != prev_step) & (step > 0):
+    pid = tl.program_id(0)
+    blocks = tl.num_programs(0)
+    # My rows, from a (no flag: earlier work on this stream wrote them): this block's tiles pid, pid + blocks, ...
+    # of my chunk.
+    for tile in tl.range(pid, chunk_tiles, blocks):
+        tile_m, tile_n = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        acc = mainloop(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
+        store_tile(acc, out_ptr, rank * M, scale_a_ptr, 0, A_ROWWISE, scale_b_ptr, tile_m * BLOCK_M, tile_n * BLOCK_N,
+                   M, N, BLOCK_M, BLOCK_N, SCALED, B_COLWISE)
+    # The peers' rows, from the gather buffer: the block's later tiles, rank + 1's chunk first. A second loop, not a
+    # descriptor picked per tile: the two k loops follow each other, so their pipelines share shared memory.
+    if world_size > 1:
+        first = pid + (chunk_tiles - pid + blocks - 1) // blocks * blocks  # this block's first tile past my chunk
+        for tile in tl.range(first, num_tiles, blocks):
+            step = tile // chunk_tiles  # 1: rank + 1's rows, 2: rank + 2's, ...
+            # The step of this block's previous tile (0: my rows; negative before its first: operands stay >= 0).
+            prev_step = (tile + num_tiles - blocks) // chunk_tiles - world_size
+            src = (rank + step) % world_size
+            tile_m, tile_n = tile_coords(tile % chunk_tiles, tiles_m, tiles_n, GROUP_M)
+            # At a block's first tile of each peer's chunk: these rows have landed (acquire), and TMA will see them
+            # (async-proxy fence).
+            if step != prev_step:
                 wait_async(progress_ptr + src, 1)
-        # One k loop for both sources (a branch around two would give each its own pipeline buffers): my rows
-        # from a_desc, a peer's from the buffer.
-        rows_desc = gathered_desc
-        row0 = src * M + m0
-        if step == 0:
-            rows_desc = a_desc
-            row0 = m0
-        acc = mainloop(rows_desc, b_desc, row0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
-        # Only the chunk's rows: a tile at its end also read some of the next chunk's, discarded.
-        rows = m0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        if SCALED:  # the fp8 epilogue: times the rows' scales (mine from scale_a, a peer's from its rows) and b's
-            row_in = rows < M
-            col_in = cols < N
-            if step == 0:
-                scale_a = tl.load(scale_a_ptr + rows * A_ROWWISE, mask=row_in, other=0.0)
-            else:
-                scale_a = tl.load(row_scales_ptr + (src * M + rows) * scale_stride, mask=row_in, other=0.0)
-            scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=col_in, other=0.0)
-            acc = acc * scale_a[:, None] * scale_b[None, :]
-        offsets = (src * M + rows)[:, None] * N + cols[None, :]
-        # The same mask both ways; the fp8 kernel reuses the scale loads' predicates (ptxas gives it 10 to 58
-        # registers fewer so), and the bf16 one keeps the form it was measured with.
-        if SCALED:
-            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
-        else:
-            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+            acc = mainloop(gathered_desc, b_desc, src * M + tile_m * BLOCK_M, tile_n * BLOCK_N, 0, K, BLOCK_M,
+                           BLOCK_N, BLOCK_K, B_TRANS)
+            store_tile(acc, out_ptr, src * M, row_scales_ptr, src * M, scale_stride, scale_b_ptr, tile_m * BLOCK_M,
+                       tile_n * BLOCK_N, M, N, BLOCK_M, BLOCK_N, SCALED, B_COLWISE)
+
+
+@triton.jit
+def store_tile(acc, out_ptr, out_row0, scale_rows_ptr, scale_row0, scale_stride, scale_b_ptr, m0, n0, M, N,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, B_COLWISE: tl.constexpr):
+    """The epilogue of the tile at (m0, n0) of a chunk of M rows: stored at rows ``out_row0 + m0 ...`` of ``out``,
+    only the chunk's rows (a tile at its end also read some of the next chunk's, discarded). ``SCALED``: times
+    the rows' scales, row i's at ``scale_rows_ptr + (scale_row0 + i) * scale_stride`` (my rows' ``scale_a``:
+    stride 1, or 0 for one per tensor; the gathered rows': the buffer's), and b's column scales."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    row_in = rows < M
+    col_in = cols < N
+    if SCALED:
+        scale_a = tl.load(scale_rows_ptr + (scale_row0 + rows) * scale_stride, mask=row_in, other=0.0)
+        scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=col_in, other=0.0)
+        acc = acc * scale_a[:, None] * scale_b[None, :]
+    offsets = (out_row0 + rows)[:, None] * N + cols[None, :]
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
 def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
