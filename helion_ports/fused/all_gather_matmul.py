@@ -6,12 +6,11 @@ stream memory operations and two one-block barrier kernels, all host code), and 
 
 * ``hl.grid(num_blocks)`` is the persistent grid; block ``b`` takes tiles ``b, b +
   num_blocks, ...``, chunk by chunk: this rank's rows first, read from ``a`` itself, then
-  rank + 1's, rank + 2's, ... from the gather buffer. The recipe picks the rows' descriptor
-  per tile, before its one k loop; Helion 1.5 cannot pick a load's tensor per tile without
-  losing the k loop's pipeline (docs/helion-notes.md), so the twin walks the same tiles in
-  two ``hl.grid`` loops, one per source, each with its own k loop. The two loops follow each
-  other, so their pipeline buffers share shared memory (as much as the recipe's one loop);
-  a group of one compiles the first alone;
+  rank + 1's, rank + 2's, ... from the gather buffer, as the recipe: two ``hl.grid`` loops,
+  one per source of rows, each with its own k loop (Helion 1.5 cannot pick a load's tensor
+  per tile, docs/helion-notes.md; the recipe, too, keeps one loop per source). The loops
+  follow each other, so their pipeline buffers share shared memory; a group of one compiles
+  the first alone;
 * a block waits for the rows' flag at its first tile of each peer's chunk, with the recipe's
   PTX (``GMEM_WAIT_ASYNC``: acquire spin by one thread, thread barrier, every thread's
   async-proxy fence) pasted in with ``hl.inline_triton``;

@@ -17,14 +17,17 @@ making it wait for rows that are not there yet.
 * The GEMM is persistent (one block per SM but ``RESERVED_SMS``, left to the barrier
   kernel) and walks its tiles chunk by chunk: first this rank's rows, read from ``a``
   itself (so the GEMM starts at once, while the copy engine stages them), then rank + 1's,
-  rank + 2's, ... from the gather buffer. At its first tile of each peer's chunk a block
+  rank + 2's, ... from the gather buffer, in a second loop (a block's tiles are ``pid, pid +
+  blocks, ...`` across both). At its first tile of each peer's chunk a block
   waits for the rows' flag: one thread spins on an acquire load, then every thread fences
   the async proxy (``wait_async``): the rows are read through TMA. Within a chunk, tiles
   go in ``GROUP_M``-row bands (a band's rows and a column of ``b`` tiles stay in L2).
 * The GEMM is ``kraken._gemm_core.mainloop``: ``a``, the gathered rows and ``b`` load through
   host-built TMA descriptors (zero-padded in k and n where a base or a row is not 16-byte
-  aligned, ``tma_operands``); a tile picks its rows' descriptor (``a``'s or the buffer's)
-  before the k loop, so both share one pipeline and its shared memory. A ``b`` stored
+  aligned; ``a``'s rows up to ``SKINNY_M`` padded to whole tiles: ``tma_operands``). Each of the two
+  tile loops has its own k loop; the loops follow each other, so their pipeline buffers share
+  shared memory (a branch between two k loops inside one tile loop keeps both sets alive:
+  twice the shared memory). A ``b`` stored
   transposed (``w.t()`` of an [N, K] weight:
   strides (1, K)) is read as is, its tiles transposed in registers (``b_layout``); any
   other layout is copied contiguous. ``tl.dot`` accumulates in fp32; the output, in ``a``'s dtype, is stored through
