@@ -308,8 +308,8 @@ for rows, n, k, world_size, per_tensor, layout, config, module in cases:
         progress = torch.zeros(world_size + 4, dtype=torch.int32)
         with sm90.capture_launches():  # Helion's host-built descriptors on the CPU
             a_mine, _, sa_mine, _ = parts[rank]
-            module.launch_matmul(m.tma_fp8(a_mine, cfg["block_m"]), sa_mine, gathered, b_op, scale_b, out, progress, rank, world_size,
-                                 k, b_trans, **cfg)
+            module.launch_matmul(m.tma_fp8(a_mine, cfg["block_m"]), sa_mine, gathered, b_op, scale_b, out, progress,
+                                 rank, world_size, k, b_trans, **cfg)
         assert not torch.isnan(out).any(), "an output element was never written"
         err = ((out.double() - ref).norm() / ref.norm()).item()
         worst = max(worst, err)

@@ -102,7 +102,8 @@ def all_gather_matmul_body(
                         scale_rows = hl.load(scale_a, [tile_m], extra_mask=row_in)
                         scale_cols = hl.load(scale_b, [tile_n], extra_mask=col_in)
                         acc = acc * scale_rows[:, None] * scale_cols[None, :]
-                    hl.store(out, [tile_m.index + rank * m, tile_n], acc.to(out.dtype), extra_mask=row_in[:, None] & col_in[None, :])
+                    hl.store(out, [tile_m.index + rank * m, tile_n], acc.to(out.dtype),
+                             extra_mask=row_in[:, None] & col_in[None, :])
         # The peers' rows, from the gather buffer: the same block's later tiles (its first may be in the round
         # where its own rows ended), chunk by chunk, rank + 1's first.
         if world_size > 1:
@@ -121,7 +122,8 @@ def all_gather_matmul_body(
                     # At a block's first tile of each peer's chunk: the copy engine has landed these rows (acquire),
                     # and TMA will see them (async-proxy fence).
                     if step != prev_step:
-                        hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src, "value": 1}, output_like=None)
+                        hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": src, "value": 1},
+                                         output_like=None)
                     row0 = src * m + m0
                     for tile_g, tile_n in hl.tile([row0, n0], [row0 + block_m, n0 + block_n]):
                         acc = hl.zeros([tile_g, tile_n], dtype=torch.float32)
