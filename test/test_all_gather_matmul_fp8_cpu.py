@@ -74,6 +74,25 @@ def shared_traffic(ptx: str) -> collections.Counter:
     return collections.Counter({k: v for k, v in counts.items() if k.startswith(("st.shared", "prmt"))})
 
 
+def test_tma_fp8_pads_odd_k_and_few_rows():
+    """``tma_fp8(a, block_m)``: ``a`` itself when TMA can read it; a zero-padded copy, read through its [M', K] view,
+    for a K that is not 16-byte aligned, and (up to ``SKINNY_M`` rows) for rows that are not whole ``block_m`` tiles
+    (both GEMMs then read every box of my rows inside ``a``)."""
+    from kraken._gemm_core import tma_fp8
+
+    a = torch.randn(37, 64).to(FP8)
+    assert tma_fp8(a) is a and tma_fp8(a[:32], 32).data_ptr() == a.data_ptr()  # whole tiles already: no copy
+    padded = tma_fp8(a, 64)
+    assert padded.shape == (64, 64) and padded.dtype == FP8
+    assert torch.equal(padded[:37].view(torch.uint8), a.view(torch.uint8)) and not padded[37:].view(torch.uint8).any()
+    odd = torch.randn(37, 72).to(FP8)  # 72 bytes a row: padded to 80, read as [rows, 72]
+    padded = tma_fp8(odd, 32)
+    assert padded.shape == (64, 72) and padded.stride(0) == 80
+    assert torch.equal(padded[:37].view(torch.uint8), odd.view(torch.uint8)) and not padded[37:].view(torch.uint8).any()
+    big = torch.randn(300, 64).to(FP8)  # above SKINNY_M rows: the partial tile stays, no copy
+    assert tma_fp8(big, 128) is big
+
+
 def test_column_major_b_feeds_wgmma_from_shared_memory():
     """``w.t()`` (read as [N, K]): wgmma reads b's TMA tile as is. A row-major b also becomes fp8 wgmma, but
     through a byte-wise transposed copy in shared memory per k step (the layout note in the recipe)."""
