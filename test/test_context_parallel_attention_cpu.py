@@ -559,23 +559,23 @@ def test_cudnn_lower_right_merges_its_two_calls(monkeypatch):
 WARM_CALLS = 5
 
 
-class FakeStream:
-    def wait_stream(self, other) -> None:
-        pass
-
-
 @pytest.fixture
 def fake_device(monkeypatch) -> list:
-    """CPU stand-ins for the streams of the K/V exchange and the device's SM count; returns the flags written."""
+    """CPU stand-ins for the streams of the K/V exchange (the side stream, its fork and join, the switch to it)
+    and the device's SM count; returns the flags written."""
     import contextlib
+    import importlib
     import types
 
+    gather = importlib.import_module("kraken.comm.all_gather_with_progress")  # the package exports the function
     flags: list = []
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    forks: list = []
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(multi_processor_count=sm90.H200_NUM_SMS))
-    monkeypatch.setattr(recipe, "copy_stream", lambda device: FakeStream())
+    monkeypatch.setattr(recipe, "copy_stream", lambda device: "side")
+    monkeypatch.setattr(recipe, "fork", forks.append)
+    monkeypatch.setattr(recipe, "on_stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(gather, "join", forks.remove)  # every join follows its call's fork
     monkeypatch.setattr(recipe, "set_flag", lambda progress, index, value=1: flags.append(index))
     return flags
 

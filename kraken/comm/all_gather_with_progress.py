@@ -45,6 +45,7 @@ stream operations see the same bytes as uint32.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -81,8 +82,12 @@ def set_flag(progress: torch.Tensor, index: int, value: int = LANDED) -> None:
     (``cuStreamWriteValue32``, which fences the stream's earlier writes system-wide first). It is captured
     into CUDA graphs as a memory-operation node (checked on the 2x H200 host with torch 2.11: replays
     write the values; torch's own async-TP code uses a memset there instead). torch's op takes the flags
-    as uint32; the kernels read the same bytes as int32."""
-    _SymmetricMemory.stream_write_value32(progress.view(torch.uint32), index, value)
+    as uint32; the kernels read the same bytes as int32 (the uint32 view is kept on the flags tensor: a view
+    costs more than the write's own Python call)."""
+    as_uint32 = getattr(progress, "_as_uint32", None)
+    if as_uint32 is None:
+        as_uint32 = progress._as_uint32 = progress.view(torch.uint32)
+    _SymmetricMemory.stream_write_value32(as_uint32, index, value)
 
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -93,6 +98,43 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _copy_streams:
         _copy_streams[device] = torch.cuda.Stream(device=device, priority=-1)
     return _copy_streams[device]
+
+
+def current_stream(device_index: int) -> torch._C._CudaStreamBase:
+    """The device's current stream as torch's C stream object (what events record on and wait from): a quarter
+    of ``torch.cuda.current_stream``'s host cost, which builds its Python ``Stream`` through device checks."""
+    stream_id, index, device_type = torch._C._cuda_getCurrentStream(device_index)
+    return torch._C._CudaStreamBase(stream_id=stream_id, device_index=index, device_type=device_type)
+
+
+_local = threading.local()  # each thread's fork and join events, per device
+
+
+def _events(device_index: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    events = getattr(_local, "events", None)
+    if events is None:
+        events = _local.events = {}
+    pair = events.get(device_index)
+    if pair is None:
+        pair = events[device_index] = (torch.cuda.Event(), torch.cuda.Event())
+    return pair
+
+
+def fork(side: torch.cuda.Stream) -> None:
+    """``side.wait_stream(current stream)``: the side stream follows everything queued on the current stream so
+    far. Through an event kept per thread and device, recorded just before the wait (a wait follows the event's
+    latest record), where ``wait_stream`` creates an event per call: half the host cost. In a CUDA-graph capture
+    the record and the wait become the graph's edge, as ``wait_stream``'s do."""
+    event = _events(side.device_index)[0]
+    event.record(current_stream(side.device_index))
+    side.wait_event(event)
+
+
+def join(side: torch.cuda.Stream) -> None:
+    """``current stream.wait_stream(side)``, through the other kept event (``fork``)."""
+    event = _events(side.device_index)[1]
+    event.record(side)
+    event.wait(current_stream(side.device_index))
 
 
 @contextlib.contextmanager
@@ -126,7 +168,7 @@ class GatherInProgress:
 
         Call it after launching the consumer and before anything else uses ``out`` or writes the shard
         (and before a CUDA-graph capture ends: the side stream must rejoin)."""
-        torch.cuda.current_stream(self.out.device).wait_stream(self.stream)
+        join(self.stream)
         return self.out
 
 
@@ -216,12 +258,11 @@ def start(
     """
     world_size, shard = len(peers), peers[rank]
     rows = shard.shape[0]
-    current = torch.cuda.current_stream(shard.device)
     side = copy_stream(shard.device)
     has_reader = world_size > 1 or snapshot is not None  # of my shard: a peer, or the snapshot
     copy_in = stage_from is not None and has_reader
     progress.zero_()  # before the fork: no flag of the previous call survives into this one
-    side.wait_stream(current)
+    fork(side)
     order = tuple((rank + step) % world_size for step in range(world_size))
     with on_stream(side):
         if copy_in:

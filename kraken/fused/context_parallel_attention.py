@@ -66,7 +66,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._ptx_utils import wait_async, wait_each_thread
-from kraken.comm.all_gather_with_progress import LANDED, GatherInProgress, barrier, copy_stream, set_flag
+from kraken.comm.all_gather_with_progress import (
+    LANDED, GatherInProgress, barrier, copy_stream, fork, on_stream, set_flag,
+)
 
 OP = "context_parallel_attention"
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -613,14 +615,13 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
     the two barrier kernels."""
     world_size = len(peers)
     order, my_k, my_v, copies = exchange_plan(peers, gathered, rank, piece_rows, pieces)
-    current = torch.cuda.current_stream(k.device)
     side = copy_stream(k.device)
     progress.zero_()  # before the fork: no flag of the previous call survives into this one
     # My K/V into my chunk, on the current stream (after the previous call's closing barrier, which the current
     # stream joined): the attention kernel reads them there in stream order, the peers after the first barrier.
     stage_own(k, v, my_k, my_v)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
+    fork(side)
+    with on_stream(side):
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's K/V is staged
         for flag, piece in copies:  # piece by piece; within a piece rank + 1 first
             for dst, src in piece:
