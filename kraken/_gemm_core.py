@@ -97,6 +97,12 @@ def scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, M, N, BLOCK_M: tl.constexpr, B
 # ---------------------------------------------------------------------------
 
 
+def tma_rows(m: int, block_m: int) -> int:
+    """The rows ``a`` is padded to for TMA (``tma_operands``, ``tma_fp8``): whole ``block_m`` tiles up to ``SKINNY_M``
+    rows, ``m`` itself above."""
+    return host.round_up(m, block_m) if m <= SKINNY_M else m
+
+
 def tma_operands(a: torch.Tensor, b: torch.Tensor, block_m: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``a`` and ``b`` as TMA can load them: if a base or a row is not 16-byte aligned, zero-padded copies
     (k and n rounded up; the zeros add nothing to the product, and the output keeps the true N). With
@@ -107,7 +113,7 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor, block_m: int = 1) -> tuple[to
     row of tiles among several costs less than the copy (1000 x 6656 x 2560: 61.9 us as is, 79.5 padded)."""
     (m, k), n = a.shape, b.shape[1]
     step = TMA_ALIGN // a.element_size()
-    rows = host.round_up(m, block_m) if m <= SKINNY_M else m
+    rows = tma_rows(m, block_m)
     aligned = k % step == 0 and a.data_ptr() % TMA_ALIGN == 0
     if not (aligned and n % step == 0 and b.data_ptr() % TMA_ALIGN == 0):
         k_pad, n_pad = host.round_up(k, step), host.round_up(n, step)
@@ -126,7 +132,7 @@ def tma_fp8(a: torch.Tensor, block_m: int = 1) -> torch.Tensor:
     up to ``SKINNY_M`` rows that are not whole tiles: ``tma_operands`` says why) a zero-padded copy; the k loop's
     bound is the true K either way (the descriptor's shape), TMA fills past it with zeros."""
     m, k = a.shape
-    rows = host.round_up(m, block_m) if m <= SKINNY_M else m
+    rows = tma_rows(m, block_m)
     if k % TMA_ALIGN == 0 and a.data_ptr() % TMA_ALIGN == 0 and rows == m:
         return a
     padded = torch.zeros(rows, host.round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
