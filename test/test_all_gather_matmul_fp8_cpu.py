@@ -131,6 +131,9 @@ def test_gather_buffer_rows_hold_values_and_scale():
     assert values.shape == (2 * m, k) and values.stride() == (128, 1) and values.dtype == FP8
     assert scales.shape == (2 * m,) and scales.stride() == (32,)
     assert values.data_ptr() == gathered.data_ptr() and scales.data_ptr() == gathered.data_ptr() + 80
+    # Kept per buffer and K: every call of a prepared call gets the same two views; another K gets its own.
+    assert all(x is y for x, y in zip(recipe.buffer_views(gathered, k), (values, scales)))
+    assert recipe.buffer_views(gathered, 64)[0].shape == (2 * m, 64)
     a = torch.randn(1024, 4096).to(FP8)
     gathered = torch.zeros(2 * 1024, recipe.row_bytes(4096), dtype=torch.uint8)
     values, scales = recipe.buffer_views(gathered, 4096)

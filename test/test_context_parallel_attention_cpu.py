@@ -577,6 +577,7 @@ def fake_device(monkeypatch) -> list:
     monkeypatch.setattr(recipe, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(gather, "join", forks.remove)  # every join follows its call's fork
     monkeypatch.setattr(recipe, "set_flag", lambda progress, index, value=1: flags.append(index))
+    monkeypatch.setattr(recipe, "reset_flags", lambda progress: progress.zero_())  # a driver memset on the GPU
     return flags
 
 

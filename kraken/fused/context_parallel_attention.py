@@ -67,7 +67,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kraken import host
 from kraken._ptx_utils import wait_async, wait_each_thread
 from kraken.comm.all_gather_with_progress import (
-    LANDED, GatherInProgress, barrier, copy_stream, fork, on_stream, set_flag,
+    LANDED, GatherInProgress, barrier, copy_stream, fork, on_stream, reset_flags, set_flag,
 )
 
 OP = "context_parallel_attention"
@@ -616,7 +616,7 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
     world_size = len(peers)
     order, my_k, my_v, copies = exchange_plan(peers, gathered, rank, piece_rows, pieces)
     side = copy_stream(k.device)
-    progress.zero_()  # before the fork: no flag of the previous call survives into this one
+    reset_flags(progress)  # before the fork: no flag of the previous call survives into this one
     # My K/V into my chunk, on the current stream (after the previous call's closing barrier, which the current
     # stream joined): the attention kernel reads them there in stream order, the peers after the first barrier.
     stage_own(k, v, my_k, my_v)
@@ -746,7 +746,7 @@ def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict,
                 attention=None, tiles=default_tiles) -> torch.Tensor:
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config, tiles)
-    progress.zero_()  # no flag is read here, but the causal kernels' and the twin's count of tiles taken starts at 0
+    reset_flags(progress)  # no flag is read here, but the causal kernels' and the twin's count of tiles taken starts at 0
     if attention is None and not causal:  # only the warp-specialized kernel reads my K/V from the buffer
         stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
     return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
