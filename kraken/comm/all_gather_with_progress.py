@@ -257,6 +257,55 @@ def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torc
     return ctx, out, progress
 
 
+def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, out: torch.Tensor,
+             progress: torch.Tensor, snapshot: torch.Tensor | None, order: tuple[int, ...], launcher) -> None:
+    """``start``'s side-stream work after my shard is staged, on the current stream: the first barrier, each
+    peer's chunk and its flag in ``order``, my own rows and flag, the snapshot, the closing barrier."""
+    shard = peers[rank]
+    rows = shard.shape[0]
+    barrier(signal_pad_ptrs, rank, len(peers), launcher)  # every rank's shard is complete
+    for peer in order[1:]:
+        out[peer * rows:(peer + 1) * rows].copy_(peers[peer])
+        set_flag(progress, peer)
+    # My own rows last: the consumer can read them from the shard, the peers' are the ones it waits for.
+    if out.data_ptr() + rank * shard.nbytes != shard.data_ptr():
+        out[rank * rows:(rank + 1) * rows].copy_(shard)
+    set_flag(progress, rank)
+    if snapshot is not None:
+        snapshot.copy_(out)
+    barrier(signal_pad_ptrs, rank, len(peers), launcher)  # done reading: peers may write their shards again
+
+
+# The exchange of a gather in place (my shard my own chunk of a symmetric ``out``: the GEMM consumers' prepared
+# gather buffers) touches the same buffers, flags and signal pads on every call of a prepared call: its launches,
+# copies and flag writes (two barriers and one write at world size 1; 2 + 2 (world_size - 1) more operations
+# beyond) are captured once into a CUDA graph and replayed, one graph launch where each was a host call. Key (the
+# launcher, the pads, the rank and every pointer touched) -> the graph, or the count of plain runs so far.
+_exchanges: dict[tuple, object] = {}
+PLAIN_RUNS = 1  # a key's plain runs before its capture: the first binds the barrier kernel through the JIT
+
+
+def replayed(key: tuple, run: Callable[[], None]) -> None:
+    """``run()`` on the current stream (the side stream: never the default one), from a CUDA graph of it kept
+    under ``key``: captured (thread-local mode: other threads' CUDA calls go on) after ``PLAIN_RUNS`` plain runs."""
+    entry = _exchanges.get(key, 0)
+    if isinstance(entry, int):
+        if entry < PLAIN_RUNS:
+            run()
+            _exchanges[key] = entry + 1
+            return
+        if len(_exchanges) >= host.MAX_PREPARED:
+            _exchanges.clear()
+        entry = torch.cuda.CUDAGraph()
+        entry.capture_begin(capture_error_mode="thread_local")
+        try:
+            run()
+        finally:
+            entry.capture_end()
+        _exchanges[key] = entry
+    entry.replay()
+
+
 def start(
     peers: tuple[torch.Tensor, ...],
     signal_pad_ptrs: int,
@@ -283,27 +332,25 @@ def start(
     the barriers.
     """
     world_size, shard = len(peers), peers[rank]
-    rows = shard.shape[0]
     side = copy_stream(shard.device)
     has_reader = world_size > 1 or snapshot is not None  # of my shard: a peer, or the snapshot
     copy_in = stage_from is not None and has_reader
+    in_place = out.data_ptr() + rank * shard.nbytes == shard.data_ptr()  # my shard is my chunk of out
     reset_flags(progress)  # before the fork: no flag of the previous call survives into this one
     fork(side)
     order = tuple((rank + step) % world_size for step in range(world_size))
+    # A gather in place with no snapshot touches only a prepared call's buffers: replayed from a graph, unless the
+    # caller's stream is being captured (the caller's graph takes the launches) or a profiler hooks Triton launches.
+    replay = in_place and snapshot is None and not torch._C._cuda_isCurrentStreamCapturing() and not host.launch_hooked()
     with on_stream(side):
         if copy_in:
             shard.copy_(stage_from)
         if stage_launch is not None and has_reader:
             stage_launch()
-        barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's shard is complete
-        for peer in order[1:]:
-            out[peer * rows:(peer + 1) * rows].copy_(peers[peer])
-            set_flag(progress, peer)
-        # My own rows last: the consumer can read them from the shard, the peers' are the ones it waits for.
-        if out.data_ptr() + rank * shard.nbytes != shard.data_ptr():
-            out[rank * rows:(rank + 1) * rows].copy_(shard)
-        set_flag(progress, rank)
-        if snapshot is not None:
-            snapshot.copy_(out)
-        barrier(signal_pad_ptrs, rank, world_size, launcher)  # done reading: peers may write their shards again
+        if replay:
+            key = (id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(),
+                   *(peer.data_ptr() for peer in peers))
+            replayed(key, lambda: exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher))
+        else:
+            exchange(peers, signal_pad_ptrs, rank, out, progress, snapshot, order, launcher)
     return GatherInProgress(out, progress, side, order)
