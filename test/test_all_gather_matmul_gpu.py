@@ -124,6 +124,9 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
             for k in range(6):
                 check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k}, {shapes[k]})")
                 outs[k].fill_(POISON)
+    # Those launches ran the in-place gather's exchange from its CUDA graph after the first call of each shape.
+    exchanges = importlib.import_module("kraken.comm.all_gather_with_progress")._exchanges.values()
+    assert any(isinstance(e, torch.cuda.CUDAGraph) for e in exchanges), f"{backend}: no exchange replayed from a graph"
 
     slots = range(0, 6, 2)  # the graph replays one shape
     eager = {k: fn(*inputs[k]) for k in slots}

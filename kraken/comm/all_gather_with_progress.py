@@ -31,6 +31,9 @@ The protocol (CUDA-graph safe, no host round trip):
   its copies of my shard; the caller's next write to the shard comes after
   ``GatherInProgress.wait()``, which joins the side stream behind that barrier.
   (The GEMM consumer is far longer than the copies, so the join costs nothing.)
+* a gather in place (my shard my own chunk of a symmetric ``out``, as the GEMM consumers' prepared buffers)
+  replays its exchange (the barriers, copies and flag writes above) from a CUDA graph captured on its second
+  call (``replayed``): the same operations, one host call;
 * my own rows: copied locally to ``out`` after the peers' chunks (those are what a
   consumer waits for; it can read its own rows from ``shard`` without waiting) and
   flagged like the others.
