@@ -14,7 +14,10 @@ For each op, shape and backend, on every rank:
    rather than the Python launch path is measured. Iterations run in bursts of
    ``burst`` back-to-back calls with CUDA events around each burst (optionally
    after an L2 flush), or around a CUDA graph of one burst with ``--cuda-graph``;
-   the median burst / ``burst`` per rank, then the slowest rank's median. Events
+   the median burst / ``burst`` per rank, then the slowest rank's median. A
+   shape's backends take turns, one burst each per round (``device_times_us``),
+   so a drift of the GPU's clocks over the run (long runs of big kernels run
+   slower) reaches every backend alike instead of whichever was timed last. Events
    around every single call would add their own ~2.5 us to each call (measured
    on H200: a 1-us ``add_`` reads 5.0 us that way, 2.4 us in bursts), for every
    backend alike, NCCL included;
@@ -137,37 +140,50 @@ def eager_loop_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
 
 
 def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float) -> float:
-    """Median GPU time per call on this rank (see module docstring)."""
+    """Median GPU time per call of ``fn`` on this rank (see module docstring)."""
+    return device_times_us([fn], settings, [host_us])[0]
+
+
+def device_times_us(fns: list[Callable[[], object]], settings: Settings, host_us: list[float]) -> list[float]:
+    """Median GPU time per call of each of ``fns`` on this rank, their bursts interleaved: round ``i`` times burst
+    ``i`` of every function in turn, all of it queued behind one GPU sleep (see module docstring). The same number
+    of bursts, in the same order, on every rank."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if settings.l2_flush else None
     burst = settings.burst if not settings.l2_flush else 1  # a flush belongs before every call
+    steps = [_burst_step(fn, burst, settings.cuda_graph) for fn in fns]
+    rounds = max(settings.iters // burst, 5)
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+              for _ in range(rounds)]
+    torch.cuda.synchronize()
+    dist.barrier()
+    # Enough sleep to cover the host enqueueing every burst (twice over), capped at 200 ms.
+    _sleep_us(min(200000.0, 2.0 * sum(host_us) * rounds * burst + 100.0))
+    for per_round in events:
+        for step, (start, end) in zip(steps, per_round):
+            if flush is not None:
+                flush.zero_()
+            start.record()
+            step()
+            end.record()
+    torch.cuda.synchronize()
+    return [statistics.median(start.elapsed_time(end) * 1e3 / burst for start, end in column)
+            for column in zip(*events)]
+
+
+def _burst_step(fn: Callable[[], object], burst: int, cuda_graph: bool) -> Callable[[], object]:
+    """``burst`` back-to-back calls of ``fn``: called plainly, or captured once in a CUDA graph and replayed."""
 
     def calls() -> None:
         for _ in range(burst):
             fn()
 
-    if settings.cuda_graph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            calls()
-        graph.replay()
-        step = graph.replay
-    else:
-        step = calls
-    steps = max(settings.iters // burst, 5)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    torch.cuda.synchronize()
-    dist.barrier()
-    # Enough sleep to cover the host enqueueing every step (twice over), capped at 200 ms.
-    _sleep_us(min(200000.0, 2.0 * host_us * steps * burst + 100.0))
-    for start, end in events:
-        if flush is not None:
-            flush.zero_()
-        start.record()
-        step()
-        end.record()
-    torch.cuda.synchronize()
-    times = [start.elapsed_time(end) * 1e3 / burst for start, end in events]
-    return statistics.median(times)
+    if not cuda_graph:
+        return calls
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    return graph.replay
 
 
 def check_backend(op: Op, name: str, shape: Shape, dtype: torch.dtype, seed: int, ref: torch.Tensor) -> str:
@@ -198,7 +214,7 @@ EAGER_ONLY = "not timed (eager only: it cannot be captured in a CUDA graph)"
 def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype, settings: Settings,
            meta: dict | None = None) -> list[Row]:
     world_size = dist.get_world_size()
-    rows = []
+    rows, timed = [], []  # timed: (row, call) of the shape's backends that passed their check
     for shape in shapes:
         shape_text = "x".join(map(str, shape))
         floor = op.floor_us(shape, dtype, world_size)
@@ -216,19 +232,30 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
                 continue
             row.status = check_backend(op, name, shape, dtype, settings.seed, ref)
             if row.status == "ok":
-                inputs = op.make_inputs(shape, dtype, settings.seed + 1)
-                fn = op.backends[name]
+                call = _bound(op.backends[name], op.make_inputs(shape, dtype, settings.seed + 1))
                 for _ in range(settings.warmup):
-                    fn(inputs)
-                row.host_us = _slowest(host_cost_us(lambda: fn(inputs), settings.host_calls))
-                row.us = _slowest(device_time_us(lambda: fn(inputs), settings, row.host_us))
-                if not settings.cuda_graph:
-                    calls = loop_calls(row.us, settings)
-                    loop_us, loop_gpu_us = eager_loop_us(lambda: fn(inputs), calls)
-                    row.loop_us, row.loop_gpu_us = _slowest(loop_us), _slowest(loop_gpu_us)
-                row.gbps = nbytes / (row.us * 1e3)
+                    call()
+                row.host_us = _slowest(host_cost_us(call, settings.host_calls))
+                timed.append((row, call))
             rows.append(row)
+        if timed:  # the same backends on every rank: each one's status is agreed
+            print_rank0(f"  [{op.name} {shape_text}] timing {len(timed)} backends, interleaved ...", file=sys.stderr)
+            heartbeat(f"{op.name} {shape_text} timing")
+            times = device_times_us([call for _, call in timed], settings, [row.host_us for row, _ in timed])
+            for (row, call), us in zip(timed, times):
+                row.us = _slowest(us)
+                row.gbps = nbytes / (row.us * 1e3)
+                if not settings.cuda_graph:
+                    heartbeat(f"{op.name} {shape_text} {row.backend} eager loop")
+                    loop_us, loop_gpu_us = eager_loop_us(call, loop_calls(row.us, settings))
+                    row.loop_us, row.loop_gpu_us = _slowest(loop_us), _slowest(loop_gpu_us)
+            timed.clear()
     return rows
+
+
+def _bound(fn: Callable[[dict], object], inputs: dict) -> Callable[[], object]:
+    """``fn`` on ``inputs``, as a call without arguments (a function per backend, not a closure over the loop's)."""
+    return lambda: fn(inputs)
 
 
 # ---------------------------------------------------------------------------

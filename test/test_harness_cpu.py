@@ -342,3 +342,77 @@ def test_spawn_retries_a_taken_rendezvous_port(monkeypatch):
     with pytest.raises(launch.WorkerError, match="port was taken 2 times"):
         launch.spawn(print, world_size=2)
     assert len(tries) == 2
+
+
+class FakeClock:
+    """CUDA events on a fake GPU: each call of a timed function costs its ``cost`` us, plus ``drift`` us more for
+    every call made before it (clocks slowing down over a run); an event reads the time of the calls so far."""
+
+    def __init__(self, drift: float = 0.0):
+        self.now, self.calls, self.drift, self.log = 0.0, 0, drift, []
+
+    def fn(self, name: str, cost: float):
+        def call():
+            self.now += cost + self.drift * self.calls
+            self.calls += 1
+            self.log.append(name)
+        return call
+
+    def event(self, enable_timing=False):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.t = clock.now
+
+            def elapsed_time(self, end):  # milliseconds, as CUDA's
+                return (end.t - self.t) * 1e-3
+
+        return Event()
+
+
+def test_backends_take_turns_burst_by_burst_and_drift_reaches_each_alike(monkeypatch):
+    clock = FakeClock(drift=0.01)
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(harness.dist, "barrier", lambda: None)
+    monkeypatch.setattr(harness, "_sleep_us", lambda us: None)
+    settings = harness.Settings(iters=60, burst=3)
+    fast, slow = clock.fn("fast", 10.0), clock.fn("slow", 12.0)
+    fast_us, slow_us = harness.device_times_us([fast, slow], settings, [5.0, 5.0])
+    # 20 rounds, each a burst of 3 calls of one function then of the other, in that order
+    assert clock.log == (["fast"] * 3 + ["slow"] * 3) * 20
+    # Each median is its own cost plus the drift of its own bursts: within a burst's worth of drift of each other.
+    assert 10.0 < fast_us < 11.0 and 12.0 < slow_us < 13.0
+    assert abs((slow_us - 12.0) - (fast_us - 10.0)) <= 3 * 0.01 + 1e-9
+    # One function alone: the same timer, at least 5 bursts.
+    clock.log.clear()
+    (alone,) = harness.device_times_us([fast], harness.Settings(iters=2, burst=1), [5.0])
+    assert clock.log == ["fast"] * 5 and alone > 10.0
+    assert harness.device_time_us(fast, harness.Settings(iters=10, burst=10), 5.0) > 10.0
+
+
+def test_run_op_times_a_shapes_backends_together(monkeypatch):
+    """run_op checks, warms up and host-times each backend, then times them all in one interleaved run
+    (device_times_us), then runs each one's eager loop: every row gets its own time."""
+    clock = FakeClock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(harness.dist, "barrier", lambda: None)
+    monkeypatch.setattr(harness.dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(harness, "_sleep_us", lambda us: None)
+    monkeypatch.setattr(harness, "_slowest", lambda value: value)
+    calls = {"nccl": clock.fn("nccl", 10.0), "triton": clock.fn("triton", 8.0)}
+    backends = {name: (lambda inputs, call=call: (call(), torch.ones(2))[1]) for name, call in calls.items()}
+    op = registry.Op("demo", "demo", lambda *a: {}, backends, [(1,)], "NUMEL", lambda *a: 100.0, lambda *a: 1.0)
+    settings = harness.Settings(iters=20, burst=2, warmup=1, host_calls=1, loop_calls=3, max_loop_calls=3)
+    rows = harness.run_op(op, [(1,), (2,)], ["nccl", "triton"], torch.float32, settings)
+    assert [(r.shape, r.backend, r.status) for r in rows] == [
+        (s, b, "ok") for s in ("1", "2") for b in ("nccl", "triton")]
+    assert [r.us for r in rows] == [10.0, 8.0, 10.0, 8.0] and [r.loop_us for r in rows] == [10.0, 8.0, 10.0, 8.0]
+    assert all(r.gbps == 100.0 / (r.us * 1e3) for r in rows)
+    interleaved = (["nccl"] * 2 + ["triton"] * 2) * 10
+    text, pattern = " ".join(clock.log), " ".join(interleaved)
+    assert text.count(pattern) == 2  # once per shape
+    # per shape: the reference and 2 checks, 2 warm-ups, 2 host calls, 40 timed, 6 in the loops, 6 queued loops
+    assert len(clock.log) == 2 * (1 + 2 + 2 + 2 + 40 + 6 + 6)
