@@ -15,9 +15,10 @@ For each op, shape and backend, on every rank:
    ``burst`` back-to-back calls with CUDA events around each burst (optionally
    after an L2 flush), or around a CUDA graph of one burst with ``--cuda-graph``;
    the median burst / ``burst`` per rank, then the slowest rank's median. A
-   shape's backends take turns, one burst each per round (``device_times_us``),
-   so a drift of the GPU's clocks over the run (long runs of big kernels run
-   slower) reaches every backend alike instead of whichever was timed last. Events
+   shape's backends take turns, one burst each per round, in an order reversed
+   every other round (``device_times_us``), so a drift of the GPU's clocks over
+   the run (a sustained load of big kernels runs at lower clocks) reaches every
+   backend alike instead of whichever was timed last. Events
    around every single call would add their own ~2.5 us to each call (measured
    on H200: a 1-us ``add_`` reads 5.0 us that way, 2.4 us in bursts), for every
    backend alike, NCCL included;
@@ -145,29 +146,32 @@ def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float)
 
 
 def device_times_us(fns: list[Callable[[], object]], settings: Settings, host_us: list[float]) -> list[float]:
-    """Median GPU time per call of each of ``fns`` on this rank, their bursts interleaved: round ``i`` times burst
-    ``i`` of every function in turn, all of it queued behind one GPU sleep (see module docstring). The same number
-    of bursts, in the same order, on every rank."""
+    """Median GPU time per call of each of ``fns`` on this rank, their bursts interleaved: every round times one
+    burst of every function, in turn, in the given order and then reversed in the next round, all of it queued
+    behind one GPU sleep (see module docstring). A pair of rounds gives each function the same average place, so
+    a drift within a round (clocks falling under a sustained load) reaches each alike: the median over pairs of
+    the pair's mean. The same number of bursts, in the same order, on every rank."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if settings.l2_flush else None
     burst = settings.burst if not settings.l2_flush else 1  # a flush belongs before every call
     steps = [_burst_step(fn, burst, settings.cuda_graph) for fn in fns]
-    rounds = max(settings.iters // burst, 5)
+    pairs = (max(settings.iters // burst, 5) + 1) // 2  # the bursts asked for, rounded up to whole pairs
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
-              for _ in range(rounds)]
+              for _ in range(2 * pairs)]
     torch.cuda.synchronize()
     dist.barrier()
     # Enough sleep to cover the host enqueueing every burst (twice over), capped at 200 ms.
-    _sleep_us(min(200000.0, 2.0 * sum(host_us) * rounds * burst + 100.0))
-    for per_round in events:
-        for step, (start, end) in zip(steps, per_round):
+    _sleep_us(min(200000.0, 2.0 * sum(host_us) * len(events) * burst + 100.0))
+    for i, per_round in enumerate(events):
+        turns = list(zip(steps, per_round))
+        for step, (start, end) in (turns if i % 2 == 0 else reversed(turns)):
             if flush is not None:
                 flush.zero_()
             start.record()
             step()
             end.record()
     torch.cuda.synchronize()
-    return [statistics.median(start.elapsed_time(end) * 1e3 / burst for start, end in column)
-            for column in zip(*events)]
+    us = [[start.elapsed_time(end) * 1e3 / burst for start, end in per_round] for per_round in events]
+    return [statistics.median((us[2 * p][j] + us[2 * p + 1][j]) / 2 for p in range(pairs)) for j in range(len(fns))]
 
 
 def _burst_step(fn: Callable[[], object], burst: int, cuda_graph: bool) -> Callable[[], object]:
