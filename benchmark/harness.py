@@ -17,8 +17,9 @@ For each op, shape and backend, on every rank:
    the median burst / ``burst`` per rank, then the slowest rank's median. A
    shape's backends take turns, one burst each per round, in an order reversed
    every other round (``device_times_us``), so a drift of the GPU's clocks over
-   the run (a sustained load of big kernels runs at lower clocks) reaches every
-   backend alike instead of whichever was timed last. Events
+   the run reaches every backend alike instead of whichever was timed last, and
+   each burst follows a GPU rest three times its length (``REST``: a sustained
+   load of big kernels lowers the H200's clocks by a quarter after ~60 ms). Events
    around every single call would add their own ~2.5 us to each call (measured
    on H200: a 1-us ``add_`` reads 5.0 us that way, 2.4 us in bursts), for every
    backend alike, NCCL included;
@@ -140,30 +141,41 @@ def eager_loop_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
     return per_call[0], per_call[1]
 
 
-def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float) -> float:
+# Rest before each timed burst, in multiples of the burst's own GPU time (at most MAX_SLEEP_US). On the H200, a
+# cuBLAS GEMM run back to back held 1980 MHz for about 60 ms, then 1485 MHz (594 -> 705 us per call at
+# 2048x14336x8192, at 160-390 W), while 20-ms rests after each 6-ms burst kept it at 1980 MHz throughout.
+REST = 3.0
+MAX_SLEEP_US = 200000.0
+
+
+def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float, gpu_us: float | None = None) -> float:
     """Median GPU time per call of ``fn`` on this rank (see module docstring)."""
-    return device_times_us([fn], settings, [host_us])[0]
+    return device_times_us([fn], settings, [host_us], [host_us if gpu_us is None else gpu_us])[0]
 
 
-def device_times_us(fns: list[Callable[[], object]], settings: Settings, host_us: list[float]) -> list[float]:
+def device_times_us(fns: list[Callable[[], object]], settings: Settings, host_us: list[float],
+                    gpu_us: list[float]) -> list[float]:
     """Median GPU time per call of each of ``fns`` on this rank, their bursts interleaved: every round times one
-    burst of every function, in turn, in the given order and then reversed in the next round, all of it queued
-    behind one GPU sleep (see module docstring). A pair of rounds gives each function the same average place, so
-    a drift within a round (clocks falling under a sustained load) reaches each alike: the median over pairs of
-    the pair's mean. The same number of bursts, in the same order, on every rank."""
+    burst of every function, in turn, in the given order and then reversed in the next round. A pair of rounds
+    gives each function the same average place in them; the time is the median over pairs of the pair's mean.
+
+    Each burst is queued behind a GPU sleep that covers the host enqueueing it (twice its ``host_us`` per call)
+    and rests the GPU ``REST`` times the burst's GPU time (``gpu_us`` per call, an estimate), so that every burst
+    starts at the clocks a rested GPU runs (see ``REST``), whatever ran before it. The same number of bursts, in
+    the same order, on every rank."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if settings.l2_flush else None
     burst = settings.burst if not settings.l2_flush else 1  # a flush belongs before every call
     steps = [_burst_step(fn, burst, settings.cuda_graph) for fn in fns]
+    sleeps = [min(MAX_SLEEP_US, burst * max(2.0 * h, REST * g)) + 10.0 for h, g in zip(host_us, gpu_us)]
     pairs = (max(settings.iters // burst, 5) + 1) // 2  # the bursts asked for, rounded up to whole pairs
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
               for _ in range(2 * pairs)]
     torch.cuda.synchronize()
     dist.barrier()
-    # Enough sleep to cover the host enqueueing every burst (twice over), capped at 200 ms.
-    _sleep_us(min(200000.0, 2.0 * sum(host_us) * len(events) * burst + 100.0))
     for i, per_round in enumerate(events):
-        turns = list(zip(steps, per_round))
-        for step, (start, end) in (turns if i % 2 == 0 else reversed(turns)):
+        turns = list(zip(steps, sleeps, per_round))
+        for step, sleep, (start, end) in (turns if i % 2 == 0 else reversed(turns)):
+            _sleep_us(sleep)
             if flush is not None:
                 flush.zero_()
             start.record()
@@ -172,6 +184,19 @@ def device_times_us(fns: list[Callable[[], object]], settings: Settings, host_us
     torch.cuda.synchronize()
     us = [[start.elapsed_time(end) * 1e3 / burst for start, end in per_round] for per_round in events]
     return [statistics.median((us[2 * p][j] + us[2 * p + 1][j]) / 2 for p in range(pairs)) for j in range(len(fns))]
+
+
+def warm_up(fn: Callable[[], object], calls: int) -> float:
+    """Run ``fn`` ``calls`` times (compiles, caches, first-touch allocations); returns the GPU time per call seen
+    (host gaps included, so at least the call's own GPU time): ``device_times_us``'s estimate."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()  # the first call may compile: not timed
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / max(calls, 1)
 
 
 def _burst_step(fn: Callable[[], object], burst: int, cuda_graph: bool) -> Callable[[], object]:
@@ -218,7 +243,7 @@ EAGER_ONLY = "not timed (eager only: it cannot be captured in a CUDA graph)"
 def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype, settings: Settings,
            meta: dict | None = None) -> list[Row]:
     world_size = dist.get_world_size()
-    rows, timed = [], []  # timed: (row, call) of the shape's backends that passed their check
+    rows, timed = [], []  # timed: (row, call, warm-up us per call) of the shape's backends that passed their check
     for shape in shapes:
         shape_text = "x".join(map(str, shape))
         floor = op.floor_us(shape, dtype, world_size)
@@ -237,16 +262,16 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
             row.status = check_backend(op, name, shape, dtype, settings.seed, ref)
             if row.status == "ok":
                 call = _bound(op.backends[name], op.make_inputs(shape, dtype, settings.seed + 1))
-                for _ in range(settings.warmup):
-                    call()
+                warm_us = _slowest(warm_up(call, settings.warmup))
                 row.host_us = _slowest(host_cost_us(call, settings.host_calls))
-                timed.append((row, call))
+                timed.append((row, call, warm_us))
             rows.append(row)
         if timed:  # the same backends on every rank: each one's status is agreed
             print_rank0(f"  [{op.name} {shape_text}] timing {len(timed)} backends, interleaved ...", file=sys.stderr)
             heartbeat(f"{op.name} {shape_text} timing")
-            times = device_times_us([call for _, call in timed], settings, [row.host_us for row, _ in timed])
-            for (row, call), us in zip(timed, times):
+            times = device_times_us([call for _, call, _ in timed], settings, [row.host_us for row, _, _ in timed],
+                                    [warm_us for _, _, warm_us in timed])
+            for (row, call, _), us in zip(timed, times):
                 row.us = _slowest(us)
                 row.gbps = nbytes / (row.us * 1e3)
                 if not settings.cuda_graph:

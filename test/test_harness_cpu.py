@@ -372,22 +372,27 @@ class FakeClock:
 
 
 def test_backends_take_turns_burst_by_burst_and_drift_reaches_each_alike(monkeypatch):
-    clock = FakeClock(drift=0.01)
+    clock, sleeps = FakeClock(drift=0.01), []
     monkeypatch.setattr(torch.cuda, "Event", clock.event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(harness.dist, "barrier", lambda: None)
-    monkeypatch.setattr(harness, "_sleep_us", lambda us: None)
+    monkeypatch.setattr(harness, "_sleep_us", sleeps.append)
     settings = harness.Settings(iters=60, burst=3)
     fast, slow = clock.fn("fast", 10.0), clock.fn("slow", 12.0)
-    fast_us, slow_us = harness.device_times_us([fast, slow], settings, [5.0, 5.0])
+    fast_us, slow_us = harness.device_times_us([fast, slow], settings, [5.0, 1.0], [10.0, 1e6])
     # 10 pairs of rounds (20 bursts asked): a burst of 3 calls of each, the order reversed every other round
     assert clock.log == (["fast"] * 3 + ["slow"] * 3 + ["slow"] * 3 + ["fast"] * 3) * 10
     # Each pair's mean has the same drift in it for both: exactly their cost apart.
     assert 10.0 < fast_us < 11.5 and abs((slow_us - fast_us) - 2.0) < 1e-9
-    # Without reversing, the second would have read 3 calls' drift (0.03 us) more than the first.
+    # Before each burst a rest: REST x its GPU time (fast: 3 x 3 x 10 us), or what covers the host enqueueing it
+    # (2 x 3 x 5 us) if more, at most MAX_SLEEP_US (slow's estimate is a second a call); plus 10 us.
+    fast_rest, slow_rest = 3 * 3 * 10.0 + 10.0, harness.MAX_SLEEP_US + 10.0
+    assert sleeps == [fast_rest, slow_rest, slow_rest, fast_rest] * 10
     clock.log.clear()
-    (alone,) = harness.device_times_us([fast], harness.Settings(iters=2, burst=1), [5.0])
+    sleeps.clear()
+    (alone,) = harness.device_times_us([fast], harness.Settings(iters=2, burst=1), [5.0], [1.0])
     assert clock.log == ["fast"] * 6 and alone > 10.0  # at least 5 bursts, rounded up to 3 pairs
+    assert sleeps == [2 * 5.0 + 10.0] * 6  # the host's enqueueing is the longer
     assert harness.device_time_us(fast, harness.Settings(iters=10, burst=10), 5.0) > 10.0
 
 
@@ -413,5 +418,5 @@ def test_run_op_times_a_shapes_backends_together(monkeypatch):
     interleaved = (["nccl"] * 2 + ["triton"] * 4 + ["nccl"] * 2) * 5  # 10 bursts asked: 5 pairs of rounds
     text, pattern = " ".join(clock.log), " ".join(interleaved)
     assert text.count(pattern) == 2  # once per shape
-    # per shape: the reference and 2 checks, 2 warm-ups, 2 host calls, 40 timed, 6 in the loops, 6 queued loops
-    assert len(clock.log) == 2 * (1 + 2 + 2 + 2 + 40 + 6 + 6)
+    # per shape: the reference and 2 checks, 2 x 2 warm-ups (one untimed), 2 host calls, 40 timed, 6 + 6 in the loops
+    assert len(clock.log) == 2 * (1 + 2 + 4 + 2 + 40 + 6 + 6)
