@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Check every backend against the NCCL baseline on fresh random data, then time it with a fixed\n"
-            "number of iterations on every rank (CUDA events around bursts of calls, slowest rank's median)\n"
+            "number of iterations on every rank (CUDA events around bursts of calls, slowest rank's median;\n"
+            "a shape's backends take turns burst by burst, each burst after a GPU rest three times its length,\n"
+            "so every backend runs at the clocks of a rested GPU)\n"
             "and print per op, under a line saying where it was measured (GPUs, driver, NVLinks, versions, commit):\n"
             "the GPU time per call of each backend, speedup over NCCL, helion/triton ratio, achieved NVLink\n"
             "bandwidth (the op's minimum bytes per rank / time) and the floor (those bytes at 361 GB/s + barrier\n"
