@@ -243,8 +243,9 @@ EAGER_ONLY = "not timed (eager only: it cannot be captured in a CUDA graph)"
 def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype, settings: Settings,
            meta: dict | None = None) -> list[Row]:
     world_size = dist.get_world_size()
-    rows, timed = [], []  # timed: (row, call, warm-up us per call) of the shape's backends that passed their check
+    rows = []
     for shape in shapes:
+        timed = []  # (row, call, warm-up us per call) of the shape's backends that passed their check
         shape_text = "x".join(map(str, shape))
         floor = op.floor_us(shape, dtype, world_size)
         nbytes = op.nvlink_bytes(shape, dtype, world_size)
@@ -278,7 +279,6 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
                     heartbeat(f"{op.name} {shape_text} {row.backend} eager loop")
                     loop_us, loop_gpu_us = eager_loop_us(call, loop_calls(row.us, settings))
                     row.loop_us, row.loop_gpu_us = _slowest(loop_us), _slowest(loop_gpu_us)
-            timed.clear()
     return rows
 
 

@@ -266,9 +266,11 @@ def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torc
 
 
 def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, out: torch.Tensor,
-             progress: torch.Tensor, snapshot: torch.Tensor | None, order: tuple[int, ...], launcher) -> None:
+             progress: torch.Tensor, snapshot: torch.Tensor | None, order: tuple[int, ...], launcher,
+             in_place: bool) -> None:
     """``start``'s side-stream work after my shard is staged, on the current stream: the first barrier, each
-    peer's chunk and its flag in ``order``, my own rows and flag, the snapshot, the closing barrier."""
+    peer's chunk and its flag in ``order``, my own rows (unless ``in_place``: my shard is my chunk of ``out``)
+    and flag, the snapshot, the closing barrier."""
     shard = peers[rank]
     rows = shard.shape[0]
     barrier(signal_pad_ptrs, rank, len(peers), launcher)  # every rank's shard is complete
@@ -276,7 +278,7 @@ def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, o
         out[peer * rows:(peer + 1) * rows].copy_(peers[peer])
         set_flag(progress, peer)
     # My own rows last: the consumer can read them from the shard, the peers' are the ones it waits for.
-    if out.data_ptr() + rank * shard.nbytes != shard.data_ptr():
+    if not in_place:
         out[rank * rows:(rank + 1) * rows].copy_(shard)
     set_flag(progress, rank)
     if snapshot is not None:
@@ -358,7 +360,7 @@ def start(
         if replay:
             key = (id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(),
                    *(peer.data_ptr() for peer in peers))
-            replayed(key, lambda: exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher))
+            replayed(key, lambda: exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher, True))
         else:
-            exchange(peers, signal_pad_ptrs, rank, out, progress, snapshot, order, launcher)
+            exchange(peers, signal_pad_ptrs, rank, out, progress, snapshot, order, launcher, in_place)
     return GatherInProgress(out, progress, side, order)
