@@ -636,47 +636,10 @@ def test_warm_attention_on_gathered_plans_once(monkeypatch, launches, fake_devic
         recipe.attention_on_gathered(q, k, v, gathered, 2, causal=True)  # a new signature: checked again
 
 
-def test_only_the_warp_specialized_kernel_has_my_kv_staged_before_it(monkeypatch):
-    """``launch`` stages my K/V on the current stream only for the kernel that reads them from the buffer (the
-    recipe's without causal); for the causal kernel and the twin's, on the side stream (``stage_first=False``)."""
-    assert recipe.reads_own_from_buffer(False) and not recipe.reads_own_from_buffer(True)
-    assert not recipe.reads_own_from_buffer(False, twin.launch_attention)
-    seen = []
-
-    class Started:
-        def wait(self):
-            pass
-
-    monkeypatch.setattr(recipe, "start_kv_gather", lambda *args, stage_first: (seen.append(stage_first), Started())[1])
-    monkeypatch.setattr(recipe, "launch_attention", lambda *args, **kwargs: None)
-    for attention in (None, lambda *args, **kwargs: None):  # the recipe's kernels, then a twin's
-        for causal in (False, True):
-            recipe.launch(None, None, None, (), None, None, None, 0, 0, causal, None, 128, 128, 4, 2, None, 1, 1, 1,
-                          attention=attention)
-    assert seen == [True, False, False, False]
-
-
-@pytest.mark.parametrize("stage_first", [True, False], ids=["staged-first", "staged-on-side"])
-def test_the_exchange_stages_mine_copies_every_peer_piece_and_flags_it(fake_device, monkeypatch, stage_first):
-    """``start_kv_gather`` at rank 1 of 3 on CPU buffers: my K/V staged into my chunk (on the current stream before
-    the fork, or on the side stream before its first barrier), every peer's chunk copied into my buffer, the flags
-    written piece-major with rank + 1 first, the barrier launched before and after; twice (the second time through
-    the kept views)."""
-    import contextlib
-
-    events: list = []
-    on_side = []
-
-    @contextlib.contextmanager
-    def side_stream(stream):
-        on_side.append(stream)
-        yield
-        on_side.pop()
-
-    stage = recipe.stage_own
-    monkeypatch.setattr(recipe, "on_stream", side_stream)
-    monkeypatch.setattr(recipe, "fork", lambda side: events.append("fork"))
-    monkeypatch.setattr(recipe, "stage_own", lambda *args: (events.append(("stage", tuple(on_side))), stage(*args)))
+def test_the_exchange_stages_mine_copies_every_peer_piece_and_flags_it(fake_device):
+    """``start_kv_gather`` at rank 1 of 3 on CPU buffers: my K/V staged into my chunk, every peer's chunk copied into
+    my buffer, the flags written piece-major with rank + 1 first, the barrier launched before and after; twice (the
+    second time through the kept views)."""
     world_size, rank, kv_rows, s_local, head_dim = 3, 1, 5, 4, 8
     buffers = [torch.randn(world_size, 2, kv_rows, s_local, head_dim) for _ in range(world_size)]  # rank r's buffer
     peers = tuple(buffers[r][r] for r in range(world_size))  # rank r's own chunk of its buffer
@@ -685,12 +648,8 @@ def test_the_exchange_stages_mine_copies_every_peer_piece_and_flags_it(fake_devi
         k, v = (torch.randn(1, kv_rows, s_local, head_dim) for _ in range(2))
         progress = torch.zeros(world_size * 2, dtype=torch.int32)
         fake_device.clear()
-        events.clear()
         recipe.start_kv_gather(k, v, peers, buffers[rank], progress, sm90.FAKE_SIGNAL_PADS, rank, 3, 2,
-                               lambda kernel, grid, *args, **meta: (events.append("barrier"), barriers.append(kernel)),
-                               stage_first=stage_first)
-        staged = ("stage", () if stage_first else ("side",))
-        assert events[:3] == ([staged, "fork", "barrier"] if stage_first else ["fork", staged, "barrier"])
+                               lambda kernel, grid, *args, **meta: barriers.append(kernel))
         assert torch.equal(buffers[rank][rank], torch.stack([k[0], v[0]]))
         for src in (0, 2):
             assert torch.equal(buffers[rank][src], buffers[src][src]), (call, src)

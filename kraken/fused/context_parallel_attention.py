@@ -7,10 +7,10 @@ per step and a log-sum-exp merge). Here one kernel launch does the whole attenti
 its own K/V at once:
 
 * K/V travel on the copy engine (the machinery of ``kraken.comm.all_gather_with_progress``: a side
-  stream, one-block barrier kernels, flags written by stream memory operations). This rank's ``k`` and ``v``
-  are staged into its chunk of a symmetric gather buffer [world_size, 2 (k, v), batch * kv_heads, S_local,
-  head_dim] (``stage_own``; on the current stream where the kernel reads them there, else on the side stream);
-  on the side stream the ranks meet at a barrier; then every peer's K/V is copied in ``pieces`` (a range of (batch, kv head) rows of K,
+  stream, one-block barrier kernels, flags written by stream memory operations). On the current stream
+  this rank's ``k`` and ``v`` are staged into its chunk of a symmetric gather buffer
+  [world_size, 2 (k, v), batch * kv_heads, S_local, head_dim] (``stage_own``); on the side stream the ranks
+  meet at a barrier; then every peer's K/V is copied in ``pieces`` (a range of (batch, kv head) rows of K,
   then of V), piece-major and, within a piece, ``rank + 1`` first, each piece flagged as it lands; a last
   barrier says "done reading". No SM moves data, so attention blocks spinning on a flag cannot starve the copies.
 * The attention kernel is persistent (``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, left
@@ -602,40 +602,26 @@ def exchange_plan(peers, gathered, rank: int, piece_rows: int, pieces: int) -> t
 
 def stage_own(k: torch.Tensor, v: torch.Tensor, my_k: torch.Tensor, my_v: torch.Tensor) -> None:
     """My ``k`` and ``v`` into my chunk of the gather buffer (``my_k``, ``my_v``: its [batch * kv_heads, S_local,
-    head_dim] halves), on the stream in use (``start_kv_gather`` says which)."""
+    head_dim] halves), on the current stream: the kernel reads every rank's K/V, mine too, from the buffer."""
     my_k.copy_(k.view(my_k.shape))
     my_v.copy_(v.view(my_v.shape))
 
 
-def reads_own_from_buffer(causal: bool, attention=None) -> bool:
-    """Whether the attention kernel reads my K/V from the gather buffer: the warp-specialized kernel does (without
-    ``causal``, ``attention`` None: this recipe's); the causal kernel and the Helion twin's read them from ``k`` and
-    ``v``, so only the peers read my chunk."""
-    return attention is None and not causal
-
-
 def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank: int, piece_rows: int,
-                    pieces: int, launcher=host.jit_launch, stage_first: bool = True) -> GatherInProgress:
+                    pieces: int, launcher=host.jit_launch) -> GatherInProgress:
     """Stage my ``k``, ``v`` into my chunk of the symmetric ``gathered`` and copy every peer's K/V into
     ``gathered`` on the copy engine, piece by piece, flagging each (see the module docstring). ``peers[r]``:
     rank r's own chunk [2, batch * kv_heads, S_local, head_dim] of rank r's gather buffer. ``launcher`` launches
-    the two barrier kernels. ``stage_first`` (``reads_own_from_buffer``): the attention kernel reads my K/V from
-    the buffer, so they are staged on the current stream, before it; else only the peers read them, after the
-    first barrier, and they are staged on the side stream (the copy engine), beside the kernel: at world size 1,
-    8K tokens, 32 K/V heads, the staging took about 60 us in front of a causal kernel of 1100."""
+    the two barrier kernels."""
     world_size = len(peers)
     order, my_k, my_v, copies = exchange_plan(peers, gathered, rank, piece_rows, pieces)
     side = copy_stream(k.device)
     reset_flags(progress)  # before the fork: no flag of the previous call survives into this one
-    # My K/V into my chunk, after the previous call's closing barrier (which the current stream joined, and which
-    # came before on the side stream): in stream order before the kernel that reads them there, before the first
-    # barrier for the peers.
-    if stage_first:
-        stage_own(k, v, my_k, my_v)
+    # My K/V into my chunk, on the current stream (after the previous call's closing barrier, which the current
+    # stream joined): the attention kernel reads them there in stream order, the peers after the first barrier.
+    stage_own(k, v, my_k, my_v)
     fork(side)
     with on_stream(side):
-        if not stage_first:
-            stage_own(k, v, my_k, my_v)
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's K/V is staged
         for flag, piece in copies:  # piece by piece; within a piece rank + 1 first
             for dst, src in piece:
@@ -651,8 +637,7 @@ def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: 
            attention=None) -> torch.Tensor:
     """Launch on prepared arguments (no checks): the K/V exchange, then the attention kernel, ``attention`` (this
     recipe's ``launch_attention`` by default; the Helion twin passes its own). ``group_name`` is unused here."""
-    started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces, launcher,
-                              stage_first=reads_own_from_buffer(causal, attention))
+    started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces, launcher)
     (attention or launch_attention)(q, k, v, gathered, out, progress, rank, len(peers), causal, scale, True, block_m,
                                     block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, launcher)
     started.wait()
@@ -762,7 +747,7 @@ def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict,
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config, tiles)
     reset_flags(progress)  # no flag is read here, but the causal kernels' and the twin's count of tiles taken starts at 0
-    if reads_own_from_buffer(causal, attention):
+    if attention is None and not causal:  # only the warp-specialized kernel reads my K/V from the buffer
         stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
     return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
                                            causal, scale, False, **cfg, launcher=launcher)
