@@ -126,7 +126,7 @@ def test_plan_refuses_bad_config():
         with pytest.raises(ValueError, match=f"without causal the kernel is warp-specialized.*got {next(iter(bad))}="):
             recipe.plan(1, 4, 4, 640, 128, 2, False, bad, 132)
         recipe.plan(1, 4, 4, 640, 128, 2, True, bad, 132)  # the causal kernel takes them
-        twin.plan(1, 4, 4, 640, 128, 2, False, bad, 132)  # and so does the twin's, causal or not
+    assert twin.plan is recipe.plan  # the twin's kernels are the recipe's two, on the same tiles
     assert recipe.plan(1, 4, 4, 640, 128, 2, False, {"block_n": 64}, 132)["block_n"] == 64
 
 
@@ -338,11 +338,13 @@ def test_warp_specialized_kernel_compiles_for_one_key_row(config):
 @pytest.mark.parametrize("causal,head_dim", [(False, 64), (True, 128)], ids=["full-64", "causal-128"])
 def test_twin_compiles_for_sm90_and_matches_its_recipe(causal, head_dim, world_size):
     h = compile_stats(twin, world_size, causal, head_dim)
-    check_kernel(h, world_size)
+    check_kernel(h, world_size, 1 if causal else world_size - 1)
     tiles = twin.default_tiles(head_dim, world_size, causal)
-    check_residency(h, tiles["num_warps"], tiles["blocks_per_sm"])
-    if causal:  # the recipe's causal kernel, on the same tiles (without causal the recipe's is warp-specialized)
-        assert h["shared_bytes"] == compile_stats(recipe, world_size, causal, head_dim)["shared_bytes"]
+    # Without causal, warp-specialized as the recipe's kernel: a producer warpgroup and two consumer warpgroups that
+    # trade registers with it (setmaxnreg), on the recipe's tiles and its shared memory.
+    assert ("setmaxnreg" in h["ptx"]) == (not causal)
+    check_residency(h, tiles["num_warps"] * (1 if causal else 3), tiles["blocks_per_sm"])
+    assert h["shared_bytes"] == compile_stats(recipe, world_size, causal, head_dim)["shared_bytes"]
     # Both on wgmma and TMA (check_kernel). The instruction counts differ: Triton pipelines and peels the
     # twin's masked key loops differently from the recipe's (60 wgmma to 72 under causal).
 
@@ -407,7 +409,7 @@ cases = [
 cases = [case + (m,) for case in cases] + [  # the Helion twin, with its flag waits left out (wait=False)
     (1, 2, 1, 2 * 19, 64, 1, True, {"block_m": 32, "block_n": 16}, None, twin),
     (1, 2, 1, 2 * 2 * 19, 64, 2, True, {"block_m": 32, "block_n": 16}, None, twin),
-    (2, 4, 2, 3 * 37, 64, 3, False, {"block_m": 32, "block_n": 16}, 0.3, twin),
+    (2, 4, 2, 3 * 37, 64, 3, False, {"block_n": 64}, 0.3, twin),
 ]
 for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, module in cases:
     gen = torch.Generator().manual_seed(seq)
@@ -427,7 +429,7 @@ for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, mo
                           132)
         out = torch.full((batch, heads, s_local, head_dim), float("nan"), dtype=torch.float16)
         mine = gathered.clone()
-        reads_own = module is m and not causal  # the warp-specialized kernel reads mine from the buffer, staged there
+        reads_own = not causal  # the warp-specialized kernels read mine from the buffer, staged there
         if not reads_own:
             mine[rank] = float("nan")  # my own K/V come from k and v, never from the gather buffer
         progress = torch.zeros(m.progress_size(world_size, cfg["pieces"]), dtype=torch.int32)

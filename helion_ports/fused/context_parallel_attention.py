@@ -35,21 +35,22 @@ import contextlib
 import functools
 
 import helion
-from helion._compiler.compile_environment import BlockSizeInfo
+from helion._compiler.compile_environment import BlockSizeInfo, CompileEnvironment
 import helion.language as hl
+import helion.language.loops as helion_loops
 import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, run
 from kraken import host
-from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
+from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC, GMEM_WAIT_EACH_THREAD
 from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with the recipe)
     OP,
     attend_to_sequence,
-    default_tiles as recipe_default_tiles,
+    default_tiles,
     launch as recipe_launch,
     on_gathered,
-    plan as recipe_plan,
+    plan,
     prepare,
     shard_sequence,
     softmax_scale,
@@ -63,19 +64,6 @@ from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with
 # not this module (docs/helion-notes.md).
 # The flag (a pointer expression in the snippet): progress + index.
 WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
-
-
-def default_tiles(head_dim: int, world_size: int, causal: bool) -> dict:
-    """The twin's tiles (``plan``'s defaults for it): the recipe's causal tiles, causal or not. Without causal the
-    recipe runs a warp-specialized kernel (``full_attention_kernel``), which Helion 1.5 offers on sm_100+ only
-    (docs/helion-notes.md); the twin keeps one kernel, the causal kernel's structure, for both."""
-    return recipe_default_tiles(head_dim, world_size, True)
-
-
-def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, world_size: int, causal: bool,
-         config: dict, num_sms: int) -> dict:
-    """The recipe's ``plan`` with the twin's tiles (``default_tiles``)."""
-    return recipe_plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, config, num_sms, default_tiles)
 
 
 def indexing(causal: bool) -> tuple[str, ...]:
@@ -220,6 +208,97 @@ def context_parallel_attention_body(
     return out2
 
 
+
+# Before the tile loop, the warp-specialized kernel's descriptors, built on the device as the recipe's (Triton 3.6
+# specializes a tile loop on sm_90 only with TMA loads from device-built descriptors; docs/helion-notes.md).
+FULL_DESCRIPTORS = (
+    "q_desc = tl.make_tensor_descriptor({q2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])\n"
+    "kv_desc = tl.make_tensor_descriptor({kv}, [{kv_blocks}, {s_local}, {d}], [{s_local} * {d}, {d}, 1], [1, {bn}, {d}])"
+)
+# A K or V tile: its (rank, k|v, batch and kv head) block and first key (Helion computes them in int64).
+KV_LOAD = "kv_desc.load([({row}).to(tl.int32), ({start}).to(tl.int32), 0]).reshape({bn}, {d})"
+WAIT_EACH = GMEM_WAIT_EACH_THREAD.replace("{flag}", "{progress} + {index}")
+
+
+def full_attention_body(
+    q2: torch.Tensor,  # q as [batch * heads * S_local, head_dim]
+    kv: torch.Tensor,  # the gather buffer [world_size, 2, batch * kv_heads, S_local, head_dim], mine staged in it
+    out2: torch.Tensor,  # [batch * heads * S_local, head_dim]
+    progress: torch.Tensor,  # int32[world_size * pieces + 1]: the flags
+    order: torch.Tensor,  # int32[num_tiles, 5]: the query tiles in the order the blocks' rounds take them
+    q_rows: int,  # batch * heads * S_local
+    kv_blocks: int,  # world_size * 2 * batch * kv_heads: the gather buffer's blocks of S_local rows
+    kv_rows: int,  # batch * kv_heads
+    s_local: int,
+    span: int,  # S_local rounded up to whole key tiles: a rank's share of the key loop
+    pieces: int,
+    qk_scale: float,
+    rank: int,
+    num_blocks: int,
+    world_size: hl.constexpr,
+    wait: hl.constexpr,
+    tail: hl.constexpr,  # S_local is not a whole number of key tiles: mask the keys past it
+    block_m: hl.constexpr,
+    block_n: hl.constexpr,
+) -> torch.Tensor:
+    """The recipe's ``full_attention_kernel`` (no causal mask): a static persistent schedule whose tile loop is
+    warp-specialized (``range_warp_specializes``), one key loop per tile over every rank's shard in the gather buffer
+    (mine first, then rank + 1's, ...). Its TMA loads are ``hl.inline_triton`` snippets on descriptors built on the
+    device before the tile loop, as the recipe's: Helion's own tensor-descriptor loads of q and K/V either do not bind
+    in this loop nest or are not specialized (docs/helion-notes.md)."""
+    head_dim = hl.specialize(q2.size(1))
+    num_tiles = order.size(0)
+    for block in hl.grid(num_blocks):
+        hl.inline_triton(FULL_DESCRIPTORS, args={"q2": q2, "kv": kv, "q_rows": q_rows, "kv_blocks": kv_blocks,
+                                                 "s_local": s_local, "d": head_dim, "bm": block_m, "bn": block_n},
+                         output_like=None)
+        for tile in hl.grid(block, num_tiles, num_blocks):  # block b: tiles b, b + num_blocks, ...
+            q_row0 = order[tile, 0]
+            kv_head = order[tile, 1] // s_local
+            m0 = order[tile, 3]
+            piece = order[tile, 4]
+            if wait and world_size > 1:  # every peer's piece has landed (its 0 goes into the loads' coordinates)
+                for peer in hl.static_range(1, world_size):
+                    kv_head = kv_head + hl.inline_triton(
+                        WAIT_EACH, args={"progress": progress, "index": (rank + peer) % world_size * pieces + piece,
+                                         "value": 1}, output_like=piece)
+            q = hl.inline_triton("q_desc.load([({row0}).to(tl.int32), 0])", args={"row0": q_row0},
+                                 output_like=hl.zeros([block_m, head_dim], dtype=q2.dtype))
+            # The store's rows come from ``offs_m`` (m0, a field of its own), not from q_row0 alone: under warp
+            # specialization the second consumer warpgroup then got q_row0 + 64 where q_row0 was meant, its rows 64
+            # too far (the recipe's note; docs/helion-notes.md).
+            offs_m = m0 + hl.arange(block_m)
+            m_i = hl.full([block_m], -1.0e30, dtype=torch.float32)
+            l_i = hl.zeros([block_m], dtype=torch.float32)
+            acc = hl.zeros([block_m, head_dim], dtype=torch.float32)
+            for tile_n in hl.tile(0, world_size * span, block_size=block_n):
+                step = tile_n.begin // span
+                start = tile_n.begin - step * span
+                k_row = (rank + step) % world_size * 2 * kv_rows + kv_head
+                k = hl.inline_triton(KV_LOAD,
+                                     args={"row": k_row, "start": start, "bn": block_n, "d": head_dim},
+                                     output_like=hl.zeros([block_n, head_dim], dtype=q2.dtype))
+                qk = hl.dot(q, k.T, out_dtype=torch.float32)
+                if tail:  # keys past the shard are TMA's zeros: score them out
+                    cols = start + hl.arange(block_n)
+                    qk = torch.where(cols[None, :] < s_local, qk * qk_scale, -1.0e30)
+                    m_ij = torch.maximum(m_i, torch.amax(qk, -1))
+                    p = torch.exp2(qk - m_ij[:, None])
+                else:
+                    m_ij = torch.maximum(m_i, torch.amax(qk, -1) * qk_scale)
+                    p = torch.exp2(qk * qk_scale - m_ij[:, None])
+                alpha = torch.exp2(m_i - m_ij)
+                l_i = l_i * alpha + torch.sum(p, -1)
+                v = hl.inline_triton(KV_LOAD,
+                                     args={"row": k_row + kv_rows, "start": start, "bn": block_n, "d": head_dim},
+                                     output_like=hl.zeros([block_n, head_dim], dtype=q2.dtype))
+                acc = hl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
+                m_i = m_ij
+            # Only the shard's rows: a tile at its end also read some rows after it, discarded.
+            hl.store(out2, [q_row0 - m0 + offs_m, hl.arange(head_dim)], (acc / l_i[:, None]).to(out2.dtype),
+                     extra_mask=(offs_m < s_local)[:, None])
+    return out2
+
 @contextlib.contextmanager
 def explicit_masks():
     """While Helion generates this twin's kernel: no tile loop gets a bounds mask. Every bound here is a device value
@@ -238,11 +317,30 @@ def explicit_masks():
         BlockSizeInfo.known_multiple = plain
 
 
+
+@contextlib.contextmanager
+def warp_specialization():
+    """While Helion binds the warp-specialized kernel: ``range_warp_specializes`` offered on sm_90. Helion 1.5.0 offers
+    it only where the device's capability is (10, 0) or more (``helion.language.loops._supports_warp_specialize``),
+    where Triton 3.6 specializes an sm_90 tile loop too (the recipe's ``full_attention_kernel``); and the CPU tests
+    compile for sm_90 with no GPU. Only this twin's bind sees it; the setting ``allow_warp_specialize`` still rules."""
+    plain = helion_loops._supports_warp_specialize
+
+    helion_loops._supports_warp_specialize = lambda: CompileEnvironment.current().settings.allow_warp_specialize
+    try:
+        yield
+    finally:
+        helion_loops._supports_warp_specialize = plain
+
 @functools.cache
 def compiled(causal: bool, block_m: int, block_n: int, num_warps: int, num_stages: int) -> helion.Kernel:
-    """One Helion kernel per config, each with an explicit config (every tile loop names its block size;
-    TMA for q, k, v and the gather buffer through descriptors built on the host, as the recipe's;
-    ``pid_type="flat"``: the recipe's grid, see ``helion_ports``)."""
+    """One Helion kernel per config, each with an explicit config (``pid_type="flat"``: the recipe's grid, see
+    ``helion_ports``). Causal: every tile loop names its block size, TMA for q, k, v and the gather buffer through
+    descriptors built on the host, as the recipe's. Without: ``full_attention_body`` with its tile loop (the second
+    of its loops) warp-specialized, and the order table and the store through pointers."""
+    if not causal:
+        return flat_kernel(full_attention_body, (), num_warps, num_stages, indexing=("pointer",) * 5,
+                           range_warp_specializes=(None, True, None))
     return flat_kernel(context_parallel_attention_body, (), num_warps, num_stages, indexing=indexing(causal),
                        host_tensor_descriptors=True)
 
@@ -297,9 +395,19 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     """The attention kernel alone; mirrors the recipe's ``launch_attention``."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
-    chunk = s_local // 2 if causal else s_local
-    rows = gathered.view(-1, head_dim)
     order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
+    kernel = compiled(causal, block_m, block_n, num_warps, num_stages)
+    if not causal:  # every rank's K/V from the gather buffer, mine staged there (``stage_own``)
+        span = host.cdiv(s_local, block_n) * block_n
+        args = (q.view(-1, head_dim), gathered, out.view(-1, head_dim), progress, order, batch * heads * s_local,
+                gathered.shape[0] * 2 * batch * kv_heads, batch * kv_heads, s_local, span, pieces,
+                softmax_scale(scale, head_dim), rank, num_blocks, world_size, wait, s_local % block_n != 0, block_m,
+                block_n)
+        with explicit_masks(), warp_specialization():
+            run_capped(kernel, args, launcher, maxnreg)
+        return out
+    chunk = s_local // 2
+    rows = gathered.view(-1, head_dim)
     args = (
         q.view(-1, head_dim), k.view(-1, head_dim), v.view(-1, head_dim), rows, rows[batch * kv_heads * s_local:],
         out.view(-1, head_dim), progress, progress[world_size * pieces:], order,
@@ -307,7 +415,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         softmax_scale(scale, head_dim), num_blocks, world_size, causal, wait, block_m, block_n,
     )
     with explicit_masks():  # (a warm call launches the bound kernel: nothing is generated, nothing changes)
-        run_capped(compiled(causal, block_m, block_n, num_warps, num_stages), args, launcher, maxnreg)
+        run_capped(kernel, args, launcher, maxnreg)
     return out
 
 

@@ -18,7 +18,8 @@ Use::
 
 from __future__ import annotations
 
-from .gmem_barrier import FENCE_CONSTRAINTS, FENCE_PROXY_ASYNC_PTX, GMEM_ARRIVE_PTX, GMEM_CONSTRAINTS, GMEM_WAIT_PTX
+from .gmem_barrier import (FENCE_CONSTRAINTS, FENCE_PROXY_ASYNC_PTX, GMEM_ARRIVE_PTX, GMEM_CONSTRAINTS,
+                           GMEM_WAIT_EACH_THREAD_PTX, GMEM_WAIT_PTX)
 from .symm_mem_barrier import EPOCH_CONSTRAINTS, EPOCH_SYNC_PTX, SYMM_MEM_SYNC_PTX, SYNC_CONSTRAINTS
 
 
@@ -73,3 +74,7 @@ GMEM_WAIT_ASYNC = GMEM_WAIT + "\n" + (
     f"tl.inline_asm_elementwise({_literal(FENCE_PROXY_ASYNC_PTX)}, {FENCE_CONSTRAINTS!r}, [], "
     "dtype=tl.int32, is_pure=False, pack=1)"
 )
+# ``gmem_barrier.wait_each_thread`` (warp-specialized kernels: every thread spins, then fences the async proxy; no
+# thread barrier). Its value is an int32 0: add it into the coordinates of the TMA loads the flag guards. Placeholders:
+# flag (a pointer expression), value.
+GMEM_WAIT_EACH_THREAD = _asm(GMEM_WAIT_EACH_THREAD_PTX, GMEM_CONSTRAINTS, _FLAG_OPERANDS)

@@ -747,7 +747,7 @@ def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict,
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config, tiles)
     reset_flags(progress)  # no flag is read here, but the causal kernels' and the twin's count of tiles taken starts at 0
-    if attention is None and not causal:  # only the warp-specialized kernel reads my K/V from the buffer
+    if not causal:  # the warp-specialized kernels (the recipe's and the twin's) read my K/V from the buffer
         stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
     return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
                                            causal, scale, False, **cfg, launcher=launcher)
