@@ -90,13 +90,16 @@ def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch):
     arguments' specialisation (one per config here), and its ``_run`` is the generated host function, which
     takes the launcher as its keyword ``_launcher`` (the code ``HELION_PRINT_OUTPUT_CODE=1`` prints). That
     skips Helion's per-call argument matching and Triton's binding; the first call of a prepared call goes
-    the plain way (it compiles).
+    the plain way (it compiles). The plain way launches with ``host.scratch_allocator`` set, as ``host.jit_launch``
+    does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
     """
     if launcher is host.jit_launch:
-        return kernel(*args)
+        with host.scratch_allocator():
+            return kernel(*args)
     bound = launcher.bound.get(id(kernel))
     if bound is None:
-        result = kernel(*args)
+        with host.scratch_allocator():
+            result = kernel(*args)
         launcher.bound[id(kernel)] = kernel.bind(args)
         return result
     return bound._run(*args, _launcher=launcher)
