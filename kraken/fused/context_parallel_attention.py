@@ -538,6 +538,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
 
 
 _orders: dict = {}
+HEAD_MAJOR = True
 
 
 def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
@@ -564,7 +565,10 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
             tile_half, tile_m0 = half[:, None].expand_as(bh), m0[:, None].expand_as(bh)
             fields = (bh * s_local + tile_half * (s_local // halves) + tile_m0, bh // group * s_local, tile_half,
                       tile_m0, torch.full_like(bh, piece))
-            tiles.append(torch.stack(fields, -1).reshape(-1, 5))  # position-major
+            stacked = torch.stack(fields, -1)  # [position, head, field]
+            # Causal: position-major (longest first). Without: head-major, so that the tiles running at once share
+            # a few kv heads and their K/V stay in L2.
+            tiles.append((stacked if causal or not HEAD_MAJOR else stacked.transpose(0, 1)).reshape(-1, 5))
         if len(_orders) >= host.MAX_PREPARED:
             _orders.clear()
         order = _orders[key] = torch.cat(tiles).to(torch.int32).to(device)
