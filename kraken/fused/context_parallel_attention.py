@@ -538,18 +538,18 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
 
 
 _orders: dict = {}
-HEAD_MAJOR = True
 
 
 def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
                device) -> torch.Tensor:
     """The query tiles in the order the kernel's blocks take them, each as (its first row of q, the first row of its
     kv head's K/V: rows of the flattened [rows, head_dim] q and k; half of the shard, first row in the chunk, piece):
-    piece by piece (a piece's tiles need only its flags), and within a piece position by position across its heads,
-    the costliest position first. Under causal a tile's keys grow with its
-    last row: the later half's tiles from its last, then the earlier half's from its last (longest first, so the last
-    tiles taken are short and the blocks finish together); without, all cost the same. Cached per (shape, tiles,
-    piece, device): built once on the host, an int32 [tiles, 5] tensor on ``device``."""
+    piece by piece (a piece's tiles need only its flags). Within a piece, under causal, position by position across
+    its heads, the costliest position first: a tile's keys grow with its last row, so the later half's tiles from its
+    last, then the earlier half's from its last (longest first, so the last tiles taken are short and the blocks
+    finish together). Without, all cost the same: head by head, so that the tiles running at once share a few kv
+    heads' K/V in L2 (one H200, B1 H32 Hkv32 8K: 1836 -> 1821 us; Hkv8 unchanged). Cached per (shape, tiles, piece,
+    device): built once on the host, an int32 [tiles, 5] tensor on ``device``."""
     key = (query_rows, group, s_local, causal, block_m, piece_rows, device)
     order = _orders.get(key)
     if order is None:
@@ -568,7 +568,7 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
             stacked = torch.stack(fields, -1)  # [position, head, field]
             # Causal: position-major (longest first). Without: head-major, so that the tiles running at once share
             # a few kv heads and their K/V stay in L2.
-            tiles.append((stacked if causal or not HEAD_MAJOR else stacked.transpose(0, 1)).reshape(-1, 5))
+            tiles.append((stacked if causal else stacked.transpose(0, 1)).reshape(-1, 5))
         if len(_orders) >= host.MAX_PREPARED:
             _orders.clear()
         order = _orders[key] = torch.cat(tiles).to(torch.int32).to(device)
