@@ -95,6 +95,30 @@ def test_plan_defaults(world_size):
     assert two["num_blocks"] == 2 * (132 - recipe.RESERVED_SMS)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tile_order_takes_every_tile_once_piece_by_piece(causal):
+    """Every query tile once, its fields consistent, piece after piece; within a piece, under causal the costliest
+    tiles first, without head by head (tiles running at once share kv heads)."""
+    batch_heads, group, s_local, block_m, piece_rows = 2 * 6, 3, 2 * 150, 64, 2
+    order = recipe.tile_order(batch_heads, group, s_local, causal, block_m, piece_rows, "cpu")
+    q_row0, kv_row0, half, m0, piece = order.long().unbind(-1)
+    chunk = s_local // 2 if causal else s_local
+    per_chunk = -(-chunk // block_m)
+    assert len(order) == batch_heads * (2 if causal else 1) * per_chunk
+    bh = q_row0 // s_local
+    assert torch.equal(q_row0, bh * s_local + half * chunk + m0)
+    assert torch.equal(kv_row0, bh // group * s_local)
+    assert sorted(q_row0.tolist()) == sorted({r.item() for r in q_row0})  # no tile twice
+    assert torch.equal(piece, bh // (group * piece_rows)) and bool((piece.diff() >= 0).all())
+    for p in piece.unique():
+        mine = piece == p
+        if causal:
+            cost = half[mine] * chunk + m0[mine]  # the tile's last visible key grows with it
+            assert bool((cost.diff() <= 0).all())
+        else:
+            assert bool((bh[mine].diff() >= 0).all()) and bool((m0[mine].diff() != 0).any())
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_twin_spans_name_each_peer_steps_rows_wrap_and_flag(world_size):
     # The twin reads every size its key loops meet from this int32 table (Helion would hold host ints as int64): the

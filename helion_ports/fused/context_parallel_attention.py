@@ -1,9 +1,12 @@
 """Helion twin of ``kraken.fused.context_parallel_attention``: same function, same arguments.
 
 The K/V exchange is the recipe's (``start_kv_gather``: copy-engine copies, stream memory operations and
-two one-block barrier kernels, all host code), and so are ``plan``, ``prepare`` (kept per signature, with
-its ``host.Launcher``), the sequence layout helpers and the host side of ``launch`` (the recipe's, with this
-kernel; it launches through ``helion_ports.run``). The attention kernel mirrors the recipe's one to one:
+two one-block barrier kernels, all host code), and so are ``plan`` and its tiles, ``prepare`` (kept per
+signature, with its ``host.Launcher``), the sequence layout helpers and the host side of ``launch`` (the
+recipe's, with these kernels; they launch through ``helion_ports.run``). The two attention kernels mirror
+the recipe's two.
+
+Causal (``context_parallel_attention_body``, the recipe's ``context_parallel_attention_kernel``):
 
 * ``hl.grid(num_blocks)`` is the persistent grid; each block takes its next query tile from the count of
   tiles taken (``hl.atomic_add`` on the last slot of ``progress``, in a ``while`` loop) and reads it from
@@ -25,7 +28,15 @@ kernel; it launches through ``helion_ports.run``). The attention kernel mirrors 
   starting at its first V block, so that a K row and its V row have the same index (one tile, two
   loads: Helion loads a tile at an offset index through pointers, not TMA).
 
-The config is explicit (``flat_kernel``): every tile loop names its block size (``block_m``, ``block_n``
+Without causal (``full_attention_body``, the recipe's ``full_attention_kernel``): a static persistent
+schedule (block b takes tiles b, b + num_blocks, ... of ``tile_order``) whose tile loop is warp-specialized
+(``range_warp_specializes``, offered on sm_90 by ``warp_specialization``): a producer warpgroup issues the
+TMA loads, two consumer warpgroups take half of the query rows each. One key loop per tile walks every
+rank's shard in the gather buffer, mine staged there first; the flag waits are the recipe's per-thread ones
+(``GMEM_WAIT_EACH_THREAD``), their 0 added into the loads' coordinates. The TMA loads are ``hl.inline_triton``
+snippets on descriptors built on the device before the tile loop (docs/helion-notes.md says why).
+
+The configs are explicit (``flat_kernel``): every tile loop names its block size (``block_m``, ``block_n``
 from the recipe's ``plan``). Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
 """
 
@@ -66,15 +77,15 @@ from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with
 WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
 
 
-def indexing(causal: bool) -> tuple[str, ...]:
-    """Per load/store, in program order, through pointers (``order``'s fields, ``spans``, the store to out) or TMA
-    (q, k, v and the gather buffer): the tile's first q row and first row in its chunk; q; my own K/V's spans (and
-    under causal the tile's half) and first row, then k and v of its unmasked and masked key loops; the peer's the
-    same with the piece, the step's first row (and under causal its wrap and the second chunk's whole tiles); the
-    store; the piece again (the block's last)."""
+def indexing() -> tuple[str, ...]:
+    """The causal body's loads and stores, in program order, through pointers (``order``'s fields, ``spans``, the
+    store to out) or TMA (q, k, v and the gather buffer): the tile's first q row and first row in its chunk; q; my own
+    K/V's spans, the tile's half and first row, then k and v of its unmasked and masked key loops; the peer's the same
+    with the piece, the step's first row, its wrap and the second chunk's whole tiles; the store; the piece again
+    (the block's last)."""
     pointer, tma = ("pointer",), ("tensor_descriptor",)
-    own = pointer * (4 if causal else 3) + tma * 4
-    peer = pointer * (9 if causal else 6) + tma * 4
+    own = pointer * 4 + tma * 4
+    peer = pointer * 9 + tma * 4
     return pointer * 2 + tma + own + peer + pointer + pointer
 
 
@@ -89,11 +100,10 @@ def context_parallel_attention_body(
     taken: torch.Tensor,  # progress[-1:], the count of tiles taken (its own argument: ptxas spilled its address)
     order: torch.Tensor,  # int32[num_tiles, 5]: the query tiles in the order blocks take them (the recipe's)
     spans: torch.Tensor,  # int32[world_size, 3]: the sizes the key loops meet (``spans``)
-    chunk: int,  # s_local, or half of it under causal
+    chunk: int,  # half of s_local
     qk_scale: float,
     num_blocks: int,
     world_size: hl.constexpr,
-    causal: hl.constexpr,
     wait: hl.constexpr,
     block_m: hl.constexpr,
     block_n: hl.constexpr,
@@ -119,18 +129,13 @@ def context_parallel_attention_body(
                 l_i = hl.zeros([tile_m], dtype=torch.float32)
                 acc = hl.zeros([tile_m, tile_d], dtype=torch.float32)
                 # My own K/V first, read where the caller keeps them: a prefix of my shard's keys, unmasked up to the
-                # tile's first row under causal (its chunks are in the sequence's order), the rest masked.
+                # tile's first row (my chunks are in the sequence's order), the rest masked.
                 span = spans[0, 0]  # chunk
                 whole = spans[0, 1]  # its keys in whole key tiles
-                if causal:
-                    half = order[tile, 2]
-                    full = half * whole + m0
-                    hi = half * span + torch.minimum(m0 + block_m, span)
-                    limit = offs_m + half * span  # the last key each query row sees
-                else:
-                    full = whole
-                    hi = span
-                    limit = offs_m + span
+                half = order[tile, 2]
+                full = half * whole + m0
+                hi = half * span + torch.minimum(m0 + block_m, span)
+                limit = offs_m + half * span  # the last key each query row sees
                 row0 = order[tile, 1]
                 # The online-softmax step is written out in each of the four key loops (the recipe's ``attend``): a
                 # Python helper called in a device loop does not lower in Helion 1.5 (docs/helion-notes.md, repro).
@@ -164,21 +169,17 @@ def context_parallel_attention_body(
                         if piece != last_piece:  # this block's first tile of the piece: wait once per peer
                             hl.inline_triton(WAIT_FLAG, args={"progress": progress, "index": flag, "value": 1},
                                              output_like=None)
-                    # A peer's keys are a prefix of its shard, masked only at its end. Under causal its chunk src is
-                    # visible to my query half 1, and to half 0 if src < rank (the step wrapped around); its second
-                    # chunk to my query half 1 if src > rank: ``first`` and ``second`` (0 or 1; second implies first).
+                    # A peer's keys are a prefix of its shard, masked only at its end. Its chunk src is visible to my
+                    # query half 1, and to half 0 if src < rank (the step wrapped around); its second chunk to my
+                    # query half 1 if src > rank: ``first`` and ``second`` (0 or 1; second implies first).
                     peer_span = spans[0, 0]
                     peer_whole = spans[0, 1]
-                    if causal:
-                        wrapped = spans[1 + step, 1]
-                        peer_half = order[tile, 2]
-                        first = peer_half + (1 - peer_half) * wrapped
-                        second = peer_half * (1 - wrapped)
-                        peer_full = first * peer_whole + second * spans[0, 2]
-                        peer_hi = (first + second) * peer_span
-                    else:
-                        peer_full = peer_whole
-                        peer_hi = peer_span
+                    wrapped = spans[1 + step, 1]
+                    peer_half = order[tile, 2]
+                    first = peer_half + (1 - peer_half) * wrapped
+                    second = peer_half * (1 - wrapped)
+                    peer_full = first * peer_whole + second * spans[0, 2]
+                    peer_hi = (first + second) * peer_span
                     peer_row0 = spans[1 + step, 0] + order[tile, 1]  # K rows; V: kv_v, the same rows
                     for tile_n in hl.tile(peer_row0, peer_row0 + peer_full, block_size=block_n):
                         peer_qk = hl.dot(q, kv_k[tile_n, tile_d].T, out_dtype=torch.float32)
@@ -341,7 +342,7 @@ def compiled(causal: bool, block_m: int, block_n: int, num_warps: int, num_stage
     if not causal:
         return flat_kernel(full_attention_body, (), num_warps, num_stages, indexing=("pointer",) * 5,
                            range_warp_specializes=(None, True, None))
-    return flat_kernel(context_parallel_attention_body, (), num_warps, num_stages, indexing=indexing(causal),
+    return flat_kernel(context_parallel_attention_body, (), num_warps, num_stages, indexing=indexing(),
                        host_tensor_descriptors=True)
 
 
@@ -412,7 +413,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         q.view(-1, head_dim), k.view(-1, head_dim), v.view(-1, head_dim), rows, rows[batch * kv_heads * s_local:],
         out.view(-1, head_dim), progress, progress[world_size * pieces:], order,
         spans(chunk, block_n, batch * kv_heads * s_local, rank, world_size, pieces, q.device), chunk,
-        softmax_scale(scale, head_dim), num_blocks, world_size, causal, wait, block_m, block_n,
+        softmax_scale(scale, head_dim), num_blocks, world_size, wait, block_m, block_n,
     )
     with explicit_masks():  # (a warm call launches the bound kernel: nothing is generated, nothing changes)
         run_capped(kernel, args, launcher, maxnreg)
