@@ -565,9 +565,7 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
             tile_half, tile_m0 = half[:, None].expand_as(bh), m0[:, None].expand_as(bh)
             fields = (bh * s_local + tile_half * (s_local // halves) + tile_m0, bh // group * s_local, tile_half,
                       tile_m0, torch.full_like(bh, piece))
-            stacked = torch.stack(fields, -1)  # [position, head, field]
-            # Causal: position-major (longest first). Without: head-major, so that the tiles running at once share
-            # a few kv heads and their K/V stay in L2.
+            stacked = torch.stack(fields, -1)  # [position, head, field]: position-major under causal, else head-major
             tiles.append((stacked if causal else stacked.transpose(0, 1)).reshape(-1, 5))
         if len(_orders) >= host.MAX_PREPARED:
             _orders.clear()
@@ -750,7 +748,7 @@ def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict,
                 attention=None, tiles=default_tiles) -> torch.Tensor:
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config, tiles)
-    reset_flags(progress)  # no flag is read here, but the causal kernels' and the twin's count of tiles taken starts at 0
+    reset_flags(progress)  # no flag is read here, but the causal kernels' count of tiles taken starts at 0
     if not causal:  # the warp-specialized kernels (the recipe's and the twin's) read my K/V from the buffer
         stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
     return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
