@@ -267,7 +267,25 @@ def compile_stats(module, world_size: int, causal: bool, head_dim: int, **config
         stats = sm90.kernel_stats(launch)
     finally:
         sm90.compile_sm90 = real_compile
-    return {**stats, "sass": sass_listing(compile_with_register_cap(launch).asm["cubin"])}
+    compiled = compile_with_register_cap(launch)
+    return {**stats, "sass": sass_listing(compiled.asm["cubin"]), "ttgir": compiled.asm["ttgir"]}
+
+
+def shifted_row_bases(ttgir: str, half: int) -> list[tuple[int, list[str]]]:
+    """Per partition of a warp-specialized kernel's TTGIR, the values of the form ``x + half`` that it splats into a
+    tensor. Triton 3.6's warp-specialization pass gives the second consumer warpgroup the producer's TMA coordinate
+    for the second half of the query tile (``q_row0 + half``); where the store's rows were ``q_row0 + arange``, that
+    consumer got ``(q_row0 + half) + (half .. 2 half)``: its rows stored ``half`` too far, silently (the Helion twin's
+    first warp-specialized version, docs/helion-notes.md 2026-11-25). Rows built from a value of their own (``m0``)
+    splat no shifted coordinate."""
+    text = re.sub(r" loc\([^)]*\)", "", ttgir)
+    bad = []
+    for index, part in enumerate(re.split(r"\n\s*partition\d+\(", text)[1:]):
+        shifted = set(re.findall(rf"(%[\w.#]+) = arith\.addi %[\w.#]+, %c{half}_i32(?:_\d+)?\b", part))
+        splats = [value for value in re.findall(r"tt\.splat (%[\w.#]+)", part) if value in shifted]
+        if splats:
+            bad.append((index, splats))
+    return bad
 
 
 def sass_listing(cubin: bytes) -> list[str]:
@@ -329,6 +347,19 @@ def check_kernel(stats: dict, world_size: int, waits_per_tile: int = 1) -> None:
     assert stats["shared_bytes"] <= H200_SHARED_BYTES
 
 
+def test_shifted_row_bases_finds_a_consumer_storing_at_the_shifted_coordinate():
+    """The check itself, on the two forms of a second consumer partition (the TTGIR lines that matter, as Triton 3.6
+    prints them): rows from the shifted TMA coordinate (the bug), and rows from a value of their own (the fix)."""
+    head = "  }\n    partition1(%arg0: i32 loc(\"x\"), %order: !tt.ptr<i32>) num_warps(4) {\n"
+    shifted = ("      %row = arith.addi %q_row0_23, %c64_i32_11 {async_task_id = array<i32: 2>} : i32\n"
+               "      %v_0 = tt.splat %row {async_task_id = array<i32: 2>} : i32 -> tensor<64xi32>\n")
+    own = ("      %row = arith.addi %q_row0_23, %c64_i32_11 {async_task_id = array<i32: 2>} : i32\n"
+           "      %v_0 = tt.splat %m0_26 {async_task_id = array<i32: 2>} : i32 -> tensor<64xi32>\n")
+    assert shifted_row_bases("module {\n" + head + shifted, 64) == [(0, ["%row"])]
+    assert shifted_row_bases("module {\n" + head + own, 64) == []
+    assert shifted_row_bases("module {\n" + head + shifted, 32) == []  # another half: another constant
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -341,6 +372,8 @@ def test_recipe_compiles_for_sm90(head_dim, causal, world_size):
     assert stats["kernel"] == ("context_parallel_attention_kernel" if causal else "full_attention_kernel")
     assert ("setmaxnreg" in stats["ptx"]) == (not causal)
     check_residency(stats, tiles["num_warps"] * (1 if causal else 3), tiles["blocks_per_sm"])
+    if not causal:
+        assert "partition1(" in stats["ttgir"] and not shifted_row_bases(stats["ttgir"], tiles["block_m"] // 2)
 
 
 @pytest.mark.parametrize("config", [{}, {"block_n": 64}], ids=["128x128", "128x64"])
@@ -368,6 +401,8 @@ def test_twin_compiles_for_sm90_and_matches_its_recipe(causal, head_dim, world_s
     # trade registers with it (setmaxnreg), on the recipe's tiles and its shared memory.
     assert ("setmaxnreg" in h["ptx"]) == (not causal)
     check_residency(h, tiles["num_warps"] * (1 if causal else 3), tiles["blocks_per_sm"])
+    if not causal:  # each consumer warpgroup stores its own rows (``shifted_row_bases``)
+        assert "partition1(" in h["ttgir"] and not shifted_row_bases(h["ttgir"], tiles["block_m"] // 2)
     assert h["shared_bytes"] == compile_stats(recipe, world_size, causal, head_dim)["shared_bytes"]
     # Both on wgmma and TMA (check_kernel). The instruction counts differ: Triton pipelines and peels the
     # twin's masked key loops differently from the recipe's (60 wgmma to 72 under causal).
