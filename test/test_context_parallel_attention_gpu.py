@@ -103,7 +103,7 @@ def launch_into(module, q, k, v, out: torch.Tensor, causal: bool, scale=None, po
     """The public call's own prepare/launch, but into a caller-owned (poisoned) output; optionally with this
     rank's whole gather buffer poisoned first (no peer reads it between calls: each call ends with a barrier
     after every copy, and the current stream joins it)."""
-    ctx, cfg = module.prepare(q, k, v, None, "test", causal, scale, config, module.default_tiles)  # (kept per signature)
+    ctx, cfg = module.prepare(q, k, v, None, "test", causal, scale, config)  # (kept per signature)
     if poison_buffer:
         cfg["gathered"].fill_(POISON)
     return module.launch(q, k, v, out=out, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,

@@ -399,7 +399,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
     kernel = compiled(causal, block_m, block_n, num_warps, num_stages)
     if not causal:  # every rank's K/V from the gather buffer, mine staged there (``stage_own``)
-        span = host.cdiv(s_local, block_n) * block_n
+        span = host.round_up(s_local, block_n)
         args = (q.view(-1, head_dim), gathered, out.view(-1, head_dim), progress, order, batch * heads * s_local,
                 gathered.shape[0] * 2 * batch * kv_heads, batch * kv_heads, s_local, span, pieces,
                 softmax_scale(scale, head_dim), rank, num_blocks, world_size, wait, s_local % block_n != 0, block_m,
@@ -441,10 +441,10 @@ def context_parallel_attention(
     **config,
 ) -> torch.Tensor:
     """This rank's output of attention over the whole sequence; see the kraken recipe."""
-    return attend_to_sequence(q, k, v, group, causal, scale, config, f"helion {OP}", launch_attention, default_tiles)
+    return attend_to_sequence(q, k, v, group, causal, scale, config, f"helion {OP}", launch_attention)
 
 
 def attention_on_gathered(q, k, v, gathered, rank: int, causal: bool = False, scale: float | None = None,
                           **config) -> torch.Tensor:
     """This twin's kernel with every rank's K/V here already (no communication); see the recipe's."""
-    return on_gathered(q, k, v, gathered, rank, causal, scale, config, f"helion {OP}", launch_attention, default_tiles)
+    return on_gathered(q, k, v, gathered, rank, causal, scale, config, f"helion {OP}", launch_attention)

@@ -399,12 +399,12 @@ def default_tiles(head_dim: int, world_size: int, causal: bool) -> dict:
 
 
 def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, world_size: int, causal: bool,
-         config: dict, num_sms: int, tiles=default_tiles) -> dict:
+         config: dict, num_sms: int) -> dict:
     """Resolve the launch configuration (shared with the Helion port). The grid is persistent: at most
     ``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, never more blocks than query tiles.
     ``piece_rows``: the (batch, kv head) rows of each flagged piece of a peer's K/V."""
     cfg = host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    defaults = tiles(head_dim, world_size, causal)  # the recipe's, or the twin's own
+    defaults = default_tiles(head_dim, world_size, causal)
     cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in defaults.items()}}
     for key in ("block_m", "block_n"):
         value = cfg[key]
@@ -415,7 +415,7 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
                          f"got block_m={cfg['block_m']}, block_n={cfg['block_n']}")
     if isinstance(cfg["blocks_per_sm"], bool) or not isinstance(cfg["blocks_per_sm"], int) or cfg["blocks_per_sm"] < 1:
         raise ValueError(f"{OP}: blocks_per_sm must be an int >= 1, got {cfg['blocks_per_sm']!r}")
-    if not causal and tiles is default_tiles:  # the recipe's warp-specialized kernel
+    if not causal:  # the warp-specialized kernels (the recipe's and the twin's)
         refused = {key: cfg[key] for key, allowed in FULL_CHOICES.items() if cfg[key] not in allowed}
         if refused:
             raise ValueError(f"{OP}: without causal the kernel is warp-specialized and takes only "
@@ -658,11 +658,10 @@ def progress_flags(count: int, device: torch.device) -> torch.Tensor:
     return _flags[key]
 
 
-@host.per_signature(lambda q, k, v, group, op, causal, scale, config, tiles=default_tiles: (
-    op, tiles, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.scalar_key(causal),
+@host.per_signature(lambda q, k, v, group, op, causal, scale, config: (
+    op, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.scalar_key(causal),
     host.scalar_key(scale), host.config_key(config)))
-def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict,
-            tiles=default_tiles) -> tuple[host.SymmContext, dict]:
+def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple[host.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer (a slice of
     ``host.symm_workspace``) and the launch arguments but the output (every rank's own chunk of the buffer as
     ``peers``, ``gathered``, ``progress``, the plan, the ``launcher``); kept per signature."""
@@ -673,7 +672,7 @@ def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict,
         check_sizes(q, k, world_size, op)
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         batch, heads, s_local, head_dim = q.shape
-        cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms, tiles)
+        cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
     pg = host.resolve_group(group, op)
     shape = (world_size, 2, k.shape[0] * k.shape[1], k.shape[2], k.shape[3])
     gathered = host.symm_workspace(math.prod(shape), k.dtype, k.device, pg, op).view(shape)
@@ -684,11 +683,11 @@ def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict,
                  "launcher": host.Launcher(op)}
 
 
-def attend_to_sequence(q, k, v, group, causal: bool, scale, config: dict, op: str = OP, attention=None,
-                       tiles=default_tiles) -> torch.Tensor:
-    """``context_parallel_attention`` of the recipe (``attention`` None) or of the Helion twin (its op name, its
-    ``launch_attention`` and its ``default_tiles``): the prepared call, a new output, the launch."""
-    ctx, cfg = prepare(q, k, v, group, op, causal, scale, config, tiles)
+def attend_to_sequence(q, k, v, group, causal: bool, scale, config: dict, op: str = OP,
+                       attention=None) -> torch.Tensor:
+    """``context_parallel_attention`` of the recipe (``attention`` None) or of the Helion twin (its op name and its
+    ``launch_attention``): the prepared call, a new output, the launch."""
+    ctx, cfg = prepare(q, k, v, group, op, causal, scale, config)
     return launch(q, k, v, out=torch.empty_like(q), signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
                   scale=scale, **cfg, group_name=ctx.group_name, attention=attention)
 
@@ -728,11 +727,11 @@ def check_gathered(gathered, k, rank: int, op: str) -> None:
         raise ValueError(f"{op}: gathered must be on {k.device}, got {gathered.device}")
 
 
-@host.per_signature(lambda q, k, v, gathered, rank, op, causal, scale, config, tiles: (
-    op, tiles, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.tensor_key(gathered), rank,
+@host.per_signature(lambda q, k, v, gathered, rank, op, causal, scale, config: (
+    op, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.tensor_key(gathered), rank,
     host.scalar_key(causal), host.scalar_key(scale), host.config_key(config)))
 def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, scale,
-                        config: dict, tiles) -> tuple[dict, torch.Tensor, host.Launcher]:
+                        config: dict) -> tuple[dict, torch.Tensor, host.Launcher]:
     """``attention_on_gathered``'s checks and plan, its (never read) flags and its launcher; kept per signature."""
     check_inputs(q, k, v, causal, scale, op)
     check_gathered(gathered, k, rank, op)
@@ -740,14 +739,14 @@ def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, sca
     check_sizes(q, k, world_size, op)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     batch, heads, s_local, head_dim = q.shape
-    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms, tiles)
+    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
     return cfg, progress_flags(progress_size(world_size, cfg["pieces"]), q.device), host.Launcher(op)
 
 
 def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict, op: str = OP,
-                attention=None, tiles=default_tiles) -> torch.Tensor:
+                attention=None) -> torch.Tensor:
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
-    cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config, tiles)
+    cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config)
     reset_flags(progress)  # no flag is read here, but the causal kernels' count of tiles taken starts at 0
     if not causal:  # the warp-specialized kernels (the recipe's and the twin's) read my K/V from the buffer
         stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
