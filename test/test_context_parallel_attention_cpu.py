@@ -251,10 +251,11 @@ def compile_with_register_cap(launch: sm90.Launch):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=sm90.SM90, options=options.__dict__)
 
 
-def compile_stats(module, world_size: int, causal: bool, head_dim: int, **config) -> dict:
+def compile_stats(module, world_size: int, causal: bool, head_dim: int, s_local: int | None = None, **config) -> dict:
     """The kernel's sm_90 statistics, compiled with the plan's register cap (the launch's ``maxnreg``) as the GPU
-    compiles it."""
-    batch, s_local, heads, kv_heads, _ = op.EXAMPLE_SHAPE
+    compiles it; on the example's shape, or with another ``s_local``."""
+    batch, example_s_local, heads, kv_heads, _ = op.EXAMPLE_SHAPE
+    s_local = s_local or example_s_local
     shape = (batch, s_local * world_size, heads, kv_heads, head_dim, op.CAUSAL if causal else op.NONE)
     with sm90.capture_launches() as captured:
         op.example(module, world_size, shape=shape, **config)
@@ -389,6 +390,24 @@ def test_warp_specialized_kernel_compiles_for_one_key_row(config):
         assert instruction in stats["ptx"], instruction
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_whole_tiles_load_2d_boxes_and_leave_through_a_tma_store(world_size):
+    """Without causal and with S_local a whole number of query tiles (the benchmark's shapes), the recipe and the twin
+    load K/V as 2-D boxes and store each output tile through TMA (``WHOLE``), still warp-specialized, on the same shared
+    memory; on the example's 150 rows per rank they store through pointers."""
+    stores = {}
+    for module in (recipe, twin):
+        for s_local in (256, None):
+            stats = compile_stats(module, world_size, False, 64, s_local=s_local)
+            check_kernel(stats, world_size, world_size - 1)
+            assert "setmaxnreg" in stats["ptx"]
+            tma_store = re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", stats["ptx"]) is not None
+            loads_3d = re.search(r"cp\.async\.bulk\.tensor\.3d\.shared", stats["ptx"]) is not None
+            assert tma_store == (s_local is not None) and loads_3d == (s_local is None), (module.__name__, s_local)
+            stores[module, s_local] = stats["shared_bytes"]
+    assert stores[recipe, 256] == stores[twin, 256] and stores[recipe, None] == stores[twin, None], stores
+
+
 # The twin takes about a minute per variant to compile on the CPU: two variants at 1 and 2 ranks here, and the
 # registry's example (causal, head_dim 128) at world sizes 2, 3 and 8 in test_compile_cpu.
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -464,11 +483,13 @@ cases = [
     (1, 2, 2, 3 * 2 * 21, 64, 3, True, {"block_m": 32, "block_n": 32}, None),
     (1, 2, 1, 3 * 50, 128, 3, False, {"pieces": 1}, None),
     (2, 4, 2, 4 * 2 * 40, 64, 4, True, {"block_m": 64, "block_n": 16, "pieces": 4}, None),
+    (1, 2, 1, 2 * 256, 64, 2, False, {"block_n": 64}, None),  # whole tiles: 2-D K/V boxes, the TMA store
 ]
 cases = [case + (m,) for case in cases] + [  # the Helion twin, with its flag waits left out (wait=False)
     (1, 2, 1, 2 * 19, 64, 1, True, {"block_m": 32, "block_n": 16}, None, twin),
     (1, 2, 1, 2 * 2 * 19, 64, 2, True, {"block_m": 32, "block_n": 16}, None, twin),
     (2, 4, 2, 3 * 37, 64, 3, False, {"block_n": 64}, 0.3, twin),
+    (1, 2, 1, 2 * 128, 64, 2, False, {}, None, twin),
 ]
 for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, module in cases:
     gen = torch.Generator().manual_seed(seq)

@@ -211,13 +211,21 @@ def context_parallel_attention_body(
 
 
 # Before the tile loop, the warp-specialized kernel's descriptors, built on the device as the recipe's (Triton 3.6
-# specializes a tile loop on sm_90 only with TMA loads from device-built descriptors; docs/helion-notes.md).
-FULL_DESCRIPTORS = (
-    "q_desc = tl.make_tensor_descriptor({q2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])\n"
+# specializes a tile loop on sm_90 only with TMA loads from device-built descriptors; docs/helion-notes.md): with
+# ``whole`` tiles, 2-D K/V boxes and a TMA store of each output tile, else [1, block_n, head_dim] boxes of one shard
+# (the recipe's ``WHOLE``).
+Q_DESCRIPTOR = "q_desc = tl.make_tensor_descriptor({q2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])\n"
+WHOLE_DESCRIPTORS = Q_DESCRIPTOR + (
+    "kv_desc = tl.make_tensor_descriptor({kv}, [{kv_blocks} * {s_local}, {d}], [{d}, 1], [{bn}, {d}])\n"
+    "out_desc = tl.make_tensor_descriptor({out2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])"
+)
+SHARD_DESCRIPTORS = Q_DESCRIPTOR + (
     "kv_desc = tl.make_tensor_descriptor({kv}, [{kv_blocks}, {s_local}, {d}], [{s_local} * {d}, {d}, 1], [1, {bn}, {d}])"
 )
 # A K or V tile: its (rank, k|v, batch and kv head) block and first key (Helion computes them in int64).
-KV_LOAD = "kv_desc.load([({row}).to(tl.int32), ({start}).to(tl.int32), 0]).reshape({bn}, {d})"
+WHOLE_KV_LOAD = "kv_desc.load([({row} * {s_local} + {start}).to(tl.int32), 0])"
+SHARD_KV_LOAD = "kv_desc.load([({row}).to(tl.int32), ({start}).to(tl.int32), 0]).reshape({bn}, {d})"
+WHOLE_STORE = "out_desc.store([({row0}).to(tl.int32), 0], {value})"
 WAIT_EACH = GMEM_WAIT_EACH_THREAD.replace("{flag}", "{progress} + {index}")
 
 
@@ -238,6 +246,7 @@ def full_attention_body(
     num_blocks: int,
     world_size: hl.constexpr,
     wait: hl.constexpr,
+    whole: hl.constexpr,  # S_local is a whole number of query (so key) tiles: 2-D K/V boxes, TMA store
     tail: hl.constexpr,  # S_local is not a whole number of key tiles: mask the keys past it
     block_m: hl.constexpr,
     block_n: hl.constexpr,
@@ -250,8 +259,9 @@ def full_attention_body(
     head_dim = hl.specialize(q2.size(1))
     num_tiles = order.size(0)
     for block in hl.grid(num_blocks):
-        hl.inline_triton(FULL_DESCRIPTORS, args={"q2": q2, "kv": kv, "q_rows": q_rows, "kv_blocks": kv_blocks,
-                                                 "s_local": s_local, "d": head_dim, "bm": block_m, "bn": block_n},
+        hl.inline_triton(WHOLE_DESCRIPTORS if whole else SHARD_DESCRIPTORS,
+                         args={"q2": q2, "kv": kv, "out2": out2, "q_rows": q_rows, "kv_blocks": kv_blocks,
+                               "s_local": s_local, "d": head_dim, "bm": block_m, "bn": block_n},
                          output_like=None)
         for tile in hl.grid(block, num_tiles, num_blocks):  # block b: tiles b, b + num_blocks, ...
             q_row0 = order[tile, 0]
@@ -276,8 +286,9 @@ def full_attention_body(
                 step = tile_n.begin // span
                 start = tile_n.begin - step * span
                 k_row = (rank + step) % world_size * 2 * kv_rows + kv_head
-                k = hl.inline_triton(KV_LOAD,
-                                     args={"row": k_row, "start": start, "bn": block_n, "d": head_dim},
+                k = hl.inline_triton(WHOLE_KV_LOAD if whole else SHARD_KV_LOAD,
+                                     args={"row": k_row, "start": start, "s_local": s_local, "bn": block_n,
+                                           "d": head_dim},
                                      output_like=hl.zeros([block_n, head_dim], dtype=q2.dtype))
                 qk = hl.dot(q, k.T, out_dtype=torch.float32)
                 if tail:  # keys past the shard are TMA's zeros: score them out
@@ -290,14 +301,18 @@ def full_attention_body(
                     p = torch.exp2(qk * qk_scale - m_ij[:, None])
                 alpha = torch.exp2(m_i - m_ij)
                 l_i = l_i * alpha + torch.sum(p, -1)
-                v = hl.inline_triton(KV_LOAD,
-                                     args={"row": k_row + kv_rows, "start": start, "bn": block_n, "d": head_dim},
+                v = hl.inline_triton(WHOLE_KV_LOAD if whole else SHARD_KV_LOAD,
+                                     args={"row": k_row + kv_rows, "start": start, "s_local": s_local, "bn": block_n,
+                                           "d": head_dim},
                                      output_like=hl.zeros([block_n, head_dim], dtype=q2.dtype))
                 acc = hl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
                 m_i = m_ij
-            # Only the shard's rows: a tile at its end also read some rows after it, discarded.
-            hl.store(out2, [q_row0 - m0 + offs_m, hl.arange(head_dim)], (acc / l_i[:, None]).to(out2.dtype),
-                     extra_mask=(offs_m < s_local)[:, None])
+            if whole:
+                hl.inline_triton(WHOLE_STORE, args={"row0": q_row0, "value": (acc / l_i[:, None]).to(out2.dtype)},
+                                 output_like=None)
+            else:  # only the shard's rows: a tile at its end also read some rows after it, discarded
+                hl.store(out2, [q_row0 - m0 + offs_m, hl.arange(head_dim)], (acc / l_i[:, None]).to(out2.dtype),
+                         extra_mask=(offs_m < s_local)[:, None])
     return out2
 
 @contextlib.contextmanager
@@ -338,9 +353,9 @@ def compiled(causal: bool, block_m: int, block_n: int, num_warps: int, num_stage
     """One Helion kernel per config, each with an explicit config (``pid_type="flat"``: the recipe's grid, see
     ``helion_ports``). Causal: every tile loop names its block size, TMA for q, k, v and the gather buffer through
     descriptors built on the host, as the recipe's. Without: ``full_attention_body`` with its tile loop (the second
-    of its loops) warp-specialized, and the order table and the store through pointers."""
+    of its loops) warp-specialized, the order table through pointers (and the store where tiles are not whole)."""
     if not causal:
-        return flat_kernel(full_attention_body, (), num_warps, num_stages, indexing=("pointer",) * 5,
+        return flat_kernel(full_attention_body, (), num_warps, num_stages, indexing="pointer",
                            range_warp_specializes=(None, True, None))
     return flat_kernel(context_parallel_attention_body, (), num_warps, num_stages, indexing=indexing(),
                        host_tensor_descriptors=True)
@@ -402,8 +417,8 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         span = host.round_up(s_local, block_n)
         args = (q.view(-1, head_dim), gathered, out.view(-1, head_dim), progress, order, batch * heads * s_local,
                 gathered.shape[0] * 2 * batch * kv_heads, batch * kv_heads, s_local, span, pieces,
-                softmax_scale(scale, head_dim), rank, num_blocks, world_size, wait, s_local % block_n != 0, block_m,
-                block_n)
+                softmax_scale(scale, head_dim), rank, num_blocks, world_size, wait, s_local % block_m == 0,
+                s_local % block_n != 0, block_m, block_n)
         with explicit_masks(), warp_specialization():
             run_capped(kernel, args, launcher, maxnreg)
         return out
