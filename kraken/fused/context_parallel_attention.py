@@ -290,23 +290,30 @@ def full_attention_kernel(
     is warp-specialized: on sm_90 a producer warpgroup issues the TMA loads and two consumer warpgroups take BLOCK_M / 2
     query rows each (FlashAttention-3's split). Triton 3.6 specializes this only for one key loop in the tile loop,
     with no branch in it, and with descriptors built on the device (host-built ones hung, docs/helion-notes.md)."""
+    # K and V load through descriptors of their own, over the same buffer: V's starts one K block later, so a V tile has
+    # its K tile's coordinates (one descriptor for both: B1 H32 Hkv8 8K 1730 us against 1605, one H200, world size 1).
     # WHOLE: every tile lies inside one (rank, k|v, (batch, kv head)) shard of the buffer and one (batch, head) of q and
-    # out, so K/V load as 2-D [BLOCK_N, HEAD_DIM] boxes and the output leaves through a TMA store of the tile (one H200,
-    # B1 H32 Hkv8 8K: 1780 -> about 1620 us, cuDNN 1570; the pointer store cost 7%, the 3-D boxes 3-5%). Else K/V boxes
-    # are [1, BLOCK_N, HEAD_DIM] of one shard, so TMA fills the rows past its end with zeros and no key tile reads
-    # another shard (of a piece that may be in flight), and the store keeps the shard's rows (a pointer store).
+    # out, so K/V load as 2-D [BLOCK_N, HEAD_DIM] boxes and the output leaves through a TMA store of the tile (the same
+    # probe: a pointer store cost 7%, 3-D boxes 3-5%). Else K/V boxes are [1, BLOCK_N, HEAD_DIM] of one shard, so TMA
+    # fills the rows past its end with zeros and no key tile reads another shard (of a piece that may be in flight), and
+    # the store keeps the shard's rows (a pointer store).
     q_rows = kv_rows * (heads // kv_heads) * s_local
     q_desc = tl.make_tensor_descriptor(q_ptr, shape=[q_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
+    v_ptr = kv_ptr + kv_rows * s_local * HEAD_DIM
+    blocks = world_size * 2 * kv_rows  # the buffer's (rank, k|v, (batch, kv head)) blocks of S_local rows
     if WHOLE:
-        kv_desc = tl.make_tensor_descriptor(kv_ptr, shape=[world_size * 2 * kv_rows * s_local, HEAD_DIM],
-                                            strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(kv_ptr, shape=[blocks * s_local, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_ptr, shape=[(blocks - kv_rows) * s_local, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[q_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                              block_shape=[BLOCK_M, HEAD_DIM])
     else:
-        kv_desc = tl.make_tensor_descriptor(kv_ptr, shape=[world_size * 2 * kv_rows, s_local, HEAD_DIM],
-                                            strides=[s_local * HEAD_DIM, HEAD_DIM, 1],
-                                            block_shape=[1, BLOCK_N, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(kv_ptr, shape=[blocks, s_local, HEAD_DIM],
+                                           strides=[s_local * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_ptr, shape=[blocks - kv_rows, s_local, HEAD_DIM],
+                                           strides=[s_local * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_N, HEAD_DIM])
     num_tiles = kv_rows * (heads // kv_heads) * tl.cdiv(s_local, BLOCK_M)
     per_rank = tl.cdiv(s_local, BLOCK_N)  # key tiles per rank's shard
     later = world_size - 1 - rank  # peers after me (rank + 1 ...); the other ``rank`` peers wrap around (0 ...)
@@ -345,15 +352,15 @@ def full_attention_kernel(
                                                   j_wrapped - step_wrapped * per_rank)) * BLOCK_N
             k_row = src * 2 * kv_rows + kv_head
             if WHOLE:
-                k = kv_desc.load([k_row * s_local + start, 0])
+                k = k_desc.load([k_row * s_local + start, 0])
             else:
-                k = kv_desc.load([k_row, start, 0]).reshape(BLOCK_N, HEAD_DIM)
+                k = k_desc.load([k_row, start, 0]).reshape(BLOCK_N, HEAD_DIM)
             keep = (start + tl.arange(0, BLOCK_N))[None, :] <= (s_local - 1)  # TAIL: keys past the shard (TMA's zeros)
             p, m_ij, l_i, acc = softmax_step(tl.dot(q, k.T), m_i, l_i, acc, qk_scale, keep, TAIL)
             if WHOLE:
-                v = kv_desc.load([(k_row + kv_rows) * s_local + start, 0])
+                v = v_desc.load([k_row * s_local + start, 0])
             else:
-                v = kv_desc.load([k_row + kv_rows, start, 0]).reshape(BLOCK_N, HEAD_DIM)
+                v = v_desc.load([k_row, start, 0]).reshape(BLOCK_N, HEAD_DIM)
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_ij
         acc = acc / l_i[:, None]
