@@ -21,8 +21,9 @@ its own K/V at once:
   ... Before a peer's piece it waits on that piece's flag (an acquire spin, then the async-proxy fence: the K/V
   tiles load through TMA). No per-step launches and no merge pass. Two kernels:
 * Without ``causal``, ``full_attention_kernel``: every query sees every key, so a tile is one key loop over
-  every rank's shard, all read from the gather buffer through device-built TMA descriptors whose [1, BLOCK_N,
-  head_dim] boxes end at each shard's end (TMA's zeros past it). Its tile loop is warp-specialized (Triton 3.6
+  every rank's shard, all read from the gather buffer through device-built TMA descriptors, K's and V's: 2-D
+  boxes where S_local is whole query tiles (the output then leaves through a TMA store), else [1, BLOCK_N,
+  head_dim] boxes that end at each shard's end (TMA's zeros past it). Its tile loop is warp-specialized (Triton 3.6
   on sm_90: a producer warpgroup issues the loads, two consumer warpgroups take 64 query rows each, as in
   FlashAttention-3), with a static schedule (block b takes tiles b, b + blocks, ...) and fixed tiles
   (``FULL_CHOICES``).
@@ -292,13 +293,13 @@ def full_attention_kernel(
     query rows each (FlashAttention-3's split). Triton 3.6 specializes this only for one key loop in the tile loop,
     with no branch in it, and with descriptors built on the device (host-built ones hung, docs/helion-notes.md)."""
     # K and V load through descriptors of their own, over the same buffer: V's starts one K block later, so a V tile has
-    # its K tile's coordinates (one descriptor for both: B1 H32 Hkv8 8K 1730 us against 1605, one H200, world size 1).
-    # WHOLE: every tile lies inside one (rank, k|v, (batch, kv head)) shard of the buffer and one (batch, head) of q and
-    # out, so K/V load as 2-D [BLOCK_N, HEAD_DIM] boxes and the output leaves through a TMA store of the tile (the same
-    # probe: a pointer store cost 7%, 3-D boxes 3-5%). Else K/V boxes are [1, BLOCK_N, HEAD_DIM] of one shard, so TMA
-    # fills the rows past its end with zeros and no key tile reads another shard (of a piece that may be in flight), and
-    # the store keeps the shard's rows (a pointer store). The sizes come from the host: derived here (the tile count as
-    # batch * kv heads * (heads // kv heads) * query tiles), the same kernel ran 4-6% slower (1.10x cuDNN to 1.06x).
+    # its K tile's coordinates. WHOLE: every tile lies inside one (rank, k|v, (batch, kv head)) shard of the buffer and
+    # one (batch, head) of q and out, so K/V load as 2-D [BLOCK_N, HEAD_DIM] boxes and the output leaves through a TMA
+    # store of the tile. Else K/V boxes are [1, BLOCK_N, HEAD_DIM] of one shard, so TMA fills the rows past its end with
+    # zeros and no key tile reads another shard (of a piece that may be in flight), and the store keeps the shard's rows
+    # (a pointer store). In a minimal kernel (one H200, world size 1, B1 H32 Hkv8 8K) each of these was worth 3-8% (one
+    # descriptor for K and V 1730 us against 1605, a pointer store 7%, 3-D boxes 3-5%); this kernel, whose hot loops
+    # compile to the same SASS, runs at about 1770 us either way (docs/history.md, "2026-11-25, second session").
     q_desc = tl.make_tensor_descriptor(q_ptr, shape=[q_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
     v_ptr = kv_ptr + kv_rows * s_local * HEAD_DIM
