@@ -84,7 +84,10 @@ def test_plan_defaults(world_size):
         one_rank = (3, 3) if head_dim == 128 else (2, 4)
         assert (cfg["pieces"], cfg["piece_rows"]) == (one_rank if world_size == 1 else (8, 1) if world_size < 8 else (4, 2))
     cfg = recipe.plan(1, 32, 32, 4096, 128, world_size, False, {}, sm90.H200_NUM_SMS)
-    assert (cfg["pieces"], cfg["piece_rows"]) == {1: (4, 9), 2: (16, 2), 3: (8, 4), 8: (4, 8)}[world_size]
+    assert (cfg["pieces"], cfg["piece_rows"]) == {1: (1, 32), 2: (16, 2), 3: (8, 4), 8: (4, 8)}[world_size]
+    # Without causal: persistent with peers (their flags), FULL_ONE_RANK_WAVES times the resident blocks at one rank.
+    waves = recipe.FULL_ONE_RANK_WAVES if world_size == 1 else 1
+    assert cfg["num_blocks"] == waves * (sm90.H200_NUM_SMS - recipe.RESERVED_SMS)
     # Few tiles: never more blocks than tiles.
     assert recipe.plan(1, 1, 1, 60, 64, world_size, False, {}, 132)["num_blocks"] == 1
     assert recipe.plan(2, 4, 2, 150, 128, world_size, True, {}, 132)["num_blocks"] == 2 * 4 * 2 * -(

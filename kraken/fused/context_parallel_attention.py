@@ -14,7 +14,7 @@ its own K/V at once:
   then of V), piece-major and, within a piece, ``rank + 1`` first, each piece flagged as it lands; a last
   barrier says "done reading". No SM moves data, so attention blocks spinning on a flag cannot starve the copies.
 * The attention kernel is persistent (``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, left
-  to the barrier kernel) and takes the query tiles in the order of a host-built table (``tile_order``): piece by
+  to the barrier kernel; without causal at one rank, where no block waits, ``FULL_ONE_RANK_WAVES`` times that) and takes the query tiles in the order of a host-built table (``tile_order``): piece by
   piece, so the first tiles need only the first pieces, and within a piece the tiles with the most keys first
   (under causal), so the blocks finish together. Each tile keeps its online-softmax state (row max, row sum,
   fp32 accumulator) in registers across every rank's keys: its own first, then ``rank + 1``'s, ``rank + 2``'s,
@@ -83,6 +83,15 @@ _MASKED_SCORE = tl.constexpr(MASKED_SCORE)  # Triton reads module globals only a
 # The kernel leaves this many SMs' worth of block slots free: its blocks spin on flags that follow the gather's
 # one-block barrier kernel, which must find room on some SM while every attention block is resident.
 RESERVED_SMS = 1
+# Without causal at one rank no block waits on a flag, so nothing needs the reserved SM and the grid may exceed the
+# resident blocks: ``FULL_ONE_RANK_WAVES`` times as many blocks, each taking a quarter of the tiles, so that the hardware
+# hands the tiles of a slow block's would-be last rounds to blocks that finish early. A persistent grid ends on its
+# slowest block: the per-block end times of one launch spread by about one tile (100-170 us after the median block at
+# 8K, the one slow block a different one per launch), so the whole launch takes that much longer. One H200, B1 H32 8K
+# head_dim 128, CUDA graphs, x cuDNN: 131 blocks 1.111-1.117, 262 1.060-1.067, 524 1.049-1.054, 1024 1.071-1.075,
+# 2048 1.121; 32K: 131 1.129, 524 1.076-1.077. With peers, blocks spin on flags that follow the gather's barrier
+# kernel, which must find an SM: the grid stays persistent.
+FULL_ONE_RANK_WAVES = 4
 # Causal tiles per head_dim (``context_parallel_attention_kernel``): (block_m, block_n, num_warps, num_stages) and the
 # blocks resident per SM (the persistent grid is blocks_per_sm * (SMs - RESERVED_SMS); ``plan`` caps each thread's
 # registers so that many fit (``maxnreg``) and the CPU test checks that the compiled kernels' registers and shared
@@ -429,7 +438,8 @@ def default_tiles(head_dim: int, world_size: int, causal: bool) -> dict:
 def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, world_size: int, causal: bool,
          config: dict, num_sms: int) -> dict:
     """Resolve the launch configuration (shared with the Helion port). The grid is persistent: at most
-    ``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, never more blocks than query tiles.
+    ``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, never more blocks than query tiles; without causal
+    at one rank ``FULL_ONE_RANK_WAVES`` times that (no flag waits).
     ``piece_rows``: the (batch, kv head) rows of each flagged piece of a peer's K/V."""
     cfg = host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     defaults = default_tiles(head_dim, world_size, causal)
@@ -457,6 +467,8 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     chunk = s_local // 2 if causal else s_local
     num_tiles = batch * heads * (2 if causal else 1) * host.cdiv(max(chunk, 1), cfg["block_m"])
     slots = cfg["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
+    if not causal and world_size == 1:  # no flag to wait for (``FULL_ONE_RANK_WAVES``)
+        slots *= FULL_ONE_RANK_WAVES
     max_blocks = slots if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], slots))
     num_blocks = max(1, min(num_tiles, max_blocks))
     if world_size == 1 and cfg["pieces"] is None:
