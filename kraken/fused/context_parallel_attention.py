@@ -306,9 +306,10 @@ def full_attention_kernel(
     # one (batch, head) of q and out, so K/V load as 2-D [BLOCK_N, HEAD_DIM] boxes and the output leaves through a TMA
     # store of the tile. Else K/V boxes are [1, BLOCK_N, HEAD_DIM] of one shard, so TMA fills the rows past its end with
     # zeros and no key tile reads another shard (of a piece that may be in flight), and the store keeps the shard's rows
-    # (a pointer store). In a minimal kernel (one H200, world size 1, B1 H32 Hkv8 8K) each of these was worth 3-8% (one
-    # descriptor for K and V 1730 us against 1605, a pointer store 7%, 3-D boxes 3-5%); this kernel, whose hot loops
-    # compile to the same SASS, runs at about 1770 us either way (docs/history.md, "2026-11-25, second session").
+    # (a pointer store). In a minimal kernel (one H200, world size 1, B1 H32 Hkv8 8K, persistent grid) each of these
+    # measured 3-8% (one descriptor for K and V 1730 us against 1605, a pointer store 7%, 3-D boxes 3-5%); here, within
+    # 1%: on the persistent grid this kernel's time was its slowest block's (``FULL_ONE_RANK_WAVES``; docs/history.md,
+    # "2026-11-25, second session").
     q_desc = tl.make_tensor_descriptor(q_ptr, shape=[q_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
     v_ptr = kv_ptr + kv_rows * s_local * HEAD_DIM
