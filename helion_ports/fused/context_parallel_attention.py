@@ -225,7 +225,8 @@ WHOLE_DESCRIPTORS = Q_DESCRIPTOR + (
     "out_desc = tl.make_tensor_descriptor({out2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])"
 )
 SHARD_DESCRIPTORS = Q_DESCRIPTOR + (
-    "k_desc = tl.make_tensor_descriptor({kv}, [{kv_blocks}, {s_local}, {d}], [{s_local} * {d}, {d}, 1], [1, {bn}, {d}])\n"
+    "k_desc = tl.make_tensor_descriptor({kv}, [{kv_blocks}, {s_local}, {d}], [{s_local} * {d}, {d}, 1], "
+    "[1, {bn}, {d}])\n"
     "v_desc = tl.make_tensor_descriptor(v_base, [{kv_blocks} - {kv_rows}, {s_local}, {d}], [{s_local} * {d}, {d}, 1], "
     "[1, {bn}, {d}])"
 )

@@ -14,9 +14,10 @@ its own K/V at once:
   then of V), piece-major and, within a piece, ``rank + 1`` first, each piece flagged as it lands; a last
   barrier says "done reading". No SM moves data, so attention blocks spinning on a flag cannot starve the copies.
 * The attention kernel is persistent (``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, left
-  to the barrier kernel; without causal at one rank, where no block waits, ``FULL_ONE_RANK_WAVES`` times that) and takes the query tiles in the order of a host-built table (``tile_order``): piece by
-  piece, so the first tiles need only the first pieces, and within a piece the tiles with the most keys first
-  (under causal), so the blocks finish together. Each tile keeps its online-softmax state (row max, row sum,
+  to the barrier kernel; without causal at one rank, where no block waits, ``FULL_ONE_RANK_WAVES`` times that)
+  and takes the query tiles in the order of a host-built table (``tile_order``): piece by piece, so the first
+  tiles need only the first pieces, and within a piece the tiles with the most keys first (under causal), so the
+  blocks finish together. Each tile keeps its online-softmax state (row max, row sum,
   fp32 accumulator) in registers across every rank's keys: its own first, then ``rank + 1``'s, ``rank + 2``'s,
   ... Before a peer's piece it waits on that piece's flag (an acquire spin, then the async-proxy fence: the K/V
   tiles load through TMA). No per-step launches and no merge pass. Two kernels:
@@ -84,13 +85,13 @@ _MASKED_SCORE = tl.constexpr(MASKED_SCORE)  # Triton reads module globals only a
 # one-block barrier kernel, which must find room on some SM while every attention block is resident.
 RESERVED_SMS = 1
 # Without causal at one rank no block waits on a flag, so nothing needs the reserved SM and the grid may exceed the
-# resident blocks: ``FULL_ONE_RANK_WAVES`` times as many blocks, each taking a quarter of the tiles, so that the hardware
-# hands the tiles of a slow block's would-be last rounds to blocks that finish early. A persistent grid ends on its
-# slowest block: the per-block end times of one launch spread by about one tile (100-170 us after the median block at
-# 8K, the one slow block a different one per launch), so the whole launch takes that much longer. One H200, B1 H32 8K
-# head_dim 128, CUDA graphs, x cuDNN: 131 blocks 1.111-1.117, 262 1.060-1.067, 524 1.049-1.054, 1024 1.071-1.075,
-# 2048 1.121; 32K: 131 1.129, 524 1.076-1.077. With peers, blocks spin on flags that follow the gather's barrier
-# kernel, which must find an SM: the grid stays persistent.
+# resident blocks: ``FULL_ONE_RANK_WAVES`` times as many blocks, each with a quarter of a persistent block's tiles, so
+# that the hardware hands the tiles of a slow block's would-be last rounds to blocks that finish early. A persistent
+# grid ends on its slowest block: the per-block end times of one launch spread by about one tile (100-170 us after the
+# median block at 8K, the slow block a different one per launch), and the whole launch takes that much longer. One
+# H200, B1 H32 8K head_dim 128, CUDA graphs, x cuDNN: 131 blocks 1.111-1.117, 262 1.060-1.067, 524 1.049-1.054, 1024
+# 1.071-1.075, 2048 1.121; 32K: 131 1.129, 524 1.076-1.077. With peers, blocks spin on flags that follow the gather's
+# barrier kernel, which must find an SM: the grid stays persistent.
 FULL_ONE_RANK_WAVES = 4
 # Causal tiles per head_dim (``context_parallel_attention_kernel``): (block_m, block_n, num_warps, num_stages) and the
 # blocks resident per SM (the persistent grid is blocks_per_sm * (SMs - RESERVED_SMS); ``plan`` caps each thread's
@@ -270,8 +271,8 @@ def context_parallel_attention_kernel(
         tile = tl.atomic_add(taken, 1, sem="relaxed")
 
 
-# ``s_local`` is never specialized: at 1 (Triton's constant for an int argument of 1) with one rank the key loop has
-# one trip, the compiler drops the loop, and warp specialization fails to compile without it.
+# ``s_local``, ``num_tiles`` and ``per_rank`` are never specialized: at 1 (Triton's constant for an int argument of 1)
+# with one rank a loop has one trip, the compiler drops it, and warp specialization fails to compile without it.
 @triton.jit(do_not_specialize=["s_local", "num_tiles", "per_rank"])
 def full_attention_kernel(
     q_ptr,  # q as [batch * heads * S_local, head_dim]
@@ -323,9 +324,11 @@ def full_attention_kernel(
                                              block_shape=[BLOCK_M, HEAD_DIM])
     else:
         k_desc = tl.make_tensor_descriptor(kv_ptr, shape=[blocks, s_local, HEAD_DIM],
-                                           strides=[s_local * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_N, HEAD_DIM])
+                                           strides=[s_local * HEAD_DIM, HEAD_DIM, 1],
+                                           block_shape=[1, BLOCK_N, HEAD_DIM])
         v_desc = tl.make_tensor_descriptor(v_ptr, shape=[blocks - kv_rows, s_local, HEAD_DIM],
-                                           strides=[s_local * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_N, HEAD_DIM])
+                                           strides=[s_local * HEAD_DIM, HEAD_DIM, 1],
+                                           block_shape=[1, BLOCK_N, HEAD_DIM])
     later = world_size - 1 - rank  # peers after me (rank + 1 ...); the other ``rank`` peers wrap around (0 ...)
     # Static persistent schedule: block b takes tiles b, b + num_blocks, ... of ``order`` (piece by piece).
     for tile in tl.range(tl.program_id(0), num_tiles, num_blocks, warp_specialize=True):
@@ -573,8 +576,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
             full_attention_kernel, (num_blocks,),
             q, gathered, out, progress, order, batch * heads * s_local, batch * kv_heads, s_local, order.shape[0],
             host.cdiv(s_local, block_n), pieces, softmax_scale(scale, head_dim), rank, num_blocks, world_size,
-            WAIT=wait, WHOLE=s_local % block_m == 0,
-            TAIL=s_local % block_n != 0,
+            WAIT=wait, WHOLE=s_local % block_m == 0, TAIL=s_local % block_n != 0,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **cap,
         )
     return out
