@@ -286,9 +286,9 @@ def full_attention_body(
                                          "value": 1}, output_like=piece)
             q = hl.inline_triton("q_desc.load([({row0}).to(tl.int32), 0])", args={"row0": q_row0},
                                  output_like=hl.zeros([block_m, head_dim], dtype=q2.dtype))
-            # The store's rows come from ``offs_m`` (m0, a field of its own), not from q_row0 alone: under warp
-            # specialization the second consumer warpgroup then got q_row0 + 64 where q_row0 was meant, its rows 64
-            # too far (the recipe's note; docs/helion-notes.md).
+            # The pointer store's rows (without whole tiles) come from ``offs_m`` (m0, a field of its own), not from
+            # q_row0 alone: under warp specialization the second consumer warpgroup then got q_row0 + 64 where q_row0
+            # was meant, its rows 64 too far (the recipe's note; docs/helion-notes.md). The TMA store takes q_row0.
             offs_m = m0 + hl.arange(block_m)
             m_i = hl.full([block_m], -1.0e30, dtype=torch.float32)
             l_i = hl.zeros([block_m], dtype=torch.float32)

@@ -341,8 +341,9 @@ def full_attention_kernel(
             for step in tl.static_range(1, world_size):
                 kv_head += wait_each_thread(progress_ptr + (rank + step) % world_size * pieces + piece, 1)
         q = q_desc.load([q_row0, 0])
-        # (The epilogue's rows come from ``offs_m``, made here, before the key loop: a value the producer uses before
-        # the loop and the consumers after it, ``q_row0`` alone, gave wrong rows under warp specialization.)
+        # (The pointer store's rows come from ``offs_m``, made here, before the key loop: a value the producer uses
+        # before the loop and the consumers after it, ``q_row0`` alone, gave wrong rows under warp specialization. The
+        # TMA store of whole tiles takes ``q_row0``: Triton splits its box and coordinate per consumer warpgroup.)
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
