@@ -254,16 +254,21 @@ def compile_with_register_cap(launch: sm90.Launch):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=sm90.SM90, options=options.__dict__)
 
 
-def compile_stats(module, world_size: int, causal: bool, head_dim: int, s_local: int | None = None, **config) -> dict:
-    """The kernel's sm_90 statistics, compiled with the plan's register cap (the launch's ``maxnreg``) as the GPU
-    compiles it; on the example's shape, or with another ``s_local``."""
+def compile_stats(module, world_size: int, causal: bool, head_dim: int, s_local: int | None = None, index: int = -1,
+                  **config) -> dict:
+    """The sm_90 statistics of the ``index``-th kernel launched (causal at ``SPLIT_HEAD_DIMS``: the warp-specialized
+    kernel, then the causal one; else one), compiled with the plan's register cap (the causal kernel's ``maxnreg``) as
+    the GPU compiles it; on the example's shape, or with another ``s_local``."""
     batch, example_s_local, heads, kv_heads, _ = op.EXAMPLE_SHAPE
     s_local = s_local or example_s_local
     shape = (batch, s_local * world_size, heads, kv_heads, head_dim, op.CAUSAL if causal else op.NONE)
     with sm90.capture_launches() as captured:
         op.example(module, world_size, shape=shape, **config)
-    (launch,) = captured
+    assert len(captured) == (2 if causal and head_dim in recipe.SPLIT_HEAD_DIMS else 1), len(captured)
+    launch = captured[index]
     cap = module.plan(batch, heads, kv_heads, s_local, head_dim, world_size, causal, config, sm90.H200_NUM_SMS)["maxnreg"]
+    if causal and len(captured) == 2 and index in (0, -2):
+        cap = None  # the warp-specialized kernel's tiles (``FULL_TILES``) fill an SM alone
     assert launch.kwargs.get("maxnreg") == cap, (launch.kwargs.get("maxnreg"), cap)
     real_compile = sm90.compile_sm90
     sm90.compile_sm90 = compile_with_register_cap
@@ -378,6 +383,12 @@ def test_recipe_compiles_for_sm90(head_dim, causal, world_size):
     check_residency(stats, tiles["num_warps"] * (1 if causal else 3), tiles["blocks_per_sm"])
     if not causal:
         assert "partition1(" in stats["ttgir"] and not shifted_row_bases(stats["ttgir"], tiles["block_m"] // 2)
+    elif head_dim in recipe.SPLIT_HEAD_DIMS:  # first the warp-specialized kernel, over the key tiles seen whole
+        first = compile_stats(recipe, world_size, causal, head_dim, index=0)
+        check_kernel(first, world_size, world_size - 1)
+        assert first["kernel"] == "full_attention_kernel" and "setmaxnreg" in first["ptx"]
+        check_residency(first, recipe.FULL_TILES[head_dim]["num_warps"] * 3, 1)
+        assert "partition1(" in first["ttgir"] and not shifted_row_bases(first["ttgir"], 64)
 
 
 @pytest.mark.parametrize("config", [{}, {"block_n": 64}], ids=["128x128", "128x64"])
@@ -451,9 +462,10 @@ twin = importlib.import_module("helion_ports.fused.context_parallel_attention")
 from benchmark import sm90
 from torch._inductor.runtime import triton_compat
 
-def _exp2(x, **kwargs):  # Helion writes torch.exp2 as libdevice.exp2, which the interpreter does not have
-    return tl.tensor(interpreter.TensorHandle(np.exp2(x.handle.data), x.handle.dtype.scalar), x.type)
-triton_compat.libdevice.exp2 = _exp2
+def elementwise(fn):  # Helion writes torch.exp2 and torch.log2 as libdevice's, which the interpreter does not have
+    return lambda x, **kwargs: tl.tensor(interpreter.TensorHandle(fn(x.handle.data), x.handle.dtype.scalar), x.type)
+triton_compat.libdevice.exp2 = elementwise(np.exp2)
+triton_compat.libdevice.log2 = elementwise(np.log2)
 
 @triton.jit
 def count_wait(flag_ptr, value):
@@ -487,12 +499,19 @@ cases = [
     (1, 2, 1, 3 * 50, 128, 3, False, {"pieces": 1}, None),
     (2, 4, 2, 4 * 2 * 40, 64, 4, True, {"block_m": 64, "block_n": 16, "pieces": 4}, None),
     (1, 2, 1, 2 * 256, 64, 2, False, {"block_n": 64}, None),  # whole tiles: 2-D K/V boxes, the TMA store
+    # head_dim 128 under causal: the warp-specialized kernel over the key tiles seen whole, then the causal kernel;
+    # whole chunks of 128 rows, at one rank snaked on 4 waves; chunks with a partial tile; three ranks.
+    (1, 2, 2, 2 * 384, 128, 1, True, {}, None),
+    (1, 2, 1, 2 * 2 * 200, 128, 2, True, {}, None),
+    (2, 4, 2, 3 * 2 * 150, 128, 3, True, {"block_m": 32, "block_n": 32}, None),
 ]
 cases = [case + (m,) for case in cases] + [  # the Helion twin, with its flag waits left out (wait=False)
     (1, 2, 1, 2 * 19, 64, 1, True, {"block_m": 32, "block_n": 16}, None, twin),
     (1, 2, 1, 2 * 2 * 19, 64, 2, True, {"block_m": 32, "block_n": 16}, None, twin),
     (2, 4, 2, 3 * 37, 64, 3, False, {"block_n": 64}, 0.3, twin),
     (1, 2, 1, 2 * 128, 64, 2, False, {}, None, twin),
+    (1, 2, 2, 2 * 320, 128, 1, True, {}, None, twin),
+    (1, 2, 1, 2 * 2 * 200, 128, 2, True, {"block_m": 32, "block_n": 16}, None, twin),
 ]
 for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, module in cases:
     gen = torch.Generator().manual_seed(seq)
@@ -512,9 +531,9 @@ for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, mo
                           132)
         out = torch.full((batch, heads, s_local, head_dim), float("nan"), dtype=torch.float16)
         mine = gathered.clone()
-        reads_own = not causal  # the warp-specialized kernels read mine from the buffer, staged there
-        if not reads_own:
-            mine[rank] = float("nan")  # my own K/V come from k and v, never from the gather buffer
+        split = causal and head_dim in m.SPLIT_HEAD_DIMS  # the warp-specialized kernel, then the causal one
+        if world_size == 1 or (causal and not split):
+            mine[rank] = float("nan")  # my own K/V come from k and v: at one rank, and in the causal kernel
         progress = torch.zeros(m.progress_size(world_size, cfg["pieces"]), dtype=torch.int32)
         wait = world_size > 1 and module is m
         with sm90.capture_launches():  # Helion's host-built descriptors on the CPU (a Triton launch is not captured:
@@ -527,13 +546,16 @@ for batch, heads, kv_heads, seq, head_dim, world_size, causal, config, scale, mo
         # done); the interpreter runs its blocks one after another, so the first takes every tile: one wait per piece.
         # The warp-specialized kernel's waits once per tile and peer, and takes its tiles statically (no count).
         chunk = s_local // 2 if causal else s_local
-        num_tiles = batch * heads * (2 if causal else 1) * -(-chunk // cfg["block_m"])
-        expected = torch.ones(world_size, cfg["pieces"], dtype=torch.int32)
-        if reads_own:
-            order = m.tile_order(batch * heads, heads // kv_heads, s_local, causal, cfg["block_m"], cfg["piece_rows"],
-                                 "cpu")
-            expected *= torch.bincount(order[:, 4].long(), minlength=cfg["pieces"]).int()
-            num_tiles = -cfg["num_blocks"]  # the count stays 0
+        expected = torch.zeros(world_size, cfg["pieces"], dtype=torch.int32)
+        num_tiles = -cfg["num_blocks"]  # without causal the count stays 0
+        if causal:
+            expected += 1
+            num_tiles = batch * heads * 2 * -(-chunk // cfg["block_m"])
+        if not causal or split:
+            full = m.FULL_TILES[head_dim]["block_m"] if split else cfg["block_m"]
+            order = m.full_order(batch, heads, kv_heads, s_local, causal, full, cfg["piece_rows"], world_size,
+                                 cfg["split_blocks"] if split else cfg["num_blocks"], "cpu")
+            expected += torch.bincount(order[:, 4].long(), minlength=cfg["pieces"]).int()
         expected[rank] = 0
         if wait:
             flags, taken = progress[:-1].view(world_size, -1), progress[-1].item()
@@ -692,11 +714,11 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, fake_device, modu
     outs = [module.context_parallel_attention(q, k, v, causal=True) for _ in range(WARM_CALLS)]
     assert counts["world"].exchanges == 1 and counts["plan"] == 1 and counts["symm_context"] == 1, counts
     kinds = [entry[0] for entry in launches]
-    # Per call: the side stream's two barriers (queued first), then the attention kernel. The barrier kernel and the
-    # attention kernel bind through the JIT once (a Helion twin's attention kernel first compiles with its plain
-    # call, then binds once more through the launcher).
-    first = ["jit", "fast", "jit"] + (["fast", "fast", "jit"] if module is twin else [])
-    assert kinds == first + ["fast"] * (3 * WARM_CALLS - len(first)), kinds
+    # Per call: the side stream's two barriers (queued first), then the two attention kernels (causal at head_dim 128:
+    # the warp-specialized one, then the causal one). Each kernel binds through the JIT once (a Helion twin's kernels
+    # first compile with their plain call, then bind once more through the launcher).
+    first = ["jit", "fast", "jit", "jit"] + (["fast", "fast", "jit", "jit"] if module is twin else [])
+    assert kinds == first + ["fast"] * (4 * WARM_CALLS - len(first)), kinds
     kernels = [entry[1] for entry in launches if entry[0] == "jit"]
     barrier_kernel = importlib.import_module("kraken.comm.all_gather_with_progress").shard_barrier_kernel
     assert kernels[0] is barrier_kernel and all(kernel is not barrier_kernel for kernel in kernels[1:])
@@ -716,7 +738,7 @@ def test_warm_attention_on_gathered_plans_once(monkeypatch, launches, fake_devic
     for _ in range(WARM_CALLS):
         recipe.attention_on_gathered(q, k, v, gathered, 1, causal=True)
     assert counts["plan"] == 1 and counts["world"].exchanges == 0
-    assert [entry[0] for entry in launches] == ["jit"] + ["fast"] * (WARM_CALLS - 1)
+    assert [entry[0] for entry in launches] == ["jit", "jit"] + ["fast"] * (2 * WARM_CALLS - 2)  # two kernels
     with pytest.raises(ValueError, match=r"rank 2 is not in 0 \.\. 1"):
         recipe.attention_on_gathered(q, k, v, gathered, 2, causal=True)  # a new signature: checked again
 

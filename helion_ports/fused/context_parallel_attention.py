@@ -59,7 +59,10 @@ from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with
     OP,
     attend_to_sequence,
     default_tiles,
+    FULL_TILES,
+    full_order,
     launch as recipe_launch,
+    lse_buffer,
     on_gathered,
     plan,
     prepare,
@@ -77,16 +80,17 @@ from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with
 WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
 
 
-def indexing() -> tuple[str, ...]:
+def indexing(merge: bool) -> tuple[str, ...]:
     """The causal body's loads and stores, in program order, through pointers (``order``'s fields, ``spans``, the
-    store to out) or TMA (q, k, v and the gather buffer): the tile's first q row and first row in its chunk; q; my own
+    store to out) or TMA (q, k, v and the gather buffer): the tile's first q row and first row in its chunk; q; with
+    ``merge`` the lse and output it resumes from; my own
     K/V's spans, the tile's half and first row, then k and v of its unmasked and masked key loops; the peer's the same
     with the piece, the step's first row, its wrap and the second chunk's whole tiles; the store; the piece again
     (the block's last)."""
     pointer, tma = ("pointer",), ("tensor_descriptor",)
     own = pointer * 4 + tma * 4
     peer = pointer * 9 + tma * 4
-    return pointer * 2 + tma + own + peer + pointer + pointer
+    return pointer * 2 + tma + pointer * 2 * merge + own + peer + pointer + pointer
 
 
 def context_parallel_attention_body(
@@ -96,15 +100,18 @@ def context_parallel_attention_body(
     kv_k: torch.Tensor,  # the gather buffer as rows [world_size * 2 * batch * kv_heads * S_local, head_dim]
     kv_v: torch.Tensor,  # the same buffer from its first V block: row i here is the V row of K row i of kv_k
     out2: torch.Tensor,  # [batch * heads * S_local, head_dim]
+    lse: torch.Tensor,  # merge: fp32 [batch * heads * S_local], the warp-specialized body's log2-sum-exp2 per row
     progress: torch.Tensor,  # int32[world_size * pieces + 1]: the flags, then the count of tiles taken
     taken: torch.Tensor,  # progress[-1:], the count of tiles taken (its own argument: ptxas spilled its address)
     order: torch.Tensor,  # int32[num_tiles, 5]: the query tiles in the order blocks take them (the recipe's)
-    spans: torch.Tensor,  # int32[world_size, 3]: the sizes the key loops meet (``spans``)
+    spans: torch.Tensor,  # int32[world_size, 3]: the sizes the key loops meet (``spans``, in key tiles of ``split``)
     chunk: int,  # half of s_local
     qk_scale: float,
     num_blocks: int,
     world_size: hl.constexpr,
     wait: hl.constexpr,
+    merge: hl.constexpr,  # resume from ``out2`` and ``lse``: only the key tiles the warp-specialized body left
+    split: hl.constexpr,  # merge: its key tiles' size (and query tiles'), else block_n
     block_m: hl.constexpr,
     block_n: hl.constexpr,
 ) -> torch.Tensor:
@@ -125,21 +132,26 @@ def context_parallel_attention_body(
             for tile_m, tile_d in hl.tile([q_row0, 0], [q_row0 + block_m, head_dim], block_size=[block_m, head_dim]):
                 q = q2[tile_m, tile_d]
                 offs_m = tile_m.index - (q_row0 - m0)  # query rows within the chunk
-                m_i = hl.full([tile_m], -1.0e30, dtype=torch.float32)
-                l_i = hl.zeros([tile_m], dtype=torch.float32)
-                acc = hl.zeros([tile_m, tile_d], dtype=torch.float32)
+                if merge:  # the state the warp-specialized body left (l_i 1: its output is normalized, m_i its lse)
+                    m_i = hl.load(lse, [tile_m], extra_mask=offs_m < chunk)
+                    l_i = hl.full([tile_m], 1.0, dtype=torch.float32)
+                    acc = hl.load(out2, [tile_m, tile_d], extra_mask=(offs_m < chunk)[:, None]).to(torch.float32)
+                else:
+                    m_i = hl.full([tile_m], -1.0e30, dtype=torch.float32)
+                    l_i = hl.zeros([tile_m], dtype=torch.float32)
+                    acc = hl.zeros([tile_m, tile_d], dtype=torch.float32)
                 # My own K/V first, read where the caller keeps them: a prefix of my shard's keys, unmasked up to the
                 # tile's first row (my chunks are in the sequence's order), the rest masked.
                 span = spans[0, 0]  # chunk
                 whole = spans[0, 1]  # its keys in whole key tiles
                 half = order[tile, 2]
-                full = half * whole + m0
+                full = half * whole + m0 // split * split
                 hi = half * span + torch.minimum(m0 + block_m, span)
                 limit = offs_m + half * span  # the last key each query row sees
                 row0 = order[tile, 1]
                 # The online-softmax step is written out in each of the four key loops (the recipe's ``attend``): a
                 # Python helper called in a device loop does not lower in Helion 1.5 (docs/helion-notes.md, repro).
-                for tile_n in hl.tile(row0, row0 + full, block_size=block_n):
+                for tile_n in hl.tile(row0, row0 + full * (1 - merge), block_size=block_n):
                     qk = hl.dot(q, k2[tile_n, tile_d].T, out_dtype=torch.float32)
                     m_ij = torch.maximum(m_i, torch.amax(qk, -1) * qk_scale)
                     p = torch.exp2(qk * qk_scale - m_ij[:, None])
@@ -181,7 +193,7 @@ def context_parallel_attention_body(
                     peer_full = first * peer_whole + second * spans[0, 2]
                     peer_hi = (first + second) * peer_span
                     peer_row0 = spans[1 + step, 0] + order[tile, 1]  # K rows; V: kv_v, the same rows
-                    for tile_n in hl.tile(peer_row0, peer_row0 + peer_full, block_size=block_n):
+                    for tile_n in hl.tile(peer_row0, peer_row0 + peer_full * (1 - merge), block_size=block_n):
                         peer_qk = hl.dot(q, kv_k[tile_n, tile_d].T, out_dtype=torch.float32)
                         peer_m_ij = torch.maximum(m_i, torch.amax(peer_qk, -1) * qk_scale)
                         peer_p = torch.exp2(peer_qk * qk_scale - peer_m_ij[:, None])
@@ -215,20 +227,14 @@ def context_parallel_attention_body(
 # ``whole`` tiles, 2-D K/V boxes and a TMA store of each output tile, else [1, block_n, head_dim] boxes of one shard
 # (the recipe's ``WHOLE``). K and V through descriptors of their own, V's one K block later in the buffer, as the
 # recipe's (here: 8K non-causal 1794 -> 1746 us against one descriptor for both, one H200, world size 1).
-Q_DESCRIPTOR = (
-    "q_desc = tl.make_tensor_descriptor({q2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])\n"
-    "v_base = {kv} + {kv_rows} * {s_local} * {d}\n"
-)
-WHOLE_DESCRIPTORS = Q_DESCRIPTOR + (
-    "k_desc = tl.make_tensor_descriptor({kv}, [{kv_blocks} * {s_local}, {d}], [{d}, 1], [{bn}, {d}])\n"
-    "v_desc = tl.make_tensor_descriptor(v_base, [({kv_blocks} - {kv_rows}) * {s_local}, {d}], [{d}, 1], [{bn}, {d}])\n"
-    "out_desc = tl.make_tensor_descriptor({out2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])"
-)
-SHARD_DESCRIPTORS = Q_DESCRIPTOR + (
-    "k_desc = tl.make_tensor_descriptor({kv}, [{kv_blocks}, {s_local}, {d}], [{s_local} * {d}, {d}, 1], "
-    "[1, {bn}, {d}])\n"
-    "v_desc = tl.make_tensor_descriptor(v_base, [{kv_blocks} - {kv_rows}, {s_local}, {d}], [{s_local} * {d}, {d}, 1], "
-    "[1, {bn}, {d}])"
+Q_DESCRIPTOR = "q_desc = tl.make_tensor_descriptor({q2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])\n"
+WHOLE_DESCRIPTORS = Q_DESCRIPTOR + "".join(
+    f"{which}_desc = tl.make_tensor_descriptor({{{which}_src}}, [({{kv_blocks}} - {{kv_rows}}) * {{s_local}}, {{d}}], "
+    "[{d}, 1], [{bn}, {d}])\n" for which in "kv"
+) + "out_desc = tl.make_tensor_descriptor({out2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])"
+SHARD_DESCRIPTORS = Q_DESCRIPTOR + "\n".join(
+    f"{which}_desc = tl.make_tensor_descriptor({{{which}_src}}, [{{kv_blocks}} - {{kv_rows}}, {{s_local}}, {{d}}], "
+    "[{s_local} * {d}, {d}, 1], [1, {bn}, {d}])" for which in "kv"
 )
 # A K or V tile (``{which}``: k or v): its (rank, k, batch and kv head) block and first key (Helion computes them in
 # int64).
@@ -242,37 +248,43 @@ WAIT_EACH = GMEM_WAIT_EACH_THREAD.replace("{flag}", "{progress} + {index}")
 
 def full_attention_body(
     q2: torch.Tensor,  # q as [batch * heads * S_local, head_dim]
-    kv: torch.Tensor,  # the gather buffer [world_size, 2, batch * kv_heads, S_local, head_dim], mine staged in it
+    k_src: torch.Tensor,  # the gather buffer [world_size, 2, batch * kv_heads, S_local, head_dim] (at one rank my k)
+    v_src: torch.Tensor,  # the same from its first V block (at one rank my v): a V row has its K row's index
     out2: torch.Tensor,  # [batch * heads * S_local, head_dim]
+    lse: torch.Tensor,  # causal: fp32 [batch * heads * S_local], each query row's log2-sum-exp2 of the scores seen here
     progress: torch.Tensor,  # int32[world_size * pieces + 1]: the flags
     order: torch.Tensor,  # int32[num_tiles, 5]: the query tiles in the order the blocks' rounds take them
     q_rows: int,  # batch * heads * S_local
     kv_blocks: int,  # world_size * 2 * batch * kv_heads: the gather buffer's blocks of S_local rows
     kv_rows: int,  # batch * kv_heads
     s_local: int,
-    span: int,  # S_local rounded up to whole key tiles: a rank's share of the key loop
+    per_rank: int,  # key tiles per rank's shard
     pieces: int,
     qk_scale: float,
     rank: int,
     num_blocks: int,
     world_size: hl.constexpr,
+    causal: hl.constexpr,  # only the key tiles every query row of the tile sees whole (the rest: the causal body's)
     wait: hl.constexpr,
-    whole: hl.constexpr,  # S_local is a whole number of query (so key) tiles: 2-D K/V boxes, TMA store
+    whole: hl.constexpr,  # a chunk is a whole number of query (so key) tiles: 2-D K/V boxes, TMA store
     tail: hl.constexpr,  # S_local is not a whole number of key tiles: mask the keys past it
     block_m: hl.constexpr,
     block_n: hl.constexpr,
 ) -> torch.Tensor:
-    """The recipe's ``full_attention_kernel`` (no causal mask): a static persistent schedule whose tile loop is
-    warp-specialized (``range_warp_specializes``), one key loop per tile over every rank's shard in the gather buffer
-    (mine first, then rank + 1's, ...). Its TMA loads are ``hl.inline_triton`` snippets on descriptors built on the
-    device before the tile loop, as the recipe's: Helion's own tensor-descriptor loads of q and K/V either do not bind
-    in this loop nest or are not specialized (docs/helion-notes.md)."""
+    """The recipe's ``full_attention_kernel``: a static persistent schedule whose tile loop is warp-specialized
+    (``range_warp_specializes``), one key loop per tile over every rank's shard (mine, then rank + 1's, ...), under
+    causal only over the key tiles the tile's query rows all see. Its TMA loads are ``hl.inline_triton`` snippets on
+    descriptors built on the device before the tile loop, as the recipe's: Helion's own tensor-descriptor loads of q and
+    K/V either do not bind in this loop nest or are not specialized (docs/helion-notes.md)."""
     head_dim = hl.specialize(q2.size(1))
     num_tiles = order.size(0)
+    chunk = s_local // 2 if causal else s_local
+    later = world_size - 1 - rank  # peers after me; the other ``rank`` peers wrap around
     for block in hl.grid(num_blocks):
         hl.inline_triton(WHOLE_DESCRIPTORS if whole else SHARD_DESCRIPTORS,
-                         args={"q2": q2, "kv": kv, "out2": out2, "q_rows": q_rows, "kv_blocks": kv_blocks,
-                               "kv_rows": kv_rows, "s_local": s_local, "d": head_dim, "bm": block_m, "bn": block_n},
+                         args={"q2": q2, "k_src": k_src, "v_src": v_src, "out2": out2, "q_rows": q_rows,
+                               "kv_blocks": kv_blocks, "kv_rows": kv_rows, "s_local": s_local, "d": head_dim,
+                               "bm": block_m, "bn": block_n},
                          output_like=None)
         for tile in hl.grid(block, num_tiles, num_blocks):  # block b: tiles b, b + num_blocks, ...
             q_row0 = order[tile, 0]
@@ -284,6 +296,17 @@ def full_attention_body(
                     kv_head = kv_head + hl.inline_triton(
                         WAIT_EACH, args={"progress": progress, "index": (rank + peer) % world_size * pieces + piece,
                                          "value": 1}, output_like=piece)
+            # Key tiles of each shard, as the recipe's: mine, each later peer's, each wrapped one's.
+            if causal:
+                half = order[tile, 2]
+                n_own = half * (chunk // block_n) + m0 // block_n
+                n_later = half * (s_local // block_n)
+                n_wrapped = chunk // block_n + half * 0
+            else:
+                n_own = per_rank + m0 * 0
+                n_later = n_own
+                n_wrapped = n_own
+            end_later = n_own + later * n_later
             q = hl.inline_triton("q_desc.load([({row0}).to(tl.int32), 0])", args={"row0": q_row0},
                                  output_like=hl.zeros([block_m, head_dim], dtype=q2.dtype))
             # The pointer store's rows (without whole tiles) come from ``offs_m`` (m0, a field of its own), not from
@@ -293,10 +316,18 @@ def full_attention_body(
             m_i = hl.full([block_m], -1.0e30, dtype=torch.float32)
             l_i = hl.zeros([block_m], dtype=torch.float32)
             acc = hl.zeros([block_m, head_dim], dtype=torch.float32)
-            for tile_n in hl.tile(0, world_size * span, block_size=block_n):
-                step = tile_n.begin // span
-                start = tile_n.begin - step * span
-                k_row = (rank + step) % world_size * 2 * kv_rows + kv_head
+            for tile_n in hl.tile(0, (end_later + rank * n_wrapped) * block_n, block_size=block_n):
+                # (At one rank every tile is mine: the same expressions, ``later`` and ``rank`` 0.)
+                i = tile_n.begin // block_n
+                j_later = i - n_own
+                j_wrapped = i - end_later
+                step_later = j_later // torch.clamp(n_later, min=1)
+                step_wrapped = j_wrapped // torch.clamp(n_wrapped, min=1)
+                src = (rank + torch.where(i < n_own, 0, torch.where(i < end_later, 1 + step_later,
+                                                                     1 + later + step_wrapped))) % world_size
+                start = torch.where(i < n_own, i, torch.where(i < end_later, j_later - step_later * n_later,
+                                                              j_wrapped - step_wrapped * n_wrapped)) * block_n
+                k_row = src * 2 * kv_rows + kv_head
                 k = hl.inline_triton(WHOLE_K_LOAD if whole else SHARD_K_LOAD,
                                      args={"row": k_row, "start": start, "s_local": s_local, "bn": block_n,
                                            "d": head_dim},
@@ -318,12 +349,16 @@ def full_attention_body(
                                      output_like=hl.zeros([block_n, head_dim], dtype=q2.dtype))
                 acc = hl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
                 m_i = m_ij
+            rows = q_row0 - m0 + offs_m
+            if causal:  # the state the causal body resumes from (a row that saw no key here: 0 and -inf)
+                hl.store(lse, [rows], m_i + torch.log2(l_i), extra_mask=offs_m < chunk)
+                result = acc / torch.where(l_i > 0, l_i, 1.0)[:, None]
+            else:
+                result = acc / l_i[:, None]
             if whole:
-                hl.inline_triton(WHOLE_STORE, args={"row0": q_row0, "value": (acc / l_i[:, None]).to(out2.dtype)},
-                                 output_like=None)
-            else:  # only the shard's rows: a tile at its end also read some rows after it, discarded
-                hl.store(out2, [q_row0 - m0 + offs_m, hl.arange(head_dim)], (acc / l_i[:, None]).to(out2.dtype),
-                         extra_mask=(offs_m < s_local)[:, None])
+                hl.inline_triton(WHOLE_STORE, args={"row0": q_row0, "value": result.to(out2.dtype)}, output_like=None)
+            else:  # only the chunk's rows: a tile at its end also read some rows after it, discarded
+                hl.store(out2, [rows, hl.arange(head_dim)], result.to(out2.dtype), extra_mask=(offs_m < chunk)[:, None])
     return out2
 
 @contextlib.contextmanager
@@ -360,7 +395,7 @@ def warp_specialization():
         helion_loops._supports_warp_specialize = plain
 
 @functools.cache
-def compiled(causal: bool, block_m: int, block_n: int, num_warps: int, num_stages: int) -> helion.Kernel:
+def compiled(causal: bool, merge: bool, block_m: int, block_n: int, num_warps: int, num_stages: int) -> helion.Kernel:
     """One Helion kernel per config, each with an explicit config (``pid_type="flat"``: the recipe's grid, see
     ``helion_ports``). Causal: every tile loop names its block size, TMA for q, k, v and the gather buffer through
     descriptors built on the host, as the recipe's. Without: ``full_attention_body`` with its tile loop (the second
@@ -368,7 +403,7 @@ def compiled(causal: bool, block_m: int, block_n: int, num_warps: int, num_stage
     if not causal:
         return flat_kernel(full_attention_body, (), num_warps, num_stages, indexing="pointer",
                            range_warp_specializes=(None, True, None))
-    return flat_kernel(context_parallel_attention_body, (), num_warps, num_stages, indexing=indexing(),
+    return flat_kernel(context_parallel_attention_body, (), num_warps, num_stages, indexing=indexing(merge),
                        host_tensor_descriptors=True)
 
 
@@ -418,42 +453,53 @@ def spans(chunk: int, block_n: int, kv_block: int, rank: int, world_size: int, p
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-                     pieces: int, num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
-    """The attention kernel alone; mirrors the recipe's ``launch_attention``."""
+                     pieces: int, num_blocks: int, split_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
+    """The attention kernels alone; mirrors the recipe's ``launch_attention`` (its orders and its split)."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
-    order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
-    kernel = compiled(causal, block_m, block_n, num_warps, num_stages)
-    if not causal:  # every rank's K/V from the gather buffer, mine staged there (``stage_own``)
-        span = host.round_up(s_local, block_n)
-        args = (q.view(-1, head_dim), gathered, out.view(-1, head_dim), progress, order, batch * heads * s_local,
-                gathered.shape[0] * 2 * batch * kv_heads, batch * kv_heads, s_local, span, pieces,
-                softmax_scale(scale, head_dim), rank, num_blocks, world_size, wait, s_local % block_m == 0,
-                s_local % block_n != 0, block_m, block_n)
+    qk_scale = softmax_scale(scale, head_dim)
+    split = causal and split_blocks > 0
+    full = FULL_TILES[head_dim] if split else {"block_m": block_m, "block_n": block_n, "num_warps": num_warps,
+                                                "num_stages": num_stages}
+    chunk = s_local // 2 if causal else s_local
+    lse = lse_buffer(q.numel() // head_dim, q.device) if split else out.view(-1)
+    if not causal or split:
+        grid = split_blocks if split else num_blocks
+        order = full_order(batch, heads, kv_heads, s_local, causal, full["block_m"], piece_rows, world_size, grid,
+                           q.device)
+        k_src, v_src = (k, v) if world_size == 1 else (gathered, gathered[0, 1])
+        args = (q.view(-1, head_dim), k_src, v_src, out.view(-1, head_dim), lse, progress, order,
+                batch * heads * s_local, gathered.shape[0] * 2 * batch * kv_heads, batch * kv_heads, s_local,
+                host.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size, causal, wait,
+                chunk % full["block_m"] == 0, not causal and s_local % full["block_n"] != 0, full["block_m"],
+                full["block_n"])
+        kernel = compiled(False, False, full["block_m"], full["block_n"], full["num_warps"], full["num_stages"])
         with explicit_masks(), warp_specialization():
-            run_capped(kernel, args, launcher, maxnreg)
+            run_capped(kernel, args, launcher, None if causal else maxnreg)
+    if not causal:
         return out
-    chunk = s_local // 2
+    order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
     rows = gathered.view(-1, head_dim)
     args = (
         q.view(-1, head_dim), k.view(-1, head_dim), v.view(-1, head_dim), rows, rows[batch * kv_heads * s_local:],
-        out.view(-1, head_dim), progress, progress[world_size * pieces:], order,
-        spans(chunk, block_n, batch * kv_heads * s_local, rank, world_size, pieces, q.device), chunk,
-        softmax_scale(scale, head_dim), num_blocks, world_size, wait, block_m, block_n,
+        out.view(-1, head_dim), lse, progress, progress[world_size * pieces:], order,
+        spans(chunk, full["block_m"] if split else block_n, batch * kv_heads * s_local, rank, world_size, pieces,
+              q.device), chunk, qk_scale, num_blocks, world_size, wait, split, full["block_m"] if split else block_n,
+        block_m, block_n,
     )
     with explicit_masks():  # (a warm call launches the bound kernel: nothing is generated, nothing changes)
-        run_capped(kernel, args, launcher, maxnreg)
+        run_capped(compiled(True, split, block_m, block_n, num_warps, num_stages), args, launcher, maxnreg)
     return out
 
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
            block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-           pieces: int, num_blocks: int, group_name: str = "", launcher=host.jit_launch,
+           pieces: int, num_blocks: int, split_blocks: int, group_name: str = "", launcher=host.jit_launch,
            attention=None) -> torch.Tensor:
     """Launch on prepared arguments (no checks): the recipe's ``launch`` (the same K/V exchange on the copy engine)
     with this kernel (``attention`` None)."""
     return recipe_launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs, rank, causal, scale, block_m,
-                         block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, group_name,
+                         block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, split_blocks, group_name,
                          launcher, attention or launch_attention)
 
 

@@ -125,6 +125,19 @@ FULL_TILES = {
 # The configs the warp-specialized kernel takes (``plan`` refuses the rest): under Triton 3.6, 64-row tiles with 4
 # warps fail to compile (PassManager::run failed), two blocks per SM hung at 2 ranks on one H200, and 128 x 64 tiles
 # at 3 stages gave NaN outputs.
+# Causal at these head_dims runs in two kernels (``plan``'s ``split_blocks``): the warp-specialized one over every key
+# tile that a query tile sees whole, then the causal kernel over the rest (the diagonal, a chunk's partial last key
+# tile), resuming from the first's output and log-sum-exp (``MERGE``). One H200, world size 1, CUDA graphs, x cuDNN:
+# B1 H32 8K Hkv 8 1.145 -> 1.073, Hkv 32 1.21 -> 1.13, 32K 1.20 -> 1.06-1.08; head_dim 64 (B4 H16 8K) 1.098 -> 1.128,
+# so head_dim 64 keeps the causal kernel alone. The warp-specialized kernel alone ran at 0.95-1.05x cuDNN at 8K; the
+# second pass costs 105-125 us at 8K (it reads q and the first's output again and writes the output: about 60 us of
+# bytes, the rest latency: 1-2 key tiles per query tile).
+SPLIT_HEAD_DIMS = (128,)
+# At one rank, from this S_local on, the warp-specialized causal kernel takes one block per tile, kv head by kv head
+# (the tiles running at once share a few heads' K/V in L2), where shorter sequences run on ``FULL_ONE_RANK_WAVES``
+# times the resident blocks with the tiles longest first over all heads (the blocks' sums evened by the order): x cuDNN,
+# the first kernel alone, 32K 1.040 against 1.13, 8K Hkv 8 1.018 against 0.952, Hkv 32 1.07 against 1.003.
+SPLIT_LONG = 16384
 FULL_CHOICES = {"block_m": (128,), "block_n": (64, 128), "num_warps": (4,), "num_stages": (2,), "blocks_per_sm": (1,)}
 # Registers per SM (and per thread at most): ``plan``'s register cap for blocks_per_sm blocks.
 SM_REGISTERS, MAX_REGISTERS = 65536, 255
@@ -184,6 +197,7 @@ def context_parallel_attention_kernel(
     v_desc,  # my v, the same
     kv_desc,  # the gather buffer [world_size * 2 * batch * kv_heads * S_local, head_dim]: (rank, k|v, row, ...)
     out_ptr,  # [batch, heads, S_local, head_dim]
+    lse_ptr,  # MERGE: fp32 [batch * heads * S_local], the warp-specialized kernel's log2-sum-exp2 per query row
     progress_ptr,  # int32[world_size * pieces + 1]: [r * pieces + p] piece p of rank r's K/V has landed; last: the
     # count of tiles taken (zero at launch)
     order_ptr,  # int32[num_tiles, 5]: the query tiles in the order blocks take them (``tile_order``)
@@ -197,13 +211,15 @@ def context_parallel_attention_kernel(
     world_size: tl.constexpr,
     CAUSAL: tl.constexpr,
     WAIT: tl.constexpr,  # False: every rank's K/V is in the gather buffer already (no flags to wait for)
+    MERGE: tl.constexpr,  # resume from ``out`` and ``lse``: only the key tiles the warp-specialized kernel left
+    SPLIT: tl.constexpr,  # MERGE: its key tiles' size (and query tiles'), else BLOCK_N
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     HALVES: tl.constexpr = 2 if CAUSAL else 1
     chunk = s_local // HALVES
-    whole = chunk // BLOCK_N * BLOCK_N  # its keys in whole key tiles
+    whole = chunk // SPLIT * SPLIT  # its keys in whole key tiles
     tiles_per_chunk = tl.cdiv(chunk, BLOCK_M)
     tiles_per_head = HALVES * tiles_per_chunk
     num_tiles = kv_rows * (heads // kv_heads) * tiles_per_head
@@ -223,21 +239,30 @@ def context_parallel_attention_kernel(
         piece = tl.load(fields + 4)
         q = q_desc.load([q_row0, 0])
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        dims = tl.arange(0, HEAD_DIM)
+        rows = q_row0 - m0 + offs_m
+        if MERGE:  # the state the warp-specialized kernel left (l_i 1: ``acc`` is normalized, ``m_i`` its lse)
+            m_i = tl.load(lse_ptr + rows, mask=offs_m < chunk, other=0.0)
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            acc = tl.load(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=(offs_m < chunk)[:, None],
+                          other=0.0).to(tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # My own K/V first, read where the caller keeps them: a prefix of my shard's keys. Under causal my chunks are
         # (rank, 2 ws - 1 - rank), in the sequence's order, so a query row at position p of my shard sees my keys
         # 0 .. p: all of them unmasked up to the tile's first row (rounded down to a whole key tile: ``m0`` is one,
         # so ``half * whole + m0``), the rest masked up to its last row.
         if CAUSAL:
-            full = half * whole + m0
+            full = half * whole + m0 // SPLIT * SPLIT
             hi = half * chunk + tl.minimum(m0 + BLOCK_M, chunk)
             limit = offs_m + half * chunk
         else:
             full, hi, limit = whole, chunk, offs_m + chunk
-        acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row0, kv_row0, 0, full, offs_m, qk_scale,
-                               False, BLOCK_N)
+        if not MERGE:
+            acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row0, kv_row0, 0, full, offs_m, qk_scale,
+                                   False, BLOCK_N)
         acc, m_i, l_i = attend(acc, m_i, l_i, q, k_desc, v_desc, kv_row0, kv_row0, full, hi, limit, qk_scale,
                                True, BLOCK_N)
         # Then rank + 1's, rank + 2's, ... from the gather buffer, each once its piece has landed.
@@ -257,14 +282,13 @@ def context_parallel_attention_kernel(
                 hi = chunk
             k_row0 = (src * 2) * kv_rows * s_local + kv_row0
             v_row0 = k_row0 + kv_rows * s_local
-            acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, 0, hi // BLOCK_N * BLOCK_N,
-                                   offs_m, qk_scale, False, BLOCK_N)
-            acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, hi // BLOCK_N * BLOCK_N, hi,
+            if not MERGE:
+                acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, 0, hi // SPLIT * SPLIT,
+                                       offs_m, qk_scale, False, BLOCK_N)
+            acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, hi // SPLIT * SPLIT, hi,
                                    offs_m + hi, qk_scale, True, BLOCK_N)
         acc = acc / l_i[:, None]
         # Only the chunk's rows: a tile at a chunk's end also read some rows after it, discarded.
-        dims = tl.arange(0, HEAD_DIM)
-        rows = q_row0 - m0 + offs_m
         tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(offs_m < chunk)[:, None])
         last_piece = piece
@@ -276,8 +300,11 @@ def context_parallel_attention_kernel(
 @triton.jit(do_not_specialize=["s_local", "num_tiles", "per_rank"])
 def full_attention_kernel(
     q_ptr,  # q as [batch * heads * S_local, head_dim]
-    kv_ptr,  # the gather buffer as [world_size * 2 * batch * kv_heads, S_local, head_dim]: rank, k|v, (batch, kv head)
+    k_ptr,  # the gather buffer as [world_size * 2 * batch * kv_heads, S_local, head_dim]: rank, k|v, (batch, kv head);
+    # at one rank my ``k`` (the buffer's only K block)
+    v_ptr,  # the same buffer from its first V block (at one rank my ``v``): a V row has its K row's index
     out_ptr,  # [batch, heads, S_local, head_dim]
+    lse_ptr,  # CAUSAL: fp32 [batch * heads * S_local], each query row's log2-sum-exp2 of the scores seen here
     progress_ptr,  # int32[world_size * pieces + 1]: [r * pieces + p] piece p of rank r's K/V has landed
     order_ptr,  # int32[num_tiles, 5]: the query tiles in the order the blocks' rounds take them (``tile_order``)
     q_rows,  # batch * heads * S_local
@@ -290,8 +317,9 @@ def full_attention_kernel(
     rank,
     num_blocks,  # the persistent grid
     world_size: tl.constexpr,
+    CAUSAL: tl.constexpr,  # only the key tiles wholly visible to every query row of the tile (the rest: ``merge``)
     WAIT: tl.constexpr,  # False: every rank's K/V is in the gather buffer already (no flags to wait for)
-    WHOLE: tl.constexpr,  # S_local is a whole number of query (so key) tiles: 2-D boxes, TMA store (below)
+    WHOLE: tl.constexpr,  # a chunk is a whole number of query (so key) tiles: 2-D boxes, TMA store (below)
     TAIL: tl.constexpr,  # S_local is not a whole number of key tiles: mask the keys past it
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -313,26 +341,27 @@ def full_attention_kernel(
     # "2026-11-25, second session").
     q_desc = tl.make_tensor_descriptor(q_ptr, shape=[q_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
-    v_ptr = kv_ptr + kv_rows * s_local * HEAD_DIM
     blocks = world_size * 2 * kv_rows  # the buffer's (rank, k|v, (batch, kv head)) blocks of S_local rows
     if WHOLE:
-        k_desc = tl.make_tensor_descriptor(kv_ptr, shape=[blocks * s_local, HEAD_DIM], strides=[HEAD_DIM, 1],
+        k_desc = tl.make_tensor_descriptor(k_ptr, shape=[(blocks - kv_rows) * s_local, HEAD_DIM], strides=[HEAD_DIM, 1],
                                            block_shape=[BLOCK_N, HEAD_DIM])
         v_desc = tl.make_tensor_descriptor(v_ptr, shape=[(blocks - kv_rows) * s_local, HEAD_DIM], strides=[HEAD_DIM, 1],
                                            block_shape=[BLOCK_N, HEAD_DIM])
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[q_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                              block_shape=[BLOCK_M, HEAD_DIM])
     else:
-        k_desc = tl.make_tensor_descriptor(kv_ptr, shape=[blocks, s_local, HEAD_DIM],
+        k_desc = tl.make_tensor_descriptor(k_ptr, shape=[blocks - kv_rows, s_local, HEAD_DIM],
                                            strides=[s_local * HEAD_DIM, HEAD_DIM, 1],
                                            block_shape=[1, BLOCK_N, HEAD_DIM])
         v_desc = tl.make_tensor_descriptor(v_ptr, shape=[blocks - kv_rows, s_local, HEAD_DIM],
                                            strides=[s_local * HEAD_DIM, HEAD_DIM, 1],
                                            block_shape=[1, BLOCK_N, HEAD_DIM])
     later = world_size - 1 - rank  # peers after me (rank + 1 ...); the other ``rank`` peers wrap around (0 ...)
+    HALVES: tl.constexpr = 2 if CAUSAL else 1
+    chunk = s_local // HALVES
     # Static persistent schedule: block b takes tiles b, b + num_blocks, ... of ``order`` (piece by piece).
     for tile in tl.range(tl.program_id(0), num_tiles, num_blocks, warp_specialize=True):
-        fields = order_ptr + tile * 5  # first row of q, first row of its (batch, kv head)'s K/V, -, first row, piece
+        fields = order_ptr + tile * 5  # first row of q, first row of its (batch, kv head)'s K/V, half, first row, piece
         q_row0 = tl.load(fields)
         kv_head = tl.load(fields + 1) // s_local
         m0 = tl.load(fields + 3)
@@ -340,6 +369,20 @@ def full_attention_kernel(
         if WAIT:  # every peer's piece has landed (acquire; async-proxy fence: TMA reads it)
             for step in tl.static_range(1, world_size):
                 kv_head += wait_each_thread(progress_ptr + (rank + step) % world_size * pieces + piece, 1)
+        # Key tiles of each shard: mine (``n_own``), each later peer's (``n_later``), each wrapped one's. Without causal
+        # every shard's. Under causal (the module docstring's prefixes) only those every query row of the tile sees
+        # whole: of mine, those before the tile's first row (its half's chunk of whole tiles, then ``m0``); of a peer
+        # after me both its chunks to my query half 1 and none to half 0; of a wrapped one its first chunk. The rest
+        # (the diagonal, a chunk's last partial key tile) is ``merge``'s.
+        if CAUSAL:
+            half = tl.load(fields + 2)
+            n_own = half * (chunk // BLOCK_N) + m0 // BLOCK_N
+            n_later = half * (s_local // BLOCK_N)
+            n_wrapped = chunk // BLOCK_N
+        else:
+            n_own, n_later, n_wrapped = per_rank, per_rank, per_rank
+        end_own = n_own
+        end_later = n_own + later * n_later
         q = q_desc.load([q_row0, 0])
         # (The pointer store's rows come from ``offs_m``, made here, before the key loop: a value the producer uses
         # before the loop and the consumers after it, ``q_row0`` alone, gave wrong rows under warp specialization. The
@@ -348,22 +391,21 @@ def full_attention_kernel(
         m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        end_later = per_rank + later * per_rank
-        # Key tile i: my own (i < per_rank), then rank + 1's, ..., then the wrapped ones (0, ...).
-        for i in tl.range(0, world_size * per_rank):
+        # Key tile i: my own (i < end_own), then rank + 1's, ..., then the wrapped ones (0, ...).
+        for i in tl.range(0, end_later + rank * n_wrapped):
             if world_size == 1:
                 src = rank
                 start = i * BLOCK_N
             else:
-                own = i < per_rank
                 is_later = i < end_later
-                j_later = i - per_rank
+                j_later = i - end_own
                 j_wrapped = i - end_later
-                step_later = j_later // per_rank
-                step_wrapped = j_wrapped // per_rank
-                src = (rank + tl.where(own, 0, tl.where(is_later, 1 + step_later, 1 + later + step_wrapped))) % world_size
-                start = tl.where(own, i, tl.where(is_later, j_later - step_later * per_rank,
-                                                  j_wrapped - step_wrapped * per_rank)) * BLOCK_N
+                step_later = j_later // tl.maximum(n_later, 1)
+                step_wrapped = j_wrapped // tl.maximum(n_wrapped, 1)
+                src = (rank + tl.where(i < end_own, 0, tl.where(is_later, 1 + step_later, 1 + later + step_wrapped))
+                       ) % world_size
+                start = tl.where(i < end_own, i, tl.where(is_later, j_later - step_later * n_later,
+                                                          j_wrapped - step_wrapped * n_wrapped)) * BLOCK_N
             k_row = src * 2 * kv_rows + kv_head
             if WHOLE:
                 k = k_desc.load([k_row * s_local + start, 0])
@@ -377,15 +419,21 @@ def full_attention_kernel(
                 v = v_desc.load([k_row, start, 0]).reshape(BLOCK_N, HEAD_DIM)
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_ij
-        acc = acc / l_i[:, None]
+        rows = q_row0 - m0 + offs_m
+        if CAUSAL:
+            # The state ``merge`` resumes from: the normalized output and the row's log2-sum-exp2 (a row that saw no
+            # key here, l_i 0: output 0 and -inf, which weigh nothing there).
+            tl.store(lse_ptr + rows, m_i + tl.math.log2(l_i), mask=offs_m < chunk)
+            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        else:
+            acc = acc / l_i[:, None]
         if WHOLE:
             out_desc.store([q_row0, 0], acc.to(out_ptr.dtype.element_ty))
         else:
-            # Only the shard's rows: a tile at its end also read some rows after it, discarded.
+            # Only the chunk's rows: a tile at its end also read some rows after it, discarded.
             dims = tl.arange(0, HEAD_DIM)
-            rows = q_row0 - m0 + offs_m
             tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=(offs_m < s_local)[:, None])
+                     mask=(offs_m < chunk)[:, None])
 
 
 # ---------------------------------------------------------------------------
@@ -476,13 +524,25 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
         slots *= FULL_ONE_RANK_WAVES
     max_blocks = slots if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], slots))
     num_blocks = max(1, min(num_tiles, max_blocks))
+    # Causal at head_dim 128 (``SPLIT_HEAD_DIMS``): the warp-specialized kernel first, on ``FULL_TILES``, its grid
+    # ``split_blocks`` as without causal; at one rank from ``SPLIT_LONG`` rows on, one block per tile.
+    split_blocks = 0
+    if causal and head_dim in SPLIT_HEAD_DIMS:
+        split_tiles = batch * heads * 2 * host.cdiv(max(chunk, 1), FULL_TILES[head_dim]["block_m"])
+        split_slots = FULL_TILES[head_dim]["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
+        if world_size == 1:
+            split_slots = split_tiles if s_local >= SPLIT_LONG else split_slots * FULL_ONE_RANK_WAVES
+        if cfg["max_blocks"] is not None:
+            split_slots = max(1, min(cfg["max_blocks"], split_slots))
+        split_blocks = max(1, min(split_tiles, split_slots))
     if world_size == 1 and cfg["pieces"] is None:
         # No peer piece to wait for: pieces only group the tiles that ``tile_order`` sorts longest first. Two tiles
         # per block in each, so the short tiles of one piece never end the launch while long ones remain.
         piece_rows = max(piece_rows, min(kv_rows, host.cdiv(2 * num_blocks, num_tiles // kv_rows)))
     keys = ("block_m", "block_n", "num_warps", "num_stages")
     return {**{key: cfg[key] for key in keys}, "maxnreg": register_cap(cfg["blocks_per_sm"], cfg["num_warps"]),
-            "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows), "num_blocks": num_blocks}
+            "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows), "num_blocks": num_blocks,
+            "split_blocks": split_blocks}
 
 
 def register_cap(blocks_per_sm: int, num_warps: int) -> int | None:
@@ -556,38 +616,77 @@ def descriptors(q, k, v, gathered, block_m: int, block_n: int):
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-                     pieces: int, num_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
-    """The attention kernel alone: every other rank's K/V from ``gathered`` [world_size, 2, batch * kv_heads, S_local,
-    head_dim], waiting on ``progress`` if ``wait``; my own from ``k`` and ``v`` (causal) or from ``gathered[rank]``,
-    where ``stage_own`` put them."""
+                     pieces: int, num_blocks: int, split_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
+    """The attention kernels alone: every rank's K/V from ``gathered`` [world_size, 2, batch * kv_heads, S_local,
+    head_dim] (mine where ``stage_own`` put them), waiting on ``progress`` if ``wait``. Under causal, then, ``merge``
+    on the rest, my own K/V from ``k`` and ``v``."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
-    order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
-    cap = {} if maxnreg is None else {"maxnreg": maxnreg}
+    qk_scale = softmax_scale(scale, head_dim)
+    split = causal and split_blocks > 0  # else the causal kernel alone, all keys
+    full = FULL_TILES[head_dim] if split else {"block_m": block_m, "block_n": block_n, "num_warps": num_warps,
+                                                "num_stages": num_stages}
+    chunk = s_local // 2 if causal else s_local
+    lse = lse_buffer(q.numel() // head_dim, q.device) if split else out
+    grid = split_blocks if split else num_blocks
+    if not causal or split:
+        order = full_order(batch, heads, kv_heads, s_local, causal, full["block_m"], piece_rows, world_size, grid,
+                           q.device)
+        # K/V: the gather buffer's K blocks and, from its first V block, its V blocks; at one rank my ``k`` and ``v``
+        # (the buffer would hold a copy of them and nothing else).
+        k_src, v_src = (k, v) if world_size == 1 else (gathered, gathered[0, 1])
+        launcher(
+            full_attention_kernel, (grid,),
+            q, k_src, v_src, out, lse, progress, order, batch * heads * s_local, batch * kv_heads, s_local,
+            order.shape[0], host.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size, CAUSAL=causal,
+            WAIT=wait, WHOLE=chunk % full["block_m"] == 0, TAIL=not causal and s_local % full["block_n"] != 0,
+            HEAD_DIM=head_dim, BLOCK_M=full["block_m"], BLOCK_N=full["block_n"], num_warps=full["num_warps"],
+            num_stages=full["num_stages"], **({} if causal or maxnreg is None else {"maxnreg": maxnreg}),
+        )
     if causal:
+        order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
         q_desc, k_desc, v_desc, kv_desc = descriptors(q, k, v, gathered, block_m, block_n)
         launcher(
             context_parallel_attention_kernel, (num_blocks,),
-            q_desc, k_desc, v_desc, kv_desc, out, progress, order, heads, kv_heads, batch * kv_heads, s_local, pieces,
-            softmax_scale(scale, head_dim), rank, world_size, CAUSAL=causal, WAIT=wait, HEAD_DIM=head_dim,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **cap,
-        )
-    else:
-        launcher(
-            full_attention_kernel, (num_blocks,),
-            q, gathered, out, progress, order, batch * heads * s_local, batch * kv_heads, s_local, order.shape[0],
-            host.cdiv(s_local, block_n), pieces, softmax_scale(scale, head_dim), rank, num_blocks, world_size,
-            WAIT=wait, WHOLE=s_local % block_m == 0, TAIL=s_local % block_n != 0,
-            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **cap,
+            q_desc, k_desc, v_desc, kv_desc, out, lse, progress, order, heads, kv_heads, batch * kv_heads, s_local,
+            pieces, qk_scale, rank, world_size, CAUSAL=causal, WAIT=wait, MERGE=split,
+            SPLIT=full["block_m"] if split else block_n, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     return out
+
+
+def full_order(batch: int, heads: int, kv_heads: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
+               world_size: int, grid: int, device) -> torch.Tensor:
+    """The warp-specialized kernel's ``tile_order`` on a grid of ``grid`` blocks (the recipe's and the twin's). Without
+    causal, piece by piece. Under causal, with peers: piece by piece, its rounds of ``grid`` tiles snaked (the static
+    schedule's blocks get even sums); at one rank no tile waits, so one piece, longest first, snaked, or, with a block
+    per tile (``SPLIT_LONG``), kv head by kv head, longest first (the tiles running at once share K/V in L2)."""
+    tiles = batch * heads * 2 * host.cdiv(s_local // 2, block_m) if causal else 0
+    rows = piece_rows if world_size > 1 or not causal else (1 if grid == tiles else batch * kv_heads)
+    return tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, rows, device,
+                      grid if causal and grid < tiles else 0)
+
+
+_lse: dict = {}
+
+
+def lse_buffer(rows: int, device) -> torch.Tensor:
+    """fp32 [rows]: the causal warp-specialized kernel's log2-sum-exp2 per query row, for ``merge`` (cached per
+    size and device, as ``progress_flags``: the two kernels use it in stream order)."""
+    key = (rows, device)
+    if key not in _lse:
+        if len(_lse) >= host.MAX_PREPARED:
+            _lse.clear()
+        _lse[key] = torch.empty(rows, dtype=torch.float32, device=device)
+    return _lse[key]
 
 
 _orders: dict = {}
 
 
 def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
-               device) -> torch.Tensor:
+               device, blocks: int = 0) -> torch.Tensor:
     """The query tiles in the order the kernel's blocks take them, each as (its first row of q, the first row of its
     kv head's K/V: rows of the flattened [rows, head_dim] q and k; half of the shard, first row in the chunk, piece):
     piece by piece (a piece's tiles need only its flags). Within a piece, under causal, position by position across
@@ -596,7 +695,7 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
     finish together). Without, all cost the same: head by head, so that the tiles running at once share a few kv
     heads' K/V in L2 (one H200, B1 H32 Hkv32 8K: 1836 -> 1821 us; Hkv8 unchanged). Cached per (shape, tiles, piece,
     device): built once on the host, an int32 [tiles, 5] tensor on ``device``."""
-    key = (query_rows, group, s_local, causal, block_m, piece_rows, device)
+    key = (query_rows, group, s_local, causal, block_m, piece_rows, device, blocks)
     order = _orders.get(key)
     if order is None:
         halves = 2 if causal else 1
@@ -615,7 +714,15 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
             tiles.append((stacked if causal else stacked.transpose(0, 1)).reshape(-1, 5))
         if len(_orders) >= host.MAX_PREPARED:
             _orders.clear()
-        order = _orders[key] = torch.cat(tiles).to(torch.int32).to(device)
+        order = torch.cat(tiles)
+        if blocks:
+            # A static schedule (block b takes b, b + blocks, ...): every other round of ``blocks`` tiles reversed, so
+            # the block that takes a round's longest tile takes the next round's shortest (the blocks' sums even).
+            p = torch.arange(len(order))
+            first = p // blocks * blocks
+            width = torch.clamp(len(order) - first, max=blocks)
+            order = order[torch.where(p // blocks % 2 == 0, p, first + width - 1 - (p - first))]
+        order = _orders[key] = order.to(torch.int32).to(device)
     return order
 
 
@@ -667,7 +774,8 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
     reset_flags(progress)  # before the fork: no flag of the previous call survives into this one
     # My K/V into my chunk, on the current stream (after the previous call's closing barrier, which the current
     # stream joined): the attention kernel reads them there in stream order, the peers after the first barrier.
-    stage_own(k, v, my_k, my_v)
+    if world_size > 1:  # (at one rank the kernels read my ``k`` and ``v`` where they are)
+        stage_own(k, v, my_k, my_v)
     fork(side)
     with on_stream(side):
         barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's K/V is staged
@@ -681,13 +789,14 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
            block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-           pieces: int, num_blocks: int, group_name: str = "", launcher=host.jit_launch,
+           pieces: int, num_blocks: int, split_blocks: int, group_name: str = "", launcher=host.jit_launch,
            attention=None) -> torch.Tensor:
     """Launch on prepared arguments (no checks): the K/V exchange, then the attention kernel, ``attention`` (this
     recipe's ``launch_attention`` by default; the Helion twin passes its own). ``group_name`` is unused here."""
     started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces, launcher)
     (attention or launch_attention)(q, k, v, gathered, out, progress, rank, len(peers), causal, scale, True, block_m,
-                                    block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, launcher)
+                                    block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, split_blocks,
+                                    launcher)
     started.wait()
     return out
 
@@ -794,7 +903,7 @@ def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict,
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config)
     reset_flags(progress)  # no flag is read here, but the causal kernels' count of tiles taken starts at 0
-    if not causal:  # the warp-specialized kernels (the recipe's and the twin's) read my K/V from the buffer
+    if gathered.shape[0] > 1:  # the warp-specialized kernels read my K/V there (at one rank from ``k`` and ``v``)
         stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
     return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
                                            causal, scale, False, **cfg, launcher=launcher)
