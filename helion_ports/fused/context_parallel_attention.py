@@ -317,16 +317,19 @@ def full_attention_body(
             l_i = hl.zeros([block_m], dtype=torch.float32)
             acc = hl.zeros([block_m, head_dim], dtype=torch.float32)
             for tile_n in hl.tile(0, (end_later + rank * n_wrapped) * block_n, block_size=block_n):
-                # (At one rank every tile is mine: the same expressions, ``later`` and ``rank`` 0.)
-                i = tile_n.begin // block_n
-                j_later = i - n_own
-                j_wrapped = i - end_later
-                step_later = j_later // torch.clamp(n_later, min=1)
-                step_wrapped = j_wrapped // torch.clamp(n_wrapped, min=1)
-                src = (rank + torch.where(i < n_own, 0, torch.where(i < end_later, 1 + step_later,
-                                                                     1 + later + step_wrapped))) % world_size
-                start = torch.where(i < n_own, i, torch.where(i < end_later, j_later - step_later * n_later,
-                                                              j_wrapped - step_wrapped * n_wrapped)) * block_n
+                if world_size == 1:  # every key tile is mine (``+ 0 * kv_head``: a device value, see helion-notes)
+                    src = rank
+                    start = tile_n.begin + 0 * kv_head
+                else:
+                    i = tile_n.begin // block_n
+                    j_later = i - n_own
+                    j_wrapped = i - end_later
+                    step_later = j_later // torch.clamp(n_later, min=1)
+                    step_wrapped = j_wrapped // torch.clamp(n_wrapped, min=1)
+                    src = (rank + torch.where(i < n_own, 0, torch.where(i < end_later, 1 + step_later,
+                                                                         1 + later + step_wrapped))) % world_size
+                    start = torch.where(i < n_own, i, torch.where(i < end_later, j_later - step_later * n_later,
+                                                                  j_wrapped - step_wrapped * n_wrapped)) * block_n
                 k_row = src * 2 * kv_rows + kv_head
                 k = hl.inline_triton(WHOLE_K_LOAD if whole else SHARD_K_LOAD,
                                      args={"row": k_row, "start": start, "s_local": s_local, "bn": block_n,

@@ -20,9 +20,10 @@ its own K/V at once:
   blocks finish together. Each tile keeps its online-softmax state (row max, row sum,
   fp32 accumulator) in registers across every rank's keys: its own first, then ``rank + 1``'s, ``rank + 2``'s,
   ... Before a peer's piece it waits on that piece's flag (an acquire spin, then the async-proxy fence: the K/V
-  tiles load through TMA). No per-step launches and no merge pass. Two kernels:
+  tiles load through TMA). No per-step launches and no merge of partial results across ranks. Two kernels:
 * Without ``causal``, ``full_attention_kernel``: every query sees every key, so a tile is one key loop over
-  every rank's shard, all read from the gather buffer through device-built TMA descriptors, K's and V's: 2-D
+  every rank's shard, all read from the gather buffer (at one rank from ``k`` and ``v``) through device-built TMA
+  descriptors, K's and V's: 2-D
   boxes where S_local is whole query tiles (the output then leaves through a TMA store), else [1, BLOCK_N,
   head_dim] boxes that end at each shard's end (TMA's zeros past it). Its tile loop is warp-specialized (Triton 3.6
   on sm_90: a producer warpgroup issues the loads, two consumer warpgroups take 64 query rows each, as in
@@ -35,6 +36,11 @@ its own K/V at once:
   then the prefix's last tile, and the diagonal's, run the masked one (scores past a chunk's end masked to
   ``MASKED_SCORE``, values zeroed: those rows belong to another head, or to a piece still in flight). Triton
   3.6 warp-specializes only one key loop per tile loop, so this kernel is not.
+* With ``causal`` at head_dim 128 (``SPLIT_HEAD_DIMS``) both, in turn: ``full_attention_kernel`` (``CAUSAL``) takes
+  every key tile that all of a query tile's rows see (its one key loop, unmasked, warp-specialized) and leaves each
+  row's output and log2-sum-exp2; then ``context_parallel_attention_kernel`` (``MERGE``) resumes from them over the
+  rest, the masked tiles (the diagonal, a chunk's partial last key tile). The first output passes through bf16 once
+  more (relative error against float64 at 8K: 2.39e-3, cuDNN's 2.09e-3).
 
 ``causal=True`` uses the load-balanced layout: the sequence is cut into ``2 * world_size`` equal
 chunks and rank r holds chunks ``r`` and ``2 * world_size - 1 - r``, in that order, as its S_local
@@ -52,8 +58,9 @@ GQA: ``k``, ``v`` may have fewer heads than ``q`` (a divisor); query head ``h`` 
 ``h // (heads // kv_heads)``. ``attention_on_gathered`` runs the same kernel on K/V that are all
 here already (no communication, no flags): the comparison that shows what the exchange costs.
 
-World size 1 is a group of one: the same exchange (my K/V staged, the two barriers met by myself alone, no peer
-piece to copy or flag) and the same kernel, whose peer loop has no step; full attention over the local sequence.
+World size 1 is a group of one: the same exchange (the two barriers met by myself alone, no peer piece to copy or
+flag; my K/V not staged: the kernels read ``k`` and ``v`` where they are, the buffer's only shard) and the same
+kernels, whose peer loops have no step; full attention over the local sequence.
 """
 
 from __future__ import annotations
