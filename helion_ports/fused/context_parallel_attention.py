@@ -502,8 +502,8 @@ def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: 
     """Launch on prepared arguments (no checks): the recipe's ``launch`` (the same K/V exchange on the copy engine)
     with this kernel (``attention`` None)."""
     return recipe_launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs, rank, causal, scale, block_m,
-                         block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, split_blocks, group_name,
-                         launcher, attention or launch_attention)
+                         block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, split_blocks,
+                         group_name, launcher, attention or launch_attention)
 
 
 def context_parallel_attention(

@@ -645,8 +645,8 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         launcher(
             full_attention_kernel, (grid,),
             q, k_src, v_src, out, lse, progress, order, batch * heads * s_local, batch * kv_heads, s_local,
-            order.shape[0], host.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size, CAUSAL=causal,
-            WAIT=wait, WHOLE=chunk % full["block_m"] == 0, TAIL=not causal and s_local % full["block_n"] != 0,
+            order.shape[0], host.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size,
+            CAUSAL=causal, WAIT=wait, WHOLE=chunk % full["block_m"] == 0, TAIL=not causal and s_local % full["block_n"] != 0,
             HEAD_DIM=head_dim, BLOCK_M=full["block_m"], BLOCK_N=full["block_n"], num_warps=full["num_warps"],
             num_stages=full["num_stages"], **({} if causal or maxnreg is None else {"maxnreg": maxnreg}),
         )
@@ -802,8 +802,8 @@ def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: 
     recipe's ``launch_attention`` by default; the Helion twin passes its own). ``group_name`` is unused here."""
     started = start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs, rank, piece_rows, pieces, launcher)
     (attention or launch_attention)(q, k, v, gathered, out, progress, rank, len(peers), causal, scale, True, block_m,
-                                    block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, split_blocks,
-                                    launcher)
+                                    block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks,
+                                    split_blocks, launcher)
     started.wait()
     return out
 
