@@ -324,7 +324,7 @@ def full_attention_kernel(
     rank,
     num_blocks,  # the persistent grid
     world_size: tl.constexpr,
-    CAUSAL: tl.constexpr,  # only the key tiles wholly visible to every query row of the tile (the rest: ``merge``)
+    CAUSAL: tl.constexpr,  # only the key tiles wholly visible to every query row of the tile (the rest: the causal kernel's ``MERGE``)
     WAIT: tl.constexpr,  # False: every rank's K/V is in the gather buffer already (no flags to wait for)
     WHOLE: tl.constexpr,  # a chunk is a whole number of query (so key) tiles: 2-D boxes, TMA store (below)
     TAIL: tl.constexpr,  # S_local is not a whole number of key tiles: mask the keys past it
@@ -333,7 +333,8 @@ def full_attention_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Without ``causal``: every query sees every key, so each tile is ONE key loop over every rank's shard (mine, then
-    rank + 1's, ...), all read from the gather buffer (mine staged there, ``stage_own``), and the persistent tile loop
+    rank + 1's, ...), all read from the gather buffer (mine staged there, ``stage_own``; at one rank from ``k`` and
+    ``v``), and the persistent tile loop
     is warp-specialized: on sm_90 a producer warpgroup issues the TMA loads and two consumer warpgroups take BLOCK_M / 2
     query rows each (FlashAttention-3's split). Triton 3.6 specializes this only for one key loop in the tile loop,
     with no branch in it, and with descriptors built on the device (host-built ones hung, docs/helion-notes.md)."""
@@ -380,7 +381,7 @@ def full_attention_kernel(
         # every shard's. Under causal (the module docstring's prefixes) only those every query row of the tile sees
         # whole: of mine, those before the tile's first row (its half's chunk of whole tiles, then ``m0``); of a peer
         # after me both its chunks to my query half 1 and none to half 0; of a wrapped one its first chunk. The rest
-        # (the diagonal, a chunk's last partial key tile) is ``merge``'s.
+        # (the diagonal, a chunk's last partial key tile) is the causal kernel's, under ``MERGE``.
         if CAUSAL:
             half = tl.load(fields + 2)
             n_own = half * (chunk // BLOCK_N) + m0 // BLOCK_N
@@ -388,7 +389,6 @@ def full_attention_kernel(
             n_wrapped = chunk // BLOCK_N
         else:
             n_own, n_later, n_wrapped = per_rank, per_rank, per_rank
-        end_own = n_own
         end_later = n_own + later * n_later
         q = q_desc.load([q_row0, 0])
         # (The pointer store's rows come from ``offs_m``, made here, before the key loop: a value the producer uses
@@ -398,21 +398,21 @@ def full_attention_kernel(
         m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        # Key tile i: my own (i < end_own), then rank + 1's, ..., then the wrapped ones (0, ...).
+        # Key tile i: my own (i < n_own), then rank + 1's, ..., then the wrapped ones (0, ...).
         for i in tl.range(0, end_later + rank * n_wrapped):
             if world_size == 1:
                 src = rank
                 start = i * BLOCK_N
             else:
                 is_later = i < end_later
-                j_later = i - end_own
+                j_later = i - n_own
                 j_wrapped = i - end_later
                 step_later = j_later // tl.maximum(n_later, 1)
                 step_wrapped = j_wrapped // tl.maximum(n_wrapped, 1)
-                src = (rank + tl.where(i < end_own, 0, tl.where(is_later, 1 + step_later, 1 + later + step_wrapped))
+                src = (rank + tl.where(i < n_own, 0, tl.where(is_later, 1 + step_later, 1 + later + step_wrapped))
                        ) % world_size
-                start = tl.where(i < end_own, i, tl.where(is_later, j_later - step_later * n_later,
-                                                          j_wrapped - step_wrapped * n_wrapped)) * BLOCK_N
+                start = tl.where(i < n_own, i, tl.where(is_later, j_later - step_later * n_later,
+                                                        j_wrapped - step_wrapped * n_wrapped)) * BLOCK_N
             k_row = src * 2 * kv_rows + kv_head
             if WHOLE:
                 k = k_desc.load([k_row * s_local + start, 0])
@@ -428,7 +428,7 @@ def full_attention_kernel(
             m_i = m_ij
         rows = q_row0 - m0 + offs_m
         if CAUSAL:
-            # The state ``merge`` resumes from: the normalized output and the row's log2-sum-exp2 (a row that saw no
+            # The state the causal kernel resumes from (``MERGE``): the normalized output and the row's log2-sum-exp2 (a row that saw no
             # key here, l_i 0: output 0 and -inf, which weigh nothing there).
             tl.store(lse_ptr + rows, m_i + tl.math.log2(l_i), mask=offs_m < chunk)
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -625,8 +625,10 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
                      block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
                      pieces: int, num_blocks: int, split_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
     """The attention kernels alone: every rank's K/V from ``gathered`` [world_size, 2, batch * kv_heads, S_local,
-    head_dim] (mine where ``stage_own`` put them), waiting on ``progress`` if ``wait``. Under causal, then, ``merge``
-    on the rest, my own K/V from ``k`` and ``v``."""
+    head_dim] (mine where ``stage_own`` put them; at one rank ``k`` and ``v`` themselves), waiting on ``progress`` if
+    ``wait``: the warp-specialized kernel without causal, or under causal at ``SPLIT_HEAD_DIMS`` (``split_blocks``)
+    then the causal kernel on the rest (``MERGE``); else the causal kernel alone. The causal kernel reads my K/V from
+    ``k`` and ``v``."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
     qk_scale = softmax_scale(scale, head_dim)
@@ -679,7 +681,7 @@ _lse: dict = {}
 
 
 def lse_buffer(rows: int, device) -> torch.Tensor:
-    """fp32 [rows]: the causal warp-specialized kernel's log2-sum-exp2 per query row, for ``merge`` (cached per
+    """fp32 [rows]: the causal warp-specialized kernel's log2-sum-exp2 per query row, for the causal kernel's ``MERGE`` (cached per
     size and device, as ``progress_flags``: the two kernels use it in stream order)."""
     key = (rows, device)
     if key not in _lse:
@@ -929,9 +931,9 @@ def attention_on_gathered(
     """The same attention kernel with every rank's K/V here already: no communication, no flag waits.
 
     ``gathered`` [world_size, 2, batch * kv_heads, S_local, head_dim]: rank r's k and v at ``[r, 0]`` and
-    ``[r, 1]`` (any memory; without ``causal`` ``[rank]`` is overwritten with ``k`` and ``v``, which the kernel
-    reads there; with it, ``[rank]`` is not read: my K/V come from ``k`` and ``v``). Also
-    attention on one GPU (world size 1: ``gathered`` [1, ...], the whole sequence in order, causal or not). No
-    process group.
+    ``[r, 1]`` (any memory; with two or more ranks ``[rank]`` is overwritten with ``k`` and ``v``, which the
+    warp-specialized kernel reads there; the causal kernel reads them from ``k`` and ``v``). Also attention on one GPU
+    (world size 1: ``gathered`` [1, ...], the whole sequence in order, causal or not; not read: the kernels read ``k``
+    and ``v`` in place). No process group.
     """
     return on_gathered(q, k, v, gathered, rank, causal, scale, config)
