@@ -32,7 +32,7 @@ Without causal (``full_attention_body``, the recipe's ``full_attention_kernel``)
 schedule (block b takes tiles b, b + num_blocks, ... of ``tile_order``) whose tile loop is warp-specialized
 (``range_warp_specializes``, offered on sm_90 by ``warp_specialization``): a producer warpgroup issues the
 TMA loads, two consumer warpgroups take half of the query rows each. One key loop per tile walks every
-rank's shard in the gather buffer, mine staged there first; the flag waits are the recipe's per-thread ones
+rank's shard in the gather buffer, mine staged there first (at one rank ``k`` and ``v`` in place); the flag waits are the recipe's per-thread ones
 (``GMEM_WAIT_EACH_THREAD``), their 0 added into the loads' coordinates. The TMA loads are ``hl.inline_triton``
 snippets on descriptors built on the device before the tile loop (docs/helion-notes.md says why).
 
@@ -90,7 +90,7 @@ def indexing(merge: bool) -> tuple[str, ...]:
     pointer, tma = ("pointer",), ("tensor_descriptor",)
     own = pointer * 4 + tma * 4
     peer = pointer * 9 + tma * 4
-    return pointer * 2 + tma + pointer * 2 * merge + own + peer + pointer + pointer
+    return pointer * 2 + tma + (pointer + tma) * merge + own + peer + pointer + pointer
 
 
 def context_parallel_attention_body(
@@ -135,7 +135,7 @@ def context_parallel_attention_body(
                 if merge:  # the state the warp-specialized body left (l_i 1: its output is normalized, m_i its lse)
                     m_i = hl.load(lse, [tile_m], extra_mask=offs_m < chunk)
                     l_i = hl.full([tile_m], 1.0, dtype=torch.float32)
-                    acc = hl.load(out2, [tile_m, tile_d], extra_mask=(offs_m < chunk)[:, None]).to(torch.float32)
+                    acc = out2[tile_m, tile_d].to(torch.float32)  # (rows past the chunk: discarded at the store)
                 else:
                     m_i = hl.full([tile_m], -1.0e30, dtype=torch.float32)
                     l_i = hl.zeros([tile_m], dtype=torch.float32)
@@ -301,7 +301,7 @@ def full_attention_body(
                 half = order[tile, 2]
                 n_own = half * (chunk // block_n) + m0 // block_n
                 n_later = half * (s_local // block_n)
-                n_wrapped = chunk // block_n + half * 0
+                n_wrapped = chunk // block_n + half * 0  # (``+ 0 * field``: a device value, as its siblings)
             else:
                 n_own = per_rank + m0 * 0
                 n_later = n_own
