@@ -407,8 +407,8 @@ class BlockWorkspace:
     """
 
     flat: SymmContext  # peers: every rank's whole buffer, uint8
-    parity: torch.Tensor  # int32[num_chunks], local; which half block b writes next
-    epochs: torch.Tensor  # int32[num_chunks], local; barrier rounds block b has completed
+    parity: torch.Tensor  # int32[>= num_chunks: a block id of the pad each], local; which half block b writes next
+    epochs: torch.Tensor  # int32[>= num_chunks], local; barrier rounds block b has completed
     num_chunks: int
     chunk_bytes: int
 
@@ -445,13 +445,16 @@ def block_workspace(
         return ws
     agree_once(("block workspace bytes", chunk_bytes), pg, op)
     num_chunks = torch.cuda.get_device_properties(device).multi_processor_count
+    # Parity and epoch for every block id the pad has (more than chunks in a group of one, where a kernel may run
+    # more blocks than SMs, each touching no chunk: gemm_one_shot_all_reduce's one tile per block).
+    num_ids = max(num_chunks, max_barrier_blocks(pg.size()))
     size = 1 << max(16, math.ceil(math.log2(chunk_bytes)))
     if ws is not None:
         _retired.append(ws)
         size = max(size, 2 * ws.chunk_bytes)
     buf = symm_mem.empty(2 * num_chunks * size, dtype=torch.uint8, device=device)
-    parity = torch.zeros(num_chunks, dtype=torch.int32, device=device)
-    epochs = torch.zeros(num_chunks, dtype=torch.int32, device=device)  # the new pad's slots are all 0
+    parity = torch.zeros(num_ids, dtype=torch.int32, device=device)
+    epochs = torch.zeros(num_ids, dtype=torch.int32, device=device)  # the new pad's slots are all 0
     ws = BlockWorkspace(symm_context(buf, pg, op, name="block workspace"), parity, epochs, num_chunks, size)
     _block_workspaces[key] = ws
     return ws

@@ -21,6 +21,7 @@ from benchmark import registry, sm90
 from benchmark.ops import all_gather_matmul_fp8 as op
 from fake_world import FakeWorld
 from kraken import host
+from kraken._gemm_core import flattens
 
 RECIPE = "kraken.fused.all_gather_matmul_fp8"
 TWIN = "helion_ports.fused.all_gather_matmul_fp8"
@@ -49,6 +50,7 @@ def fp8_wgmma(ptx: str) -> set[str]:
 @pytest.mark.parametrize("shape_class", list(SHAPES))
 def test_both_kernels_compile_to_fp8_wgmma_and_match(shape_class, world_size):
     shape = SHAPES[shape_class]
+    cfg = recipe.plan(*shape, world_size, {}, sm90.H200_NUM_SMS)
     t = compile_stats(recipe, world_size, shape)
     h = compile_stats(twin, world_size, shape)
     for stats in (t, h):
@@ -62,8 +64,13 @@ def test_both_kernels_compile_to_fp8_wgmma_and_match(shape_class, world_size):
         assert ("fence.proxy.async.global" in stats["ptx"]) == (world_size > 1)
         assert stats["shared_bytes"] <= H200_SHARED_BYTES
     # Both walk the tiles in one loop per source of rows (a, then the gather buffer; the first alone in a group of
-    # one), each with its own k loop, and the loops' pipelines share shared memory.
-    assert h["shared_bytes"] == t["shared_bytes"]
+    # one), each with its own k loop, and the loops' pipelines share shared memory. On the 128x256 tiles the recipe's
+    # first loop is flattened (``kraken._gemm_core.flattens``) and keeps more in flight; the twin asks Helion for the
+    # same (``range_flattens``), which Triton leaves unfused on its deeper loop nest.
+    if flattens(cfg["block_m"], cfg["block_n"]):
+        assert t["shared_bytes"] >= h["shared_bytes"]
+    else:
+        assert h["shared_bytes"] == t["shared_bytes"]
     assert fp8_wgmma(h["ptx"]) == fp8_wgmma(t["ptx"])
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor"):
         assert h["ptx"].count(instruction) == t["ptx"].count(instruction) > 0, instruction

@@ -254,7 +254,10 @@ def test_plan_stays_inside_the_signal_pad(world_size):
             host.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
             assert well_formed(cfg, m, n, k, world_size), (m, n, k, config, cfg)
             cfg = recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
-            assert cfg["num_blocks"] <= sm90.H200_NUM_SMS and well_formed(cfg, m, n, k, world_size), (m, n, k, config, cfg)
+            tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+            one_per_tile = world_size == 1 and cfg["split_k"] == 1 and "max_blocks" not in config
+            most = tiles if one_per_tile and tiles <= host.max_barrier_blocks(1) else sm90.H200_NUM_SMS
+            assert cfg["num_blocks"] <= most and well_formed(cfg, m, n, k, world_size), (m, n, k, config, cfg)
 
 
 def test_plan_with_a_small_signal_pad(monkeypatch):
@@ -280,6 +283,21 @@ def test_plan_splits_k_only_when_tiles_leave_sms_idle():
     # 256 tiles over 132 SMs: 132 groups, two rounds, no split.
     cfg = recipe.plan(2048, 4096, 4096, 2, {}, 132)
     assert (cfg["split_k"], cfg["num_groups"]) == (1, 132)
+
+
+def test_one_rank_takes_one_block_per_tile():
+    """At world size 1 with no k split no block waits for another: one block per tile (``ONE_RANK_TILE_PER_BLOCK``),
+    so no tile goes through the workspace; a k split, ``max_blocks`` or two ranks keep the persistent grid."""
+    cfg = recipe.plan(2048, 4096, 4096, 1, {}, 132)
+    assert (cfg["split_k"], cfg["num_groups"], cfg["num_blocks"]) == (1, 256, 256)
+    assert recipe.rounds_of(2048, 4096, cfg) == 1
+    assert recipe.plan(8192, 4096, 4096, 1, {}, 132)["num_blocks"] == 1024
+    assert recipe.plan(2048, 4096, 4096, 2, {}, 132)["num_blocks"] == 132
+    assert recipe.plan(2048, 4096, 4096, 1, {"max_blocks": 132}, 132)["num_blocks"] == 132
+    assert recipe.plan(64, 1024, 4096, 1, {}, 132)["split_k"] > 1  # a k split: the persistent grid (<= 132)
+    assert recipe.plan(64, 1024, 4096, 1, {}, 132)["num_blocks"] <= 132
+    # More tiles than the pad has block ids: persistent.
+    assert recipe.plan(65536, 16384, 1024, 1, {}, 132)["num_blocks"] <= 132
 
 
 def test_default_config_per_shape_class():

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel, run
 from kraken import host
+from kraken._gemm_core import flattens
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul import (  # noqa: F401 (shared with the recipe)
@@ -151,8 +152,10 @@ def compiled(block_m: int, block_n: int, block_k: int, num_warps: int, num_stage
     through descriptors built on the host, as the recipe's; ``pid_type="flat"``: the recipe's grid, see
     ``helion_ports``)."""
     loops = 1 if world_size == 1 else 2
+    # My rows' tile loop (the loop over rounds, Helion's loop 1) flattened as the recipe's (``flattens``).
+    flatten = {"range_flattens": (None, True)} if flattens(block_m, block_n) else {}
     return flat_kernel(all_gather_matmul_body, (block_m, block_n, block_k) * loops, num_warps, num_stages,
-                       indexing=indexing * loops, host_tensor_descriptors=True)
+                       indexing=indexing * loops, host_tensor_descriptors=True, **flatten)
 
 
 def launch_matmul(

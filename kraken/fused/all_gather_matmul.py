@@ -26,7 +26,8 @@ making it wait for rows that are not there yet.
   host-built TMA descriptors (zero-padded in k and n where a base or a row is not 16-byte
   aligned; ``a``'s rows up to ``SKINNY_M`` padded to whole tiles: ``tma_operands``). Each of the two
   tile loops has its own k loop; the loops follow each other, so their pipeline buffers share
-  shared memory (a branch between two k loops inside one tile loop keeps both sets alive:
+  shared memory (on the 128x256 tiles the first, which waits on no flag, is flattened with its k loop:
+  ``kraken._gemm_core.flattens``) (a branch between two k loops inside one tile loop keeps both sets alive:
   twice the shared memory). A ``b`` stored
   transposed (``w.t()`` of an [N, K] weight:
   strides (1, K)) is read as is, its tiles transposed in registers (``b_layout``); any
@@ -56,8 +57,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kraken import host
 from kraken._ptx_utils import wait_async
 from kraken._gemm_core import (
-    INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, mainloop, skinny_or_large_tiles, tile_coords,
-    tma_operands,
+    INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, flattens, mainloop, skinny_or_large_tiles,
+    tile_coords, tma_operands,
 )
 from kraken.comm.all_gather_with_progress import start as start_gather
 
@@ -104,6 +105,7 @@ def all_gather_matmul_kernel(
     SCALED: tl.constexpr = False,  # the epilogue multiplies by the rows' scales and b's column scales
     A_ROWWISE: tl.constexpr = 0,
     B_COLWISE: tl.constexpr = 0,
+    FLATTEN: tl.constexpr = False,  # my rows' tile loop flattened with its k loop (``kraken._gemm_core.flattens``)
 ):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -113,7 +115,7 @@ def all_gather_matmul_kernel(
     blocks = tl.num_programs(0)
     # My rows, from a (no flag: earlier work on this stream wrote them): this block's tiles pid, pid + blocks, ...
     # of my chunk.
-    for tile in tl.range(pid, chunk_tiles, blocks):
+    for tile in tl.range(pid, chunk_tiles, blocks, flatten=FLATTEN):
         tile_m, tile_n = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = mainloop(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
         store_tile(acc, out_ptr, rank * M, scale_a_ptr, 0, A_ROWWISE, scale_b_ptr, tile_m * BLOCK_M, tile_n * BLOCK_N,
@@ -208,7 +210,7 @@ def launch_matmul(
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(gathered, [block_m, block_k]),
         TensorDescriptor.from_tensor(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
-        num_warps=num_warps, num_stages=num_stages,
+        FLATTEN=flattens(block_m, block_n), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
-from kraken._gemm_core import FP8, MAX_INDEX, tma_fp8
+from kraken._gemm_core import FP8, MAX_INDEX, flattens, tma_fp8
 from kraken._gemm_core import check_fp8_inputs as check_inputs
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
 from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
@@ -179,8 +179,8 @@ def launch_matmul(
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(values, [block_m, block_k]),
         TensorDescriptor.from_tensor(b, b_box), out, progress, scales, scale_a, scale_b, m, n, k, scales.stride(0),
         rank, world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
-        SCALED=True, A_ROWWISE=int(scale_a.numel() > 1), B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps,
-        num_stages=num_stages,
+        SCALED=True, A_ROWWISE=int(scale_a.numel() > 1), B_COLWISE=int(scale_b.numel() > 1),
+        FLATTEN=flattens(block_m, block_n), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -36,7 +36,8 @@ its partial goes only to the peer (pushed, or left in the workspace for it to pu
 registers through the barrier, where the block adds the peer's to it and writes ``out`` (two partials
 sum the same in either order: still bitwise identical); then the earlier rounds are reduced as above.
 At one rank the kernel then costs what its GEMM costs plus one barrier with itself and the earlier
-rounds' partials (M = 1024, 4096 x 4096: none).
+rounds' partials (M = 1024, 4096 x 4096: none); with no k split there, where no block waits for another, the
+grid is one block per tile (``ONE_RANK_TILE_PER_BLOCK``), so there are no earlier rounds.
 
 Which form (``plan``; ``shot`` in ``config`` forces one): two-shot where the output is large enough for
 its bytes to matter at 4-8 ranks (``kraken.crossover``, the ``gemm_all_reduce`` row, by M x N);
@@ -90,6 +91,13 @@ DEFAULT_CONFIG = {**TILE_CONFIGS[0], "split_k": None, "reduce_m": None, "max_blo
 OP = "gemm_one_shot_all_reduce"
 ONE, PUSH, TWO = "one", "push", "two"  # one-shot pulling, one-shot pushing, two-shot (module docstring)
 SHOTS = (ONE, PUSH, TWO)
+# At one rank with no k split no block waits for another (its epoch barrier is with itself), so the grid need not
+# be persistent: one block per tile, each keeping its only tile in registers through the barrier (``KEEP_LAST``), where
+# a persistent grid sends all but its last tile through the workspace and back (one H200, CUDA graphs, bf16 out, x
+# cuBLAS, against HEAD in one process: 2048x4096x4096 1.106-1.108 -> 1.078-1.079, 8192x4096x4096 1.126-1.129 -> 1.079;
+# 1024 rows, one tile per SM already, 1.060-1.063 either way). The block ids stay within the pad's
+# (``host.BlockWorkspace`` keeps a parity and an epoch for each); more tiles than that keep the persistent grid.
+ONE_RANK_TILE_PER_BLOCK = True
 # The reduce tile holds about this many values per thread (fp32 sums, and loads from up to 4 ranks in flight).
 REDUCE_VALUES_PER_THREAD = 64
 
@@ -371,7 +379,8 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     """Resolve the launch configuration (shared with the Helion port).
 
     The grid is persistent: ``num_groups`` groups of ``split_k`` blocks, at most one block per SM
-    and within the signal pad's budget; group g owns tiles g, g + num_groups, ...
+    and within the signal pad's budget; group g owns tiles g, g + num_groups, ...; at one rank with no k split,
+    one block per tile (``ONE_RANK_TILE_PER_BLOCK``).
     """
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     shot = config.get("shot")
@@ -400,7 +409,11 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > shard_m:
         what = "block_m / split_k" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
         raise ValueError(f"{OP}: reduce_m must be a power of two <= {what} = {shard_m}, got {cfg['reduce_m']}")
-    num_groups = min(num_tiles, max_blocks // split)
+    solo = ONE_RANK_TILE_PER_BLOCK and world_size == 1 and split == 1 and cfg["max_blocks"] is None
+    if solo and num_tiles <= host.max_barrier_blocks(1):
+        num_groups = num_tiles  # one tile per block (``ONE_RANK_TILE_PER_BLOCK``)
+    else:
+        num_groups = min(num_tiles, max_blocks // split)
     keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "shot", "num_warps", "num_stages")
     return {
         **{key: cfg[key] for key in keys},
