@@ -287,13 +287,16 @@ def test_plan_splits_k_only_when_tiles_leave_sms_idle():
 
 def test_one_rank_takes_one_block_per_tile():
     """At world size 1 with no k split no block waits for another: one block per tile (``ONE_RANK_TILE_PER_BLOCK``),
-    so no tile goes through the workspace; a k split, ``max_blocks`` or two ranks keep the persistent grid."""
+    so no tile goes through the workspace; a k split, ``max_blocks``, two-shot or two ranks keep the persistent grid."""
     cfg = recipe.plan(2048, 4096, 4096, 1, {}, 132)
     assert (cfg["split_k"], cfg["num_groups"], cfg["num_blocks"]) == (1, 256, 256)
     assert recipe.rounds_of(2048, 4096, cfg) == 1
     assert recipe.plan(8192, 4096, 4096, 1, {}, 132)["num_blocks"] == 1024
     assert recipe.plan(2048, 4096, 4096, 2, {}, 132)["num_blocks"] == 132
     assert recipe.plan(2048, 4096, 4096, 1, {"max_blocks": 132}, 132)["num_blocks"] == 132
+    # Two-shot writes every tile to its block's chunk of the workspace (one per SM): persistent.
+    assert recipe.plan(2048, 4096, 4096, 1, {"shot": "two"}, 132)["num_blocks"] == 132
+    assert recipe.plan(2048, 4096, 4096, 1, {"shot": "push"}, 132)["num_blocks"] == 256
     assert recipe.plan(64, 1024, 4096, 1, {}, 132)["split_k"] > 1  # a k split: the persistent grid (<= 132)
     assert recipe.plan(64, 1024, 4096, 1, {}, 132)["num_blocks"] <= 132
     # More tiles than the pad has block ids: persistent.

@@ -175,9 +175,10 @@ def test_gemm_one_shot_all_reduce(backend):
 
 SHOTS = ("one", "push", "two")
 # (shape, (in, out dtype), config): tails in M, N and K with operands smaller than one tile; tails and three rounds
-# of tiles on five blocks; a 4-way k split (two-shot at 8 ranks: 2 rows per rank's slice of a block's 16).
+# of tiles on five blocks; a 4-way k split (two-shot at 8 ranks: 2 rows per rank's slice of a block's 16); more
+# tiles than SMs with tails (at one rank one-shot takes a block per tile, two-shot stays persistent: ``plan``).
 FORM_CASES = (((37, 100, 72), (FP16, FP32), {}), ((129, 257, 136), (BF16, BF16), {"max_blocks": 5}),
-              ((64, 1024, 4096), (BF16, BF16), {}))
+              ((64, 1024, 4096), (BF16, BF16), {}), ((1100, 4200, 200), (BF16, BF16), {}))
 
 
 def forms_worker(backend: str) -> None:

@@ -380,7 +380,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
 
     The grid is persistent: ``num_groups`` groups of ``split_k`` blocks, at most one block per SM
     and within the signal pad's budget; group g owns tiles g, g + num_groups, ...; at one rank with no k split,
-    one block per tile (``ONE_RANK_TILE_PER_BLOCK``).
+    one block per tile, one-shot (``ONE_RANK_TILE_PER_BLOCK``).
     """
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     shot = config.get("shot")
@@ -409,7 +409,10 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > shard_m:
         what = "block_m / split_k" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
         raise ValueError(f"{OP}: reduce_m must be a power of two <= {what} = {shard_m}, got {cfg['reduce_m']}")
+    # Only where the kernel keeps its one tile in registers (``keeps_last``): two-shot sends every tile through its
+    # block's chunk of the workspace, and there are chunks for one block per SM.
     solo = ONE_RANK_TILE_PER_BLOCK and world_size == 1 and split == 1 and cfg["max_blocks"] is None
+    solo = solo and cfg["shot"] != TWO
     if solo and num_tiles <= host.max_barrier_blocks(1):
         num_groups = num_tiles  # one tile per block (``ONE_RANK_TILE_PER_BLOCK``)
     else:
