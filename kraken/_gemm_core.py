@@ -66,9 +66,12 @@ MIN_TILES_PER_SM = 0.55
 FLATTEN_MIN_TILE = 128 * 256
 
 
-def flattens(block_m: int, block_n: int) -> bool:
-    """Whether a persistent tile loop over ``block_m x block_n`` tiles is flattened (``FLATTEN_MIN_TILE``)."""
-    return block_m * block_n >= FLATTEN_MIN_TILE
+def flattens(block_m: int, block_n: int, out_bytes: int = 2) -> bool:
+    """Whether a persistent tile loop over ``block_m x block_n`` tiles is flattened (``FLATTEN_MIN_TILE``), for
+    outputs of ``out_bytes`` per element: not for 4-byte outputs, whose epilogue stages a whole fp32 tile in shared
+    memory (128 KiB at 128x256), which a flattened loop needs beside its pipeline's buffers (272 KiB in all, of
+    227)."""
+    return block_m * block_n >= FLATTEN_MIN_TILE and out_bytes <= 2
 
 
 @triton.jit

@@ -42,7 +42,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too)
-    SKINNY_M, check_inputs, check_tiles, mainloop, scaled, skinny_or_large_tiles, tile_coords, tma_operands,
+    SKINNY_M, check_inputs, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles, tile_coords,
+    tma_operands,
 )
 from kraken._ptx_utils import epoch_sync
 
@@ -61,6 +62,35 @@ MID_TILE = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_
 # against 31.3; cuBLAS runs 128x128, 64 x 6 there).
 SKINNY_DEEP = {"block_k": 64, "num_stages": 6}
 WAVE_GAIN = 0.05
+
+
+@triton.jit
+def own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block, rnd,
+             num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_TRANS: tl.constexpr,
+             SCALED: tl.constexpr, A_ROWWISE: tl.constexpr, B_COLWISE: tl.constexpr, MEET: tl.constexpr):
+    """Round ``rnd`` of my band (phase 2): GEMM the tile, meet the peers after it if ``MEET`` and this is the first
+    round, add their partials from my workspace, store the rows in the band."""
+    TILE: tl.constexpr = BLOCK_M * BLOCK_N
+    SLOTS: tl.constexpr = world_size - 1
+    tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
+    m0 = rank * band_m + tile_m * BLOCK_M
+    n0 = tile_n * BLOCK_N
+    acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
+    if SCALED:
+        acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
+                     B_COLWISE)
+    if MEET:
+        if rnd == 0:  # my pushes are visible to block b of every peer, theirs (to my band) to me
+            epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
+    in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    # One slot at a time (a loop, not unrolled): a whole tile per slot in flight spills at 8 ranks.
+    for q in tl.range(0, SLOTS, num_stages=1):
+        acc += tl.load(workspace_ptr + chunk + (rnd * SLOTS + q) * TILE + in_tile).to(tl.float32)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + (rows[:, None] * N + cols[None, :]), acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < band_m) & (cols[None, :] < N))
 
 
 @triton.jit
@@ -93,6 +123,7 @@ def gemm_reduce_scatter_kernel(
     SCALED: tl.constexpr = False,
     A_ROWWISE: tl.constexpr = 0,
     B_COLWISE: tl.constexpr = 0,
+    FLATTEN: tl.constexpr = False,  # my band's tile loop, but the first tile, flattened with its k loop (``flattens``)
 ):
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLOTS: tl.constexpr = world_size - 1  # a slot per sending peer in each round of a chunk
@@ -122,25 +153,17 @@ def gemm_reduce_scatter_kernel(
         slot = (rank - owner - 1 + world_size) % world_size  # the owner's slot q holds sender owner + 1 + q
         tl.store(destination + chunk + (rnd * SLOTS + slot) * TILE + in_tile, acc.to(workspace_ptr.dtype.element_ty))
 
-    # 2. My band: GEMM, meet the peers once (after the first tile), add their partials, store.
-    for rnd in tl.range(0, rounds):
-        tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
-        m0 = rank * band_m + tile_m * BLOCK_M
-        n0 = tile_n * BLOCK_N
-        acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
-        if SCALED:
-            acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
-                         B_COLWISE)
-        if rnd == 0:
-            # My pushes are visible to block b of every peer, theirs (to my band) to me.
-            epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
-        # One slot at a time (a loop, not unrolled): a whole tile per slot in flight spills at 8 ranks.
-        for q in tl.range(0, SLOTS, num_stages=1):
-            acc += tl.load(workspace_ptr + chunk + (rnd * SLOTS + q) * TILE + in_tile).to(tl.float32)
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + (rows[:, None] * N + cols[None, :]), acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < band_m) & (cols[None, :] < N))
+    # 2. My band: GEMM, meet the peers once (after the first tile), add their partials, store. Flattened, the first
+    # tile (with the barrier) runs before the loop, so that the loop waits on nothing: Triton copies a wait inside a
+    # flattened loop into its peeled iterations.
+    if FLATTEN:
+        own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block, 0,
+                 num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, True)
+    for rnd in tl.range(1 if FLATTEN else 0, rounds, flatten=FLATTEN):
+        own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block,
+                 rnd, num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, not FLATTEN)
     # The next launch writes the other half: no "done reading" barrier (host.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
     tl.store(epochs_ptr + block, epoch + 1)
@@ -179,7 +202,7 @@ def launch(
         None, None, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages,
+        FLATTEN=flattens(block_m, block_n, out.element_size()), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
