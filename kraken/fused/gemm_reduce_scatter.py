@@ -65,6 +65,23 @@ WAVE_GAIN = 0.05
 
 
 @triton.jit
+def band_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, owner, block, rnd, num_blocks, tiles_m, tiles_n, band_m, N, K,
+              world_size: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_M: tl.constexpr, B_TRANS: tl.constexpr, SCALED: tl.constexpr, A_ROWWISE: tl.constexpr,
+              B_COLWISE: tl.constexpr):
+    """Block ``block``'s round ``rnd`` tile of ``owner``'s band (both phases): its fp32 product (times its scales if
+    ``SCALED``), its tile row in the band and its first column."""
+    tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
+    m0 = owner * band_m + tile_m * BLOCK_M
+    n0 = tile_n * BLOCK_N
+    acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
+    if SCALED:
+        acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
+                     B_COLWISE)
+    return acc, tile_m, n0
+
+
+@triton.jit
 def own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block, rnd,
              num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_TRANS: tl.constexpr,
@@ -73,13 +90,9 @@ def own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, s
     round, add their partials from my workspace, store the rows in the band."""
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLOTS: tl.constexpr = world_size - 1
-    tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
-    m0 = rank * band_m + tile_m * BLOCK_M
-    n0 = tile_n * BLOCK_N
-    acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
-    if SCALED:
-        acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
-                     B_COLWISE)
+    acc, tile_m, n0 = band_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, rank, block, rnd, num_blocks, tiles_m,
+                                tiles_n, band_m, N, K, world_size, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, B_TRANS, SCALED,
+                                A_ROWWISE, B_COLWISE)
     if MEET:
         if rnd == 0:  # my pushes are visible to block b of every peer, theirs (to my band) to me
             epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
@@ -140,13 +153,9 @@ def gemm_reduce_scatter_kernel(
     for i in tl.range(0, (world_size - 1) * rounds):
         owner = (rank + 1 + i // rounds) % world_size
         rnd = i % rounds
-        tile_m, tile_n = tile_coords(block + rnd * num_blocks, tiles_m, tiles_n, GROUP_M)
-        m0 = owner * band_m + tile_m * BLOCK_M
-        n0 = tile_n * BLOCK_N
-        acc = mainloop(a_desc, b_desc, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
-        if SCALED:
-            acc = scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, band_m * world_size, N, BLOCK_M, BLOCK_N, A_ROWWISE,
-                         B_COLWISE)
+        acc, _, _ = band_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, owner, block, rnd, num_blocks, tiles_m, tiles_n,
+                              band_m, N, K, world_size, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, B_TRANS, SCALED, A_ROWWISE,
+                              B_COLWISE)
         destination = peers[0]
         for r in tl.static_range(1, world_size):
             destination = tl.where(owner == r, peers[r], destination)
