@@ -52,19 +52,19 @@ SKINNY_STAGE_BYTES = 192 * 1024  # shared memory for the pipeline stages (of the
 SKINNY_MAX_STAGES = 5
 MIN_TILES_PER_SM = 0.55
 # A persistent tile loop over tiles of at least ``FLATTEN_MIN_TILE`` elements runs as ``tl.range(..., flatten=True)``
-# (``flattens``): Triton fuses it with the k loop into one pipelined loop, so the next tile's first loads are in
-# flight during this tile's epilogue. One H200, world size 1, CUDA graphs, x cuBLAS, the core's kernel on each
-# recipe's 128x256 tiles (3 stages, 8 warps), two passes: 1024x6656x5120 1.038-1.040 -> 1.026-1.027;
-# 1024x6656x2560 1.049 -> 1.023-1.025; 8192x14336x4096 1.029-1.031 -> 1.018-1.019; 2048x14336x8192 1.011-1.012 ->
-# 1.011; 512x8192x4096 1.006 -> 1.001-1.002. Smaller tiles lose: 256x8192x8192 on 128x128 tiles 6 stages deep
-# 1.007-1.011 -> 1.132-1.139 (and the skinny tiles of M <= 256, 1.24-1.35 against 1.22-1.26, docs/history.md). In the recipes
-# (the whole op against HEAD in one process): all_gather_matmul 1024x6656x5120 1.079-1.080 -> 1.066-1.069, 2048 and
-# 8192 rows 0.1-0.3% faster; its fp8 sibling 1024x6656x5120 1.010-1.014 -> 0.972-0.975 x ``_scaled_mm``, 2048x14336x8192
-# 0.953-0.957 -> 0.937-0.941. Only a loop with no barrier or flag wait in it is flattened: Triton copies the loop
-# body's wait into the flattened loop's peeled iterations (two acquire spins in the PTX of all_gather_matmul's peer
-# loop), so that loop and gemm_one_shot_all_reduce's stay as they are, and gemm_reduce_scatter runs its band's first
-# tile, the one with the barrier, before its flattened loop (1024x6656x2560 1.084 -> 1.069, 8192x14336x4096 1.042 ->
-# 1.028; its fp8 sibling stays unflattened: 888 bytes of spill at 2 ranks).
+# (``flattens``): Triton fuses it with the k loop into one pipelined loop, so the next tile's first loads are in flight
+# during this tile's epilogue. One H200, world size 1, CUDA graphs, x cuBLAS, the core's kernel on each recipe's 128x256
+# tiles (3 stages, 8 warps), two passes: 1024x6656x5120 1.038-1.040 -> 1.026-1.027; 1024x6656x2560 1.049 -> 1.023-1.025;
+# 8192x14336x4096 1.029-1.031 -> 1.018-1.019; 2048x14336x8192 1.011-1.012 -> 1.011; 512x8192x4096 1.006 -> 1.001-1.002.
+# Smaller tiles lose: 256x8192x8192 on 128x128 tiles 6 stages deep 1.007-1.011 -> 1.132-1.139 (and the skinny tiles of M
+# <= 256, 1.24-1.35 against 1.22-1.26, docs/history.md). In the recipes (the whole op against HEAD in one process):
+# all_gather_matmul 1024x6656x5120 1.079-1.080 -> 1.066-1.069, 2048 and 8192 rows 0.1-0.3% faster; its fp8 sibling
+# 1024x6656x5120 1.010-1.014 -> 0.972-0.975 x ``_scaled_mm``, 2048x14336x8192 0.953-0.957 -> 0.937-0.941. Only a loop
+# with no barrier or flag wait in it is flattened: Triton copies the loop body's wait into the flattened loop's peeled
+# iterations (two acquire spins in the PTX of all_gather_matmul's peer loop), so that loop and
+# gemm_one_shot_all_reduce's stay as they are, and gemm_reduce_scatter runs its band's first tile, the one with the
+# barrier, before its flattened loop (1024x6656x2560 1.084 -> 1.069, 8192x14336x4096 1.042 -> 1.028; its fp8 sibling
+# stays unflattened: 888 bytes of spill at 2 ranks).
 FLATTEN_MIN_TILE = 128 * 256
 
 

@@ -28,12 +28,12 @@ Causal (``context_parallel_attention_body``, the recipe's ``context_parallel_att
   starting at its first V block, so that a K row and its V row have the same index (one tile, two
   loads: Helion loads a tile at an offset index through pointers, not TMA).
 
-Without causal (``full_attention_body``, the recipe's ``full_attention_kernel``): a static persistent
-schedule (block b takes tiles b, b + num_blocks, ... of ``tile_order``) whose tile loop is warp-specialized
-(``range_warp_specializes``, offered on sm_90 by ``warp_specialization``): a producer warpgroup issues the
-TMA loads, two consumer warpgroups take half of the query rows each. One key loop per tile walks every
-rank's shard in the gather buffer, mine staged there first (at one rank ``k`` and ``v`` in place); the flag waits are the recipe's per-thread ones
-(``GMEM_WAIT_EACH_THREAD``), their 0 added into the loads' coordinates. The TMA loads are ``hl.inline_triton``
+Without causal (``full_attention_body``, the recipe's ``full_attention_kernel``): a static persistent schedule (block
+b takes tiles b, b + num_blocks, ... of ``tile_order``) whose tile loop is warp-specialized
+(``range_warp_specializes``, offered on sm_90 by ``warp_specialization``): a producer warpgroup issues the TMA loads,
+two consumer warpgroups take half of the query rows each. One key loop per tile walks every rank's shard in the gather
+buffer, mine staged there first (at one rank ``k`` and ``v`` in place); the flag waits are the recipe's per-thread
+ones (``GMEM_WAIT_EACH_THREAD``), their 0 added into the loads' coordinates. The TMA loads are ``hl.inline_triton``
 snippets on descriptors built on the device before the tile loop (docs/helion-notes.md says why).
 
 The configs are explicit (``flat_kernel``): every tile loop names its block size (``block_m``, ``block_n``

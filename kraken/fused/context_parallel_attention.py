@@ -324,7 +324,8 @@ def full_attention_kernel(
     rank,
     num_blocks,  # the persistent grid
     world_size: tl.constexpr,
-    CAUSAL: tl.constexpr,  # only the key tiles wholly visible to every query row of the tile (the rest: the causal kernel's ``MERGE``)
+    # CAUSAL: only the key tiles every query row of the tile sees whole (the rest: the causal kernel's ``MERGE``)
+    CAUSAL: tl.constexpr,
     WAIT: tl.constexpr,  # False: every rank's K/V is in the gather buffer already (no flags to wait for)
     WHOLE: tl.constexpr,  # a chunk is a whole number of query (so key) tiles: 2-D boxes, TMA store (below)
     TAIL: tl.constexpr,  # S_local is not a whole number of key tiles: mask the keys past it
@@ -428,8 +429,8 @@ def full_attention_kernel(
             m_i = m_ij
         rows = q_row0 - m0 + offs_m
         if CAUSAL:
-            # The state the causal kernel resumes from (``MERGE``): the normalized output and the row's log2-sum-exp2 (a row that saw no
-            # key here, l_i 0: output 0 and -inf, which weigh nothing there).
+            # The state the causal kernel resumes from (``MERGE``): the normalized output and the row's log2-sum-exp2
+            # (a row that saw no key here, l_i 0: output 0 and -inf, which weigh nothing there).
             tl.store(lse_ptr + rows, m_i + tl.math.log2(l_i), mask=offs_m < chunk)
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         else:
@@ -648,7 +649,8 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
             full_attention_kernel, (grid,),
             q, k_src, v_src, out, lse, progress, order, batch * heads * s_local, batch * kv_heads, s_local,
             order.shape[0], host.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size,
-            CAUSAL=causal, WAIT=wait, WHOLE=chunk % full["block_m"] == 0, TAIL=not causal and s_local % full["block_n"] != 0,
+            CAUSAL=causal, WAIT=wait, WHOLE=chunk % full["block_m"] == 0,
+            TAIL=not causal and s_local % full["block_n"] != 0,
             HEAD_DIM=head_dim, BLOCK_M=full["block_m"], BLOCK_N=full["block_n"], num_warps=full["num_warps"],
             num_stages=full["num_stages"], **({} if causal or maxnreg is None else {"maxnreg": maxnreg}),
         )
@@ -681,8 +683,8 @@ _lse: dict = {}
 
 
 def lse_buffer(rows: int, device) -> torch.Tensor:
-    """fp32 [rows]: the causal warp-specialized kernel's log2-sum-exp2 per query row, for the causal kernel's ``MERGE`` (cached per
-    size and device, as ``progress_flags``: the two kernels use it in stream order)."""
+    """fp32 [rows]: the causal warp-specialized kernel's log2-sum-exp2 per query row, for the causal kernel's
+    ``MERGE`` (cached per size and device, as ``progress_flags``: the two kernels use it in stream order)."""
     key = (rows, device)
     if key not in _lse:
         if len(_lse) >= host.MAX_PREPARED:
