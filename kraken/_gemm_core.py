@@ -50,6 +50,14 @@ SKINNY_M = 256
 SKINNY_BLOCK_K = 128
 SKINNY_STAGE_BYTES = 192 * 1024  # shared memory for the pipeline stages (of the 227 KiB an SM offers)
 SKINNY_MAX_STAGES = 5
+# Skinny tiles at least this wide (block_m + block_n: 128x64, 128x128, 64x128) take 64-deep k steps, as many stages as
+# ``SKINNY_STAGE_BYTES`` hold up to ``SKINNY_MAX_STAGES_64``: 128-deep ones left them 3-4 stages, too few loads in
+# flight (one H200, world size 1, gemm_all_reduce x cuBLAS, CUDA graphs, two passes, 128-deep -> 64-deep: 256x4096x4096
+# on 128x64 tiles 1.320-1.331 -> 1.270-1.271 (8 stages), 128x8192x8192 1.113-1.119 -> 1.088-1.095, 256x8192x8192 on
+# 128x128 tiles 1.194-1.201 -> 1.103-1.105 (6 stages); the narrower 64x32 and 128x32 tiles lose: 1.20 -> 1.55 and
+# 1.07 -> 1.17). cuBLAS runs 128x64 tiles 64 deep, 8 stages, at 256x4096x4096.
+SKINNY_WIDE = 192
+SKINNY_MAX_STAGES_64 = 8
 MIN_TILES_PER_SM = 0.55
 # A persistent tile loop over tiles of at least ``FLATTEN_MIN_TILE`` elements runs as ``tl.range(..., flatten=True)``
 # (``flattens``): Triton fuses it with the k loop into one pipelined loop, so the next tile's first loads are in flight
@@ -191,22 +199,24 @@ def fp8_b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
 # ---------------------------------------------------------------------------
 
 
-def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool) -> dict:
+def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool, operand_bytes: int = 2) -> dict:
     """Tiles for an M x N output (M rows of one rank's partial): for M <= ``SKINNY_M``, one warpgroup on 64- or
     128-row tiles (128 from M = 128), as narrow (>= 32, or 64 when ``push``-ing 64-row tiles) as fits one
-    wave of ``num_sms``, 128-deep k steps and as many stages as ``SKINNY_STAGE_BYTES`` hold; above, the
+    wave of ``num_sms``, 128-deep k steps (64-deep from ``SKINNY_WIDE`` with 2-byte operands) and as many stages as
+    ``SKINNY_STAGE_BYTES`` hold; above, the
     largest of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a tile, else the smallest."""
     if m <= SKINNY_M:
         # Boxes no larger than the operands where they can be (Helion loads a box larger than its tensor
         # through pointers, not TMA).
         block_m = 128 if m >= 128 else 64
         block_n = 64 if block_m == 64 and push else 32
-        block_k = SKINNY_BLOCK_K if k >= SKINNY_BLOCK_K else 64
         while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
             block_n *= 2
+        deep = k >= SKINNY_BLOCK_K and (block_m + block_n < SKINNY_WIDE or operand_bytes != 2)  # (fp8: not measured)
+        block_k = SKINNY_BLOCK_K if deep else 64
         stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * block_k * 2)  # bf16/fp16 operands
         return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
-                "num_stages": min(stages, SKINNY_MAX_STAGES)}
+                "num_stages": min(stages, SKINNY_MAX_STAGES if deep else SKINNY_MAX_STAGES_64)}
 
     def fills(cfg: dict) -> bool:
         return host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms

@@ -319,9 +319,13 @@ def test_default_config_per_shape_class():
                      ((64, 4096, 4096), 4): "one", ((256, 4096, 4096), 4): "two", ((512, 4096, 4096), 4): "two"}
     # Pulling, 64-row tiles are 32 wide again (128 blocks, as before pushing).
     assert recipe.default_config(64, 4096, 4096, 132, 4)["block_n"] == 32
-    # The pipeline fits shared memory: 5 stages of 64x128 + 128x64 bf16, 4 of 128x128 + 128x64.
+    # The pipeline fits shared memory: 5 stages of 64x128 + 128x64 bf16 (128-deep k steps); the 128x64 tiles step 64
+    # deep (``SKINNY_WIDE``), 8 stages of 128x64 + 64x64, and 128x128 ones 6 of 128x64 + 64x128.
     assert recipe.default_config(64, 4096, 4096, 132, 2)["num_stages"] == 5
-    assert recipe.default_config(256, 4096, 4096, 132, 2)["num_stages"] == 4
+    assert recipe.default_config(64, 4096, 4096, 132, 2)["block_k"] == 128
+    assert [recipe.default_config(256, 4096, 4096, 132, 2)[key] for key in ("block_k", "num_stages")] == [64, 8]
+    assert [recipe.default_config(256, 8192, 8192, 132, 1)[key] for key in ("block_n", "block_k", "num_stages")] == [
+        128, 64, 6]
     cfg = recipe.plan(2048, 4096, 4096, 2, {"block_n": 128, "num_stages": 3}, 132)
     assert (cfg["block_m"], cfg["block_n"], cfg["num_stages"]) == (128, 128, 3)
 

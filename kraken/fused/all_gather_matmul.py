@@ -253,19 +253,19 @@ def launch(
 
 
 def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int, tile_configs: list,
-              defaults: dict, op: str, least_block_k: int = 16) -> tuple[dict, int]:
+              defaults: dict, op: str, least_block_k: int = 16, operand_bytes: int = 2) -> tuple[dict, int]:
     """What both GEMMs' plans share: the largest of ``tile_configs`` that gives ``MIN_TILES_PER_SM`` of the SMs a
     tile; where none does, up to ``SKINNY_M`` rows, the reduce recipes' skinny tiles (one warpgroup, narrow tiles
-    that fill a wave: ``skinny_or_large_tiles``), else the smallest; under the ``config``; tile sizes powers of two
-    (at least 16, ``block_k`` at least ``least_block_k``); and the grid: at most one block per SM but
-    ``RESERVED_SMS`` (the GEMM waits on flags in local memory and uses no signal pad), never more blocks than
+    that fill a wave: ``skinny_or_large_tiles``, ``operand_bytes`` 1 for fp8), else the smallest; under the ``config``;
+    tile sizes powers of two (at least 16, ``block_k`` at least ``least_block_k``); and the grid: at most one block per
+    SM but ``RESERVED_SMS`` (the GEMM waits on flags in local memory and uses no signal pad), never more blocks than
     tiles. (cfg, num_blocks)."""
     def fills(cfg: dict) -> bool:
         return world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
 
     tiles = next((cfg for cfg in tile_configs if fills(cfg)), None)
     if tiles is None:
-        tiles = skinny_or_large_tiles(m, n, k, num_sms, push=False) if m <= SKINNY_M else tile_configs[-1]
+        tiles = skinny_or_large_tiles(m, n, k, num_sms, False, operand_bytes) if m <= SKINNY_M else tile_configs[-1]
     cfg = {**defaults, **tiles, **config}
     for key in ("block_m", "block_n", "block_k", "group_m"):
         value = cfg[key]

@@ -235,7 +235,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     the SMs a tile, a persistent grid of at most one block per SM but ``RESERVED_SMS``."""
     host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     cfg, num_blocks = tile_plan(m, n, k, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP,
-                                least_block_k=32)
+                                least_block_k=32, operand_bytes=1)
     if cfg["block_k"] > MAX_BLOCK_K:
         raise ValueError(f"{OP}: block_k must be <= 128 (128 fp8 bytes: one TMA swizzle row), got {cfg['block_k']}")
     if cfg["b_layout"] not in B_LAYOUTS:

@@ -57,10 +57,6 @@ DEFAULT_CONFIG = {"block_m": None, "block_n": None, "block_k": None, "group_m": 
 # 390-392 us against 411-418; 1024x6656x2560 (79% either way) 83 us against 78, and 8192x14336x4096 (97%
 # either way) 1643 (1603 on 4 warps) against 1523-1556.
 MID_TILE = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}
-# The skinny 128x128 tiles (``skinny_or_large_tiles``) take 64-deep k steps 6 stages deep instead of 128-deep ones
-# 3 deep: the same bytes in flight, twice the loads in flight (one H200, world size 1, 256x8192x4096: 26.9 us
-# against 31.3; cuBLAS runs 128x128, 64 x 6 there).
-SKINNY_DEEP = {"block_k": 64, "num_stages": 6}
 WAVE_GAIN = 0.05
 
 
@@ -222,9 +218,8 @@ def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dic
     to 2 ranks; above, the largest tile that gives more than half the SMs a tile), or ``MID_TILE`` where that
     fills the waves of ``num_sms`` blocks by ``WAVE_GAIN`` better."""
     band_m = max(m // world_size, 1)
+    # (Its skinny 128x128 tiles 64 deep, 6 stages: 256x8192x4096 at one rank 26.9 us against 31.3 for 128 x 3.)
     cfg = skinny_or_large_tiles(band_m, n, k, num_sms, push=band_m <= SKINNY_M and world_size <= 2)
-    if band_m <= SKINNY_M and cfg["block_m"] == cfg["block_n"] == 128:
-        cfg.update(SKINNY_DEEP)
 
     def fill(tile: dict) -> float:  # the share of the rounds' block slots (rounds x blocks) that get a tile
         tiles = host.cdiv(band_m, tile["block_m"]) * host.cdiv(n, tile["block_n"])
