@@ -138,7 +138,10 @@ FULL_TILES = {
 # B1 H32 8K Hkv 8 1.145 -> 1.073, Hkv 32 1.21 -> 1.13, 32K 1.20 -> 1.06-1.08; head_dim 64 (B4 H16 8K) 1.098 -> 1.128,
 # so head_dim 64 keeps the causal kernel alone. The warp-specialized kernel alone ran at 0.95-1.05x cuDNN at 8K; the
 # second pass costs 105-125 us at 8K (it reads q and the first's output again and writes the output: about 60 us of
-# bytes, the rest latency: 1-2 key tiles per query tile).
+# bytes, the rest latency: 1-2 key tiles per query tile). Folding the diagonal into the warp-specialized kernel did not
+# pay: a branch on it in the key loop makes Triton 3.6 drop warp specialization (255 registers, spills; 3.8x slower), a
+# mask on every key tile or the diagonal pass first, merged in this kernel's epilogue, were no faster (history, fifth
+# session).
 SPLIT_HEAD_DIMS = (128,)
 # At one rank, from this S_local on, the warp-specialized causal kernel takes one block per tile, kv head by kv head
 # (the tiles running at once share a few heads' K/V in L2), where shorter sequences run on ``FULL_ONE_RANK_WAVES``
