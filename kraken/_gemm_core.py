@@ -203,8 +203,8 @@ def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool, oper
     """Tiles for an M x N output (M rows of one rank's partial): for M <= ``SKINNY_M``, one warpgroup on 64- or
     128-row tiles (128 from M = 128), as narrow (>= 32, or 64 when ``push``-ing 64-row tiles) as fits one
     wave of ``num_sms``, 128-deep k steps (64-deep from ``SKINNY_WIDE`` with 2-byte operands) and as many stages as
-    ``SKINNY_STAGE_BYTES`` hold; above, the
-    largest of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a tile, else the smallest."""
+    ``SKINNY_STAGE_BYTES`` hold; above, the largest of ``TILE_CONFIGS`` that gives ``MIN_TILES_PER_SM`` of the SMs a
+    tile, else the smallest."""
     if m <= SKINNY_M:
         # Boxes no larger than the operands where they can be (Helion loads a box larger than its tensor
         # through pointers, not TMA).
@@ -212,11 +212,11 @@ def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool, oper
         block_n = 64 if block_m == 64 and push else 32
         while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
             block_n *= 2
-        deep = k >= SKINNY_BLOCK_K and (block_m + block_n < SKINNY_WIDE or operand_bytes != 2)  # (fp8: not measured)
-        block_k = SKINNY_BLOCK_K if deep else 64
+        wide = block_m + block_n >= SKINNY_WIDE and operand_bytes == 2  # (fp8 not measured: it keeps 128-deep steps)
+        block_k = 64 if wide or k < SKINNY_BLOCK_K else SKINNY_BLOCK_K
         stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * block_k * 2)  # bf16/fp16 operands
         return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
-                "num_stages": min(stages, SKINNY_MAX_STAGES if deep else SKINNY_MAX_STAGES_64)}
+                "num_stages": min(stages, SKINNY_MAX_STAGES_64 if wide else SKINNY_MAX_STAGES)}
 
     def fills(cfg: dict) -> bool:
         return host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
