@@ -55,7 +55,8 @@ SKINNY_MAX_STAGES = 5
 # flight (one H200, world size 1, gemm_all_reduce x cuBLAS, CUDA graphs, two passes, 128-deep -> 64-deep: 256x4096x4096
 # on 128x64 tiles 1.320-1.331 -> 1.270-1.271 (8 stages), 128x8192x8192 1.113-1.119 -> 1.088-1.095, 256x8192x8192 on
 # 128x128 tiles 1.194-1.201 -> 1.103-1.105 (6 stages); the narrower 64x32 and 128x32 tiles lose: 1.20 -> 1.55 and
-# 1.07 -> 1.17). cuBLAS runs 128x64 tiles 64 deep, 8 stages, at 256x4096x4096.
+# 1.07 -> 1.17; gemm_reduce_scatter 256x8192x4096 on 128x128 tiles: 26.9 us against 31.3). cuBLAS runs 128x64 tiles 64
+# deep, 8 stages, at 256x4096x4096, and 128x128 64 x 6 at 256x8192x4096.
 SKINNY_WIDE = 192
 SKINNY_MAX_STAGES_64 = 8
 MIN_TILES_PER_SM = 0.55

@@ -22,18 +22,15 @@ making it wait for rows that are not there yet.
   waits for the rows' flag: one thread spins on an acquire load, then every thread fences
   the async proxy (``wait_async``): the rows are read through TMA. Within a chunk, tiles
   go in ``GROUP_M``-row bands (a band's rows and a column of ``b`` tiles stay in L2).
-* The GEMM is ``kraken._gemm_core.mainloop``: ``a``, the gathered rows and ``b`` load through
-  host-built TMA descriptors (zero-padded in k and n where a base or a row is not 16-byte
-  aligned; ``a``'s rows up to ``SKINNY_M`` padded to whole tiles: ``tma_operands``). Each of the two
-  tile loops has its own k loop; the loops follow each other, so their pipeline buffers share
-  shared memory (on the 128x256 tiles the first, which waits on no flag, is flattened with its k loop:
-  ``kraken._gemm_core.flattens``) (a branch between two k loops inside one tile loop keeps both sets alive:
-  twice the shared memory). A ``b`` stored
-  transposed (``w.t()`` of an [N, K] weight:
-  strides (1, K)) is read as is, its tiles transposed in registers (``b_layout``); any
-  other layout is copied contiguous. ``tl.dot`` accumulates in fp32; the output, in ``a``'s dtype, is stored through
-  pointers, masked to the chunk's rows (a tile at a chunk's end also reads some of the
-  next chunk's rows, and discards them).
+* The GEMM is ``kraken._gemm_core.mainloop``: ``a``, the gathered rows and ``b`` load through host-built TMA descriptors
+  (zero-padded in k and n where a base or a row is not 16-byte aligned; ``a``'s rows up to ``SKINNY_M`` padded to whole
+  tiles: ``tma_operands``). Each of the two tile loops has its own k loop; the loops follow each other, so their
+  pipeline buffers share shared memory (a branch between two k loops inside one tile loop keeps both sets alive: twice
+  the shared memory). On the 128x256 tiles the first loop, which waits on no flag, is flattened with its k loop
+  (``kraken._gemm_core.flattens``). A ``b`` stored transposed (``w.t()`` of an [N, K] weight: strides (1, K)) is read as
+  is, its tiles transposed in registers (``b_layout``); any other layout is copied contiguous. ``tl.dot`` accumulates in
+  fp32; the output, in ``a``'s dtype, is stored through pointers, masked to the chunk's rows (a tile at a chunk's end
+  also reads some of the next chunk's rows, and discards them).
 
 The flags are zeroed on the current stream before the side stream forks, and the side
 stream rejoins after the GEMM: every call (and every CUDA-graph replay) runs the whole

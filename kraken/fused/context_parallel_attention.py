@@ -21,14 +21,12 @@ its own K/V at once:
   fp32 accumulator) in registers across every rank's keys: its own first, then ``rank + 1``'s, ``rank + 2``'s,
   ... Before a peer's piece it waits on that piece's flag (an acquire spin, then the async-proxy fence: the K/V
   tiles load through TMA). No per-step launches and no merge of partial results across ranks. Two kernels:
-* Without ``causal``, ``full_attention_kernel``: every query sees every key, so a tile is one key loop over
-  every rank's shard, all read from the gather buffer (at one rank from ``k`` and ``v``) through device-built TMA
-  descriptors, K's and V's: 2-D
-  boxes where S_local is whole query tiles (the output then leaves through a TMA store), else [1, BLOCK_N,
-  head_dim] boxes that end at each shard's end (TMA's zeros past it). Its tile loop is warp-specialized (Triton 3.6
-  on sm_90: a producer warpgroup issues the loads, two consumer warpgroups take 64 query rows each, as in
-  FlashAttention-3), with a static schedule (block b takes tiles b, b + blocks, ...) and fixed tiles
-  (``FULL_CHOICES``).
+* Without ``causal``, ``full_attention_kernel``: every query sees every key, so a tile is one key loop over every rank's
+  shard, all read from the gather buffer (at one rank from ``k`` and ``v``) through device-built TMA descriptors, K's
+  and V's: 2-D boxes where S_local is whole query tiles (the output then leaves through a TMA store), else [1, BLOCK_N,
+  head_dim] boxes that end at each shard's end (TMA's zeros past it). Its tile loop is warp-specialized (Triton 3.6 on
+  sm_90: a producer warpgroup issues the loads, two consumer warpgroups take 64 query rows each, as in
+  FlashAttention-3), with a static schedule (block b takes tiles b, b + blocks, ...) and fixed tiles (``FULL_CHOICES``).
 * With ``causal``, ``context_parallel_attention_kernel``: each block takes the next tile from a count in memory
   when done with its last one (a dynamic schedule); its own K/V come straight from ``k`` and ``v`` and the
   peers' from the gather buffer, through host-built descriptors over the flattened [rows, head_dim] tensors.
@@ -338,10 +336,10 @@ def full_attention_kernel(
 ):
     """Without ``causal``: every query sees every key, so each tile is ONE key loop over every rank's shard (mine, then
     rank + 1's, ...), all read from the gather buffer (mine staged there, ``stage_own``; at one rank from ``k`` and
-    ``v``), and the persistent tile loop
-    is warp-specialized: on sm_90 a producer warpgroup issues the TMA loads and two consumer warpgroups take BLOCK_M / 2
-    query rows each (FlashAttention-3's split). Triton 3.6 specializes this only for one key loop in the tile loop,
-    with no branch in it, and with descriptors built on the device (host-built ones hung, docs/helion-notes.md)."""
+    ``v``), and the persistent tile loop is warp-specialized: on sm_90 a producer warpgroup issues the TMA loads and
+    two consumer warpgroups take BLOCK_M / 2 query rows each (FlashAttention-3's split). Triton 3.6 specializes this
+    only for one key loop in the tile loop, with no branch in it, and with descriptors built on the device (host-built
+    ones hung, docs/helion-notes.md)."""
     # K and V load through descriptors of their own, over the same buffer: V's starts one K block later, so a V tile has
     # its K tile's coordinates. WHOLE: every tile lies inside one (rank, k|v, (batch, kv head)) shard of the buffer and
     # one (batch, head) of q and out, so K/V load as 2-D [BLOCK_N, HEAD_DIM] boxes and the output leaves through a TMA

@@ -411,8 +411,8 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
         raise ValueError(f"{OP}: reduce_m must be a power of two <= {what} = {shard_m}, got {cfg['reduce_m']}")
     # Only where the kernel keeps its one tile in registers (``keeps_last``): two-shot sends every tile through its
     # block's chunk of the workspace, and there are chunks for one block per SM.
-    solo = ONE_RANK_TILE_PER_BLOCK and world_size == 1 and split == 1 and cfg["max_blocks"] is None
-    solo = solo and cfg["shot"] != TWO
+    solo = (ONE_RANK_TILE_PER_BLOCK and world_size == 1 and split == 1 and cfg["max_blocks"] is None
+            and cfg["shot"] != TWO)
     if solo and num_tiles <= host.max_barrier_blocks(1):
         num_groups = num_tiles  # one tile per block (``ONE_RANK_TILE_PER_BLOCK``)
     else:
