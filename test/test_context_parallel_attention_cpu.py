@@ -80,8 +80,8 @@ def test_plan_defaults(world_size):
         assert cfg["maxnreg"] == (None if threads <= 256 else 65536 // threads // 8 * 8), cfg["maxnreg"]
         # 8 kv heads: one per piece at 2 to 3 ranks, two per piece at 8 (pieces: 32 // world_size, at least 2); at one
         # rank (no flags) pieces only group tiles for the order, at least two per block: 4 query heads x 64 tiles
-        # per kv head, 262 (128) or 393 (64) blocks: 3 or 4 kv heads per piece.
-        one_rank = (3, 3) if head_dim == 128 else (2, 4)
+        # per kv head, 393 blocks (three per SM at both head_dims): 4 kv heads per piece.
+        one_rank = (2, 4)
         assert (cfg["pieces"], cfg["piece_rows"]) == (one_rank if world_size == 1 else (8, 1) if world_size < 8 else (4, 2))
     cfg = recipe.plan(1, 32, 32, 4096, 128, world_size, False, {}, sm90.H200_NUM_SMS)
     assert (cfg["pieces"], cfg["piece_rows"]) == {1: (1, 32), 2: (16, 2), 3: (8, 4), 8: (4, 8)}[world_size]

@@ -82,15 +82,14 @@ WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
 
 def indexing(merge: bool) -> tuple[str, ...]:
     """The causal body's loads and stores, in program order, through pointers (``order``'s fields, ``spans``, the
-    store to out) or TMA (q, k, v and the gather buffer): the tile's first q row and first row in its chunk; q; with
-    ``merge`` the lse and output it resumes from; my own
+    store to out) or TMA (q, k, v and the gather buffer): the tile's first q row and first row in its chunk; q; my own
     K/V's spans, the tile's half and first row, then k and v of its unmasked and masked key loops; the peer's the same
-    with the piece, the step's first row, its wrap and the second chunk's whole tiles; the store; the piece again
-    (the block's last)."""
+    with the piece, the step's first row, its wrap and the second chunk's whole tiles; with ``merge`` the lse and
+    output it resumes from; the store; the piece again (the block's last)."""
     pointer, tma = ("pointer",), ("tensor_descriptor",)
     own = pointer * 4 + tma * 4
     peer = pointer * 9 + tma * 4
-    return pointer * 2 + tma + (pointer + tma) * merge + own + peer + pointer + pointer
+    return pointer * 2 + tma + own + peer + (pointer + tma) * merge + pointer + pointer
 
 
 def context_parallel_attention_body(
@@ -132,14 +131,9 @@ def context_parallel_attention_body(
             for tile_m, tile_d in hl.tile([q_row0, 0], [q_row0 + block_m, head_dim], block_size=[block_m, head_dim]):
                 q = q2[tile_m, tile_d]
                 offs_m = tile_m.index - (q_row0 - m0)  # query rows within the chunk
-                if merge:  # the state the warp-specialized body left (l_i 1: its output is normalized, m_i its lse)
-                    m_i = hl.load(lse, [tile_m], extra_mask=offs_m < chunk)
-                    l_i = hl.full([tile_m], 1.0, dtype=torch.float32)
-                    acc = out2[tile_m, tile_d].to(torch.float32)  # (rows past the chunk: discarded at the store)
-                else:
-                    m_i = hl.full([tile_m], -1.0e30, dtype=torch.float32)
-                    l_i = hl.zeros([tile_m], dtype=torch.float32)
-                    acc = hl.zeros([tile_m, tile_d], dtype=torch.float32)
+                m_i = hl.full([tile_m], -1.0e30, dtype=torch.float32)
+                l_i = hl.zeros([tile_m], dtype=torch.float32)
+                acc = hl.zeros([tile_m, tile_d], dtype=torch.float32)
                 # My own K/V first, read where the caller keeps them: a prefix of my shard's keys, unmasked up to the
                 # tile's first row (my chunks are in the sequence's order), the rest masked.
                 span = spans[0, 0]  # chunk
@@ -213,6 +207,15 @@ def context_parallel_attention_body(
                         peer_v = torch.where((peer_cols < peer_hi)[:, None], kv_v[tile_n, tile_d], 0.0)
                         acc = hl.dot(peer_p.to(peer_v.dtype), peer_v, acc=acc * peer_alpha[:, None])
                         m_i = peer_m_ij
+                if merge:
+                    # Combined with the state the warp-specialized body left (its output normalized, its
+                    # log2-sum-exp2), loaded only now, as the recipe's (rows past the chunk: discarded at the store).
+                    earlier_lse = hl.load(lse, [tile_m], extra_mask=offs_m < chunk)
+                    merged_m = torch.maximum(m_i, earlier_lse)
+                    earlier = torch.exp2(earlier_lse - merged_m)
+                    here = torch.exp2(m_i - merged_m)
+                    acc = out2[tile_m, tile_d].to(torch.float32) * earlier[:, None] + acc * here[:, None]
+                    l_i = earlier + l_i * here
                 # Only the chunk's rows: a tile at a chunk's end also read some rows after it, discarded.
                 hl.store(out2, [tile_m, tile_d], (acc / l_i[:, None]).to(out2.dtype),
                          extra_mask=(offs_m < chunk)[:, None])

@@ -106,16 +106,20 @@ FULL_ONE_RANK_WAVES = 4
 # runs under another's GEMMs, where one 8-warp block of 128 rows keeps its two warpgroups in step. One H200, world size
 # 1, CUDA graphs, 8K: head_dim 64 three blocks (at most 168 registers) 1509 us to two blocks' 1786 (B4 H16 causal);
 # head_dim 128 two blocks of 64 x 64 (3 stages: 2 x 112 KB of shared memory) 2078 us to one 8-warp block of 128 x 64's
-# 2288 (non-causal), 1320 to 1536 (causal). Head_dim 128 runs two blocks at one rank only (``ONE_RANK_TILES``): with the
-# peer loop too, the 4-warp block takes 221 registers here but all 255 in the Helion twin, which spills 8 bytes from 2
-# ranks (the predicate of the thread that takes the next tile), where one 8-warp block of 128 x 64 fits both with no
-# spill at 1 to 8 ranks (128 x 128 spills under causal from 2 ranks).
+# 2288 (non-causal), 1320 to 1536 (causal). Head_dim 128 runs several blocks at one rank only (``ONE_RANK_TILES``):
+# with the peer loop too, the 4-warp block takes 221 registers here but all 255 in the Helion twin, which spills 8 bytes
+# from 2 ranks (the predicate of the thread that takes the next tile), where one 8-warp block of 128 x 64 fits both with
+# no spill at 1 to 8 ranks (128 x 128 spills under causal from 2 ranks).
 TILES = {
     64: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 3},
     128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "blocks_per_sm": 1},
 }
+# At one rank head_dim 128 always splits (``SPLIT_HEAD_DIMS``), so these are the second pass's tiles: one stage (a
+# query tile meets one or two key tiles), three blocks per SM (at most 168 registers, the merge's state loaded after
+# the key loop). One H200, world size 1, CUDA graphs, x cuDNN, against two blocks of 3 stages: B1 H32 8K Hkv 32
+# 1.128 -> 1.113, Hkv 8 1.075 -> 1.056, 32K Hkv 8 1.092 -> 1.085 (docs/history.md, sixth session).
 ONE_RANK_TILES = {
-    128: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 2},
+    128: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1, "blocks_per_sm": 3},
 }
 # Without causal (``full_attention_kernel``, warp-specialized): ``num_warps`` 4 is the producer warpgroup, and Triton
 # adds two consumer warpgroups of BLOCK_M / 2 query rows each (12 warps, one block per SM). One H200, world size 1,
@@ -135,11 +139,11 @@ FULL_TILES = {
 # tile), resuming from the first's output and log-sum-exp (``MERGE``). One H200, world size 1, CUDA graphs, x cuDNN:
 # B1 H32 8K Hkv 8 1.145 -> 1.073, Hkv 32 1.21 -> 1.13, 32K 1.20 -> 1.06-1.08; head_dim 64 (B4 H16 8K) 1.098 -> 1.128,
 # so head_dim 64 keeps the causal kernel alone. The warp-specialized kernel alone ran at 0.95-1.05x cuDNN at 8K; the
-# second pass costs 105-125 us at 8K (it reads q and the first's output again and writes the output: about 60 us of
-# bytes, the rest latency: 1-2 key tiles per query tile). Folding the diagonal into the warp-specialized kernel did not
-# pay: a branch on it in the key loop makes Triton 3.6 drop warp specialization (255 registers, spills; 3.8x slower), a
-# mask on every key tile or the diagonal pass first, merged in this kernel's epilogue, were no faster (history, fifth
-# session).
+# second pass costs 105-125 us at 8K, 90-100 on ``ONE_RANK_TILES`` (it reads q, the key tiles and the first's output
+# and writes the output: 224-320 MB at 8K, 2.1-2.9 TB/s; latency-bound: 1-2 key tiles per query tile). Folding the
+# diagonal into the warp-specialized kernel did not pay: a branch on it in the key loop makes Triton 3.6 drop warp
+# specialization (255 registers, spills; 3.8x slower), a mask on every key tile or the diagonal pass first, merged in
+# this kernel's epilogue, were no faster (history, fifth session).
 SPLIT_HEAD_DIMS = (128,)
 # At one rank, from this S_local on, the warp-specialized causal kernel takes one block per tile, kv head by kv head
 # (the tiles running at once share a few heads' K/V in L2), where shorter sequences run on ``FULL_ONE_RANK_WAVES``
@@ -249,15 +253,9 @@ def context_parallel_attention_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, HEAD_DIM)
         rows = q_row0 - m0 + offs_m
-        if MERGE:  # the state the warp-specialized kernel left (l_i 1: ``acc`` is normalized, ``m_i`` its lse)
-            m_i = tl.load(lse_ptr + rows, mask=offs_m < chunk, other=0.0)
-            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-            acc = tl.load(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=(offs_m < chunk)[:, None],
-                          other=0.0).to(tl.float32)
-        else:
-            m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], _MASKED_SCORE, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # My own K/V first, read where the caller keeps them: a prefix of my shard's keys. Under causal my chunks are
         # (rank, 2 ws - 1 - rank), in the sequence's order, so a query row at position p of my shard sees my keys
         # 0 .. p: all of them unmasked up to the tile's first row (rounded down to a whole key tile: ``m0`` is one,
@@ -295,6 +293,16 @@ def context_parallel_attention_kernel(
                                        offs_m, qk_scale, False, BLOCK_N)
             acc, m_i, l_i = attend(acc, m_i, l_i, q, kv_desc, kv_desc, k_row0, v_row0, hi // SPLIT * SPLIT, hi,
                                    offs_m + hi, qk_scale, True, BLOCK_N)
+        if MERGE:
+            # Combined with the state the warp-specialized kernel left (its output normalized, its log2-sum-exp2),
+            # loaded only now: held through the key loops, its registers kept a third block off the SM.
+            lse = tl.load(lse_ptr + rows, mask=offs_m < chunk, other=0.0)
+            m_ij = tl.maximum(m_i, lse)
+            earlier, here = tl.math.exp2(lse - m_ij), tl.math.exp2(m_i - m_ij)
+            prev = tl.load(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=(offs_m < chunk)[:, None],
+                           other=0.0)
+            acc = prev.to(tl.float32) * earlier[:, None] + acc * here[:, None]
+            l_i = earlier + l_i * here
         acc = acc / l_i[:, None]
         # Only the chunk's rows: a tile at a chunk's end also read some rows after it, discarded.
         tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc.to(out_ptr.dtype.element_ty),
