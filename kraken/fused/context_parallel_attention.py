@@ -36,9 +36,9 @@ its own K/V at once:
   3.6 warp-specializes only one key loop per tile loop, so this kernel is not.
 * With ``causal`` at head_dim 128 (``SPLIT_HEAD_DIMS``) both, in turn: ``full_attention_kernel`` (``CAUSAL``) takes
   every key tile that all of a query tile's rows see (its one key loop, unmasked, warp-specialized) and leaves each
-  row's output and log2-sum-exp2; then ``context_parallel_attention_kernel`` (``MERGE``) resumes from them over the
-  rest, the masked tiles (the diagonal, a chunk's partial last key tile). The first output passes through bf16 once
-  more (relative error against float64 at 8K: 2.39e-3, cuDNN's 2.09e-3).
+  row's output and log2-sum-exp2; then ``context_parallel_attention_kernel`` (``MERGE``) runs the rest, the masked
+  tiles (the diagonal, a chunk's partial last key tile), and merges its own row max and sum with them at the end.
+  The first output passes through bf16 once more (relative error against float64 at 8K: 2.39e-3, cuDNN's 2.09e-3).
 
 ``causal=True`` uses the load-balanced layout: the sequence is cut into ``2 * world_size`` equal
 chunks and rank r holds chunks ``r`` and ``2 * world_size - 1 - r``, in that order, as its S_local
