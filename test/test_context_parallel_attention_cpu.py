@@ -389,6 +389,29 @@ def test_recipe_compiles_for_sm90(head_dim, causal, world_size):
         assert first["kernel"] == "full_attention_kernel" and "setmaxnreg" in first["ptx"]
         check_residency(first, recipe.FULL_TILES[head_dim]["num_warps"] * 3, 1)
         assert "partition1(" in first["ttgir"] and not shifted_row_bases(first["ttgir"], 64)
+        # It lets the causal kernel launch (``dependent_merge``), which waits for it before merging.
+        assert "griddepcontrol.launch_dependents" in first["ptx"] and "griddepcontrol.wait" in stats["ptx"]
+
+
+@pytest.mark.parametrize("module", [recipe, twin], ids=["recipe", "twin"])
+def test_the_causal_kernel_is_a_dependent_launch_where_no_block_waits(module):
+    """Causal at head_dim 128: the causal kernel (``MERGE``) is a programmatic dependent launch of the warp-specialized
+    one (``launch_pdl``) at one rank and on gathered K/V (no flag to wait for), a plain launch where blocks wait for
+    peers' pieces (``dependent_merge``); the first kernel lets it launch, and it waits for that grid before merging."""
+    batch, s_local, heads, kv_heads, head_dim = 1, 512, 2, 1, 128
+    for world_size, wait, dependent in ((1, True, True), (2, False, True), (2, True, False)):
+        q = torch.randn(batch, heads, s_local, head_dim, dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, kv_heads, s_local, head_dim, dtype=torch.bfloat16) for _ in range(2))
+        gathered = torch.empty(world_size, 2, batch * kv_heads, s_local, head_dim, dtype=torch.bfloat16)
+        cfg = module.plan(batch, heads, kv_heads, s_local, head_dim, world_size, True, {}, sm90.H200_NUM_SMS)
+        progress = torch.zeros(recipe.progress_size(world_size, cfg["pieces"]), dtype=torch.int32)
+        with sm90.capture_launches() as captured:
+            module.launch_attention(q, k, v, gathered, torch.empty_like(q), progress, world_size - 1, world_size, True,
+                                    None, wait, **cfg)
+        first, merge = captured
+        assert merge.kwargs.get("launch_pdl", False) == dependent, (world_size, wait)
+        assert not first.kwargs.get("launch_pdl", False)
+        assert "gdc_launch_dependents()" in first.kernel.src and "gdc_wait()" in merge.kernel.src
 
 
 @pytest.mark.parametrize("config", [{}, {"block_n": 64}], ids=["128x128", "128x64"])
@@ -437,6 +460,7 @@ def test_twin_compiles_for_sm90_and_matches_its_recipe(causal, head_dim, world_s
     if not causal:  # each consumer warpgroup stores its own rows (``shifted_row_bases``)
         assert "partition1(" in h["ttgir"] and not shifted_row_bases(h["ttgir"], tiles["block_m"] // 2)
     assert h["shared_bytes"] == compile_stats(recipe, world_size, causal, head_dim)["shared_bytes"]
+    assert ("griddepcontrol.wait" in h["ptx"]) == (causal and head_dim in recipe.SPLIT_HEAD_DIMS)
     # Both on wgmma and TMA (check_kernel). The instruction counts differ: Triton pipelines and peels the
     # twin's masked key loops differently from the recipe's (60 wgmma to 72 under causal).
 
@@ -476,8 +500,15 @@ def count_wait_token(flag_ptr, value):
     tl.atomic_add(flag_ptr, 1)
     return 0
 
+@triton.jit
+def grid_dependency():
+    pass  # griddepcontrol (programmatic dependent launch) is PTX too: kernels run one after another here
+
 m.wait_async = count_wait
 m.wait_each_thread = count_wait_token
+m.gdc_wait = m.gdc_launch_dependents = grid_dependency  # the recipe's names, and the ones the twin's code calls
+import triton.language.extra.cuda as cuda_extra
+cuda_extra.gdc_wait = cuda_extra.gdc_launch_dependents = grid_dependency
 
 def reference(q, k, v, causal, scale):
     group = q.shape[1] // k.shape[1]

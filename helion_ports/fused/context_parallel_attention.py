@@ -59,6 +59,7 @@ from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with
     OP,
     attend_to_sequence,
     default_tiles,
+    dependent_merge,
     FULL_TILES,
     full_order,
     launch as recipe_launch,
@@ -209,7 +210,9 @@ def context_parallel_attention_body(
                         m_i = peer_m_ij
                 if merge:
                     # Combined with the state the warp-specialized body left (its output normalized, its
-                    # log2-sum-exp2), loaded only now, as the recipe's (rows past the chunk: discarded at the store).
+                    # log2-sum-exp2), loaded only now, as the recipe's (rows past the chunk: discarded at the store),
+                    # once that kernel's writes are visible: this one may launch while it runs (``GDC_WAIT``).
+                    hl.inline_triton(GDC_WAIT, args={}, output_like=None)
                     earlier_lse = hl.load(lse, [tile_m], extra_mask=offs_m < chunk)
                     merged_m = torch.maximum(m_i, earlier_lse)
                     earlier = torch.exp2(earlier_lse - merged_m)
@@ -247,6 +250,12 @@ WHOLE_K_LOAD, WHOLE_V_LOAD = (WHOLE_KV_LOAD.replace("{which}", which) for which 
 SHARD_K_LOAD, SHARD_V_LOAD = (SHARD_KV_LOAD.replace("{which}", which) for which in "kv")
 WHOLE_STORE = "out_desc.store([({row0}).to(tl.int32), 0], {value})"
 WAIT_EACH = GMEM_WAIT_EACH_THREAD.replace("{flag}", "{progress} + {index}")
+# The recipe's programmatic dependent launch of the causal kernel after the warp-specialized one (its
+# ``launch_attention``), with Triton's own griddepcontrol ops: Helion's ``hl.pdl_wait`` waits only at a kernel's entry,
+# where the causal body must run its key loops first, and any ``hl.pdl_*`` op makes the kernel that holds it a dependent
+# launch too (docs/helion-notes.md). ``run_capped`` launches the causal body with ``launch_pdl``.
+GDC_LAUNCH_DEPENDENTS = "tl.extra.cuda.gdc_launch_dependents()"
+GDC_WAIT = "tl.extra.cuda.gdc_wait()"
 
 
 def full_attention_body(
@@ -289,6 +298,8 @@ def full_attention_body(
                                "kv_blocks": kv_blocks, "kv_rows": kv_rows, "s_local": s_local, "d": head_dim,
                                "bm": block_m, "bn": block_n},
                          output_like=None)
+        if causal:  # the causal body (``merge``) may launch now, as the recipe's (``GDC_LAUNCH_DEPENDENTS``)
+            hl.inline_triton(GDC_LAUNCH_DEPENDENTS, args={}, output_like=None)
         for tile in hl.grid(block, num_tiles, num_blocks):  # block b: tiles b, b + num_blocks, ...
             q_row0 = order[tile, 0]
             kv_head = order[tile, 1] // s_local
@@ -413,18 +424,19 @@ def compiled(causal: bool, merge: bool, block_m: int, block_n: int, num_warps: i
                        host_tensor_descriptors=True)
 
 
-def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None):
+def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None, launch_pdl: bool = False):
     """``helion_ports.run`` with the recipe's register cap (``plan``'s ``maxnreg``, where several blocks share an SM)
-    given to Triton. Helion 1.5.0 takes ``maxnreg`` only with its persistent pid types (``flat`` here, see
-    ``helion_ports``), so the cap goes into the launch itself: the bound kernel's generated host code launches
-    through the ``_launcher`` it is given, and a Triton launch compiles for the ``maxnreg`` among its keywords. Even
-    the first call launches so (it compiles the config, then launches capped): an uncapped kernel could fit fewer
-    blocks per SM than the grid counts on."""
-    if maxnreg is None:
+    given to Triton, and with ``launch_pdl`` as a programmatic dependent launch. Helion 1.5.0 takes ``maxnreg`` only
+    with its persistent pid types (``flat`` here, see ``helion_ports``), so the cap goes into the launch itself: the
+    bound kernel's generated host code launches through the ``_launcher`` it is given, and a Triton launch compiles for
+    the ``maxnreg`` and ``launch_pdl`` among its keywords. Even the first call launches so (it compiles the config, then
+    launches capped): an uncapped kernel could fit fewer blocks per SM than the grid counts on."""
+    options = {**({} if maxnreg is None else {"maxnreg": maxnreg}), **({"launch_pdl": True} if launch_pdl else {})}
+    if not options:
         return run(kernel, args, launcher)
 
     def capped(triton_kernel, grid, *kernel_args, **meta):
-        return launcher(triton_kernel, grid, *kernel_args, **meta, maxnreg=maxnreg)
+        return launcher(triton_kernel, grid, *kernel_args, **meta, **options)
 
     kept = getattr(launcher, "bound", None)  # a prepared call's host.Launcher keeps its bound kernel
     bound = kept.get(id(kernel)) if kept is not None else None
@@ -494,7 +506,8 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         block_m, block_n,
     )
     with explicit_masks():  # (a warm call launches the bound kernel: nothing is generated, nothing changes)
-        run_capped(compiled(True, split, block_m, block_n, num_warps, num_stages), args, launcher, maxnreg)
+        run_capped(compiled(True, split, block_m, block_n, num_warps, num_stages), args, launcher, maxnreg,
+                   split and dependent_merge(wait, world_size))
     return out
 
 

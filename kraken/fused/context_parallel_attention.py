@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
@@ -295,7 +296,9 @@ def context_parallel_attention_kernel(
                                    offs_m + hi, qk_scale, True, BLOCK_N)
         if MERGE:
             # Combined with the state the warp-specialized kernel left (its output normalized, its log2-sum-exp2),
-            # loaded only now: held through the key loops, its registers kept a third block off the SM.
+            # loaded only now: held through the key loops, its registers kept a third block off the SM. Launched
+            # while that kernel still runs (``launch_attention``): its writes are complete and visible past this wait.
+            gdc_wait()
             lse = tl.load(lse_ptr + rows, mask=offs_m < chunk, other=0.0)
             m_ij = tl.maximum(m_i, lse)
             earlier, here = tl.math.exp2(lse - m_ij), tl.math.exp2(m_i - m_ij)
@@ -357,6 +360,8 @@ def full_attention_kernel(
     # measured 3-8% (one descriptor for K and V 1730 us against 1605, a pointer store 7%, 3-D boxes 3-5%); here, within
     # 1%: on the persistent grid this kernel's time was its slowest block's (``FULL_ONE_RANK_WAVES``; docs/history.md,
     # "2026-11-25, second session").
+    if CAUSAL:  # the causal kernel (``MERGE``) may launch now: its blocks take the SMs this grid's tail leaves idle
+        gdc_launch_dependents()
     q_desc = tl.make_tensor_descriptor(q_ptr, shape=[q_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
     blocks = world_size * 2 * kv_rows  # the buffer's (rank, k|v, (batch, kv head)) blocks of S_local rows
@@ -638,7 +643,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     head_dim] (mine where ``stage_own`` put them; at one rank ``k`` and ``v`` themselves), waiting on ``progress`` if
     ``wait``: the warp-specialized kernel without causal, or under causal at ``SPLIT_HEAD_DIMS`` (``split_blocks``)
     then the causal kernel on the rest (``MERGE``); else the causal kernel alone. The causal kernel reads my K/V from
-    ``k`` and ``v``."""
+    ``k`` and ``v``; after the warp-specialized kernel, as a dependent launch where ``dependent_merge`` says."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
     qk_scale = softmax_scale(scale, head_dim)
@@ -672,8 +677,20 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
             pieces, qk_scale, rank, world_size, CAUSAL=causal, WAIT=wait, MERGE=split,
             SPLIT=full["block_m"] if split else block_n, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+            **({"launch_pdl": True} if split and dependent_merge(wait, world_size) else {}),
         )
     return out
+
+
+def dependent_merge(wait: bool, world_size: int) -> bool:
+    """Whether the causal kernel after the warp-specialized one (``MERGE``) is a programmatic dependent launch
+    (``launch_pdl``): wherever no block waits for a peer's piece. Its blocks then start on the SMs the first grid's last
+    blocks leave idle and run their key loops there, and wait for that grid only before they merge (``gdc_wait``). One
+    H200, world size 1, CUDA graphs, x cuDNN, against a plain launch: B1 H32 8K Hkv 32 1.110 -> 1.104, Hkv 8 1.058 ->
+    1.051 (docs/history.md, seventh session). With flag waits it stays a plain launch: its blocks would take the SMs
+    kept for the exchange's barrier kernel (``RESERVED_SMS``) while the first grid's blocks wait for pieces that kernel
+    lets in."""
+    return not (wait and world_size > 1)
 
 
 def full_order(batch: int, heads: int, kv_heads: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
