@@ -83,6 +83,13 @@ def test_plan_defaults(world_size):
         # per kv head, 393 blocks (three per SM at both head_dims): 4 kv heads per piece.
         one_rank = (2, 4)
         assert (cfg["pieces"], cfg["piece_rows"]) == (one_rank if world_size == 1 else (8, 1) if world_size < 8 else (4, 2))
+    # Causal at head_dim 128, the warp-specialized kernel first: persistent with peers, SPLIT_ONE_RANK_WAVES times the
+    # resident blocks at one rank below SPLIT_LONG rows, one block per tile from there.
+    waves = recipe.SPLIT_ONE_RANK_WAVES if world_size == 1 else 1
+    assert cfg["split_blocks"] == waves * (sm90.H200_NUM_SMS - recipe.RESERVED_SMS)
+    tiles = 32 * 2 * recipe.SPLIT_LONG // 2 // recipe.FULL_TILES[128]["block_m"]
+    long = recipe.plan(1, 32, 8, recipe.SPLIT_LONG, 128, world_size, True, {}, sm90.H200_NUM_SMS)["split_blocks"]
+    assert long == (tiles if world_size == 1 else sm90.H200_NUM_SMS - recipe.RESERVED_SMS)
     cfg = recipe.plan(1, 32, 32, 4096, 128, world_size, False, {}, sm90.H200_NUM_SMS)
     assert (cfg["pieces"], cfg["piece_rows"]) == {1: (1, 32), 2: (16, 2), 3: (8, 4), 8: (4, 8)}[world_size]
     # Without causal: persistent with peers (their flags), FULL_ONE_RANK_WAVES times the resident blocks at one rank.

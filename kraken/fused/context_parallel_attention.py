@@ -147,10 +147,15 @@ FULL_TILES = {
 # this kernel's epilogue, were no faster (history, fifth session).
 SPLIT_HEAD_DIMS = (128,)
 # At one rank, from this S_local on, the warp-specialized causal kernel takes one block per tile, kv head by kv head
-# (the tiles running at once share a few heads' K/V in L2), where shorter sequences run on ``FULL_ONE_RANK_WAVES``
+# (the tiles running at once share a few heads' K/V in L2), where shorter sequences run on ``SPLIT_ONE_RANK_WAVES``
 # times the resident blocks with the tiles longest first over all heads (the blocks' sums evened by the order): x cuDNN,
 # the first kernel alone, 32K 1.040 against 1.13, 8K Hkv 8 1.018 against 0.952, Hkv 32 1.07 against 1.003.
 SPLIT_LONG = 16384
+# Five waves rather than ``FULL_ONE_RANK_WAVES``' four: the last wave's ragged end is where the causal kernel, a
+# dependent launch (``dependent_merge``), starts. One H200, B1 H32 8K causal, both kernels, x cuDNN: Hkv 32 4 waves
+# 1.106-1.109, 5 waves 1.100-1.101, 6 1.106-1.107, 7 1.116, 2 1.126-1.127, 8 1.135-1.137, 4.5 or 5.5 waves (a last wave
+# part-filled) 1.17-1.18; Hkv 8 4 waves 1.044-1.046, 5 1.043-1.045, 3 1.040-1.042 (history, seventh session).
+SPLIT_ONE_RANK_WAVES = 5
 FULL_CHOICES = {"block_m": (128,), "block_n": (64, 128), "num_warps": (4,), "num_stages": (2,), "blocks_per_sm": (1,)}
 # Registers per SM (and per thread at most): ``plan``'s register cap for blocks_per_sm blocks.
 SM_REGISTERS, MAX_REGISTERS = 65536, 255
@@ -553,7 +558,7 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
         split_tiles = batch * heads * 2 * host.cdiv(max(chunk, 1), FULL_TILES[head_dim]["block_m"])
         split_slots = FULL_TILES[head_dim]["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
         if world_size == 1:
-            split_slots = split_tiles if s_local >= SPLIT_LONG else split_slots * FULL_ONE_RANK_WAVES
+            split_slots = split_tiles if s_local >= SPLIT_LONG else split_slots * SPLIT_ONE_RANK_WAVES
         if cfg["max_blocks"] is not None:
             split_slots = max(1, min(cfg["max_blocks"], split_slots))
         split_blocks = max(1, min(split_tiles, split_slots))
