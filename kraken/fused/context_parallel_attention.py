@@ -691,10 +691,10 @@ def dependent_merge(wait: bool, world_size: int) -> bool:
     """Whether the causal kernel after the warp-specialized one (``MERGE``) is a programmatic dependent launch
     (``launch_pdl``): wherever no block waits for a peer's piece. Its blocks then start on the SMs the first grid's last
     blocks leave idle and run their key loops there, and wait for that grid only before they merge (``gdc_wait``). One
-    H200, world size 1, CUDA graphs, x cuDNN, against a plain launch: B1 H32 8K Hkv 32 1.110 -> 1.104, Hkv 8 1.058 ->
-    1.051 (docs/history.md, seventh session). With flag waits it stays a plain launch: its blocks would take the SMs
-    kept for the exchange's barrier kernel (``RESERVED_SMS``) while the first grid's blocks wait for pieces that kernel
-    lets in."""
+    H200, world size 1, CUDA graphs, x cuDNN, against a plain launch, four runs: B1 H32 8K Hkv 32 1.109-1.116 ->
+    1.101-1.108, Hkv 8 1.055-1.064 -> 1.046-1.056 (docs/history.md, seventh session; before ``SPLIT_ONE_RANK_WAVES``).
+    With flag waits it stays a plain launch: its blocks would take the SMs kept for the exchange's barrier kernel
+    (``RESERVED_SMS``) while the first grid's blocks wait for pieces that kernel lets in."""
     return not (wait and world_size > 1)
 
 
