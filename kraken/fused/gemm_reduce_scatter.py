@@ -160,12 +160,16 @@ def gemm_reduce_scatter_kernel(
 
     # 2. My band: GEMM, meet the peers once (after the first tile), add their partials, store. Flattened, the first
     # tile (with the barrier) runs before the loop, so that the loop waits on nothing: Triton copies a wait inside a
-    # flattened loop into its peeled iterations.
-    if FLATTEN:
+    # flattened loop into its peeled iterations. A group of one pushed nothing, so no push drains under a GEMM: it
+    # meets (itself) before its band, and the whole band's loop is flattened.
+    PEEL: tl.constexpr = FLATTEN and world_size > 1
+    if FLATTEN and not PEEL:
+        epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
+    if PEEL:
         own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block, 0,
                  num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
                  GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, True)
-    for rnd in tl.range(1 if FLATTEN else 0, rounds, flatten=FLATTEN):
+    for rnd in tl.range(1 if PEEL else 0, rounds, flatten=FLATTEN):
         own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block,
                  rnd, num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
                  GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, not FLATTEN)
