@@ -233,3 +233,37 @@ def test_gather_refuses_bad_input_on_the_host():
         gather.all_gather_with_progress(torch.zeros(4, 4).t())
     with pytest.raises(ValueError, match="shard must be on a CUDA device"):
         gather.all_gather_with_progress(torch.zeros(4, 4))
+
+
+@pytest.mark.parametrize("world_size,flag_own", [(1, False), (1, True), (2, False), (2, True), (4, False)])
+def test_gather_flags_only_what_a_consumer_reads(monkeypatch, world_size, flag_own):
+    """The gather's host protocol on CPU stand-ins (this process the last rank; my shard my chunk of ``out``, as the
+    GEMM consumers' buffers): the flags are reset before the fork, each peer's chunk is copied and then flagged,
+    and my own chunk is flagged only with ``flag_own``; the GEMM consumers pass False (their kernels read my rows
+    from ``a``), so a group of one writes no flag and resets none. Two barriers either way."""
+    import contextlib
+
+    events: list = []
+    monkeypatch.setattr(gather, "copy_stream", lambda device: "side")
+    monkeypatch.setattr(gather, "fork", lambda stream: events.append("fork"))
+    monkeypatch.setattr(gather, "join", lambda stream: events.append("join"))
+    monkeypatch.setattr(gather, "on_stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(gather, "reset_flags", lambda progress: events.append("reset"))
+    monkeypatch.setattr(gather, "set_flag", lambda progress, index, value=1: events.append(("flag", index)))
+    monkeypatch.setattr(gather, "replayed", lambda key, run: run())  # the graph of the exchange: run it plainly
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+    rows, rank = 3, world_size - 1
+    out = torch.full((world_size * rows, 5), float("nan"))
+    peers = tuple(out[r * rows:(r + 1) * rows] if r == rank else torch.randn(rows, 5) for r in range(world_size))
+    mine = torch.randn(rows, 5)
+    barrier = lambda kernel, grid, *args, **meta: events.append("barrier")  # noqa: E731
+    gather.start(peers, 0, rank, out, torch.zeros(world_size, dtype=torch.int32), stage_from=mine,
+                 launcher=barrier, flag_own=flag_own).wait()
+    order = [(rank + step) % world_size for step in range(1, world_size)]
+    flags = [("flag", peer) for peer in order] + ([("flag", rank)] if flag_own else [])
+    reset = ["reset"] if flags else []
+    assert events == reset + ["fork", "barrier"] + flags + ["barrier", "join"], events
+    for peer in order:
+        assert torch.equal(out[peer * rows:(peer + 1) * rows], peers[peer])
+    # My shard is staged for the peers (not for a group of one, where nobody reads it).
+    assert torch.equal(peers[rank], mine) == (world_size > 1)

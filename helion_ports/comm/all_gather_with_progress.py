@@ -88,11 +88,11 @@ def start(
     snapshot: torch.Tensor | None = None,
     stage_launch: Callable[[], None] | None = None,
     launcher=host.jit_launch,
+    flag_own: bool = True,
 ) -> GatherInProgress:
     """The recipe's ``start`` with the Helion barrier; mirrors ``kraken.comm.all_gather_with_progress.start``."""
     return recipe_start(peers, signal_pad_ptrs, rank, out, progress, stage_from=stage_from, snapshot=snapshot,
-                        stage_launch=stage_launch,
-                        launcher=HelionBarrier(launcher))
+                        stage_launch=stage_launch, launcher=HelionBarrier(launcher), flag_own=flag_own)
 
 
 def all_gather_with_progress(

@@ -212,7 +212,7 @@ def launch(
     m = a.shape[0]
     a, b, b_trans = tma_inputs(a, b, b_layout, block_m)
     started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a if len(a) == m else a[:m],
-                           snapshot=a_out, launcher=launcher)
+                           snapshot=a_out, launcher=launcher, flag_own=False)  # my rows: read from a
     launch_matmul(a, gathered, b, out, progress, rank, len(peers), b_trans, block_m, block_n, block_k, group_m,
                   num_warps, num_stages, num_blocks, launcher)
     started.wait()

@@ -34,7 +34,8 @@ making it wait for rows that are not there yet.
 
 The flags are zeroed on the current stream before the side stream forks, and the side
 stream rejoins after the GEMM: every call (and every CUDA-graph replay) runs the whole
-protocol, with no host round trip. Rank r's rows of the output are ``r * M ...``, where
+protocol, with no host round trip. My own rows carry no flag (the GEMM reads them from ``a``),
+so a group of one writes no flag and skips the zeroing (``start``'s ``flag_own``). Rank r's rows of the output are ``r * M ...``, where
 ``all_gather(a) @ b`` has them. With ``return_a=True`` the gathered ``a`` is returned too
 (a fresh copy, made on the side stream while the GEMM runs).
 
@@ -242,7 +243,7 @@ def launch(
     m = a.shape[0]
     a, b, b_trans = tma_inputs(a, b, b_layout, block_m)
     started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a if len(a) == m else a[:m],
-                           snapshot=a_out, launcher=launcher)
+                           snapshot=a_out, launcher=launcher, flag_own=False)  # my rows: read from a
     launch_matmul(a, gathered, b, out, progress, rank, len(peers), b_trans, block_m, block_n, block_k, group_m,
                   num_warps, num_stages, num_blocks, launcher)
     started.wait()

@@ -216,7 +216,7 @@ def launch(
     values and fp32 scales (``buffer_views``); ``out`` [world_size * M, N] bf16; ``group_name`` is unused here.
     """
     b, b_trans = b_operand(b, b_layout)
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher,
+    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, launcher=launcher, flag_own=False,
                            stage_launch=lambda: stage(a, scale_a, own_values, own_scales, launcher))
     launch_matmul(tma_fp8(a, block_m), scale_a, gathered, b, scale_b, out, progress, rank, len(peers), a.shape[1],
                   b_trans, block_m, block_n, block_k, group_m, num_warps, num_stages, num_blocks, launcher)
