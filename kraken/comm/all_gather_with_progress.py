@@ -292,8 +292,9 @@ def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, o
 # The exchange of a gather in place (my shard my own chunk of a symmetric ``out``: the GEMM consumers' prepared
 # gather buffers) touches the same buffers, flags and signal pads on every call of a prepared call: its launches,
 # copies and flag writes (two barriers, and one write unless ``flag_own`` is off, at world size 1; 2 (world_size - 1)
-# more operations beyond) are captured once into a CUDA graph and replayed, one graph launch where each was a host call. Key (the
-# launcher, the pads, the rank and every pointer touched) -> the graph, or the count of plain runs so far.
+# more operations beyond) are captured once into a CUDA graph and replayed, one graph launch where each was a host
+# call. Key (the launcher, the pads, the rank and every pointer touched) -> the graph, or the count of plain runs so
+# far.
 _exchanges: dict[tuple, object] = {}
 PLAIN_RUNS = 1  # a key's plain runs before its capture: the first binds the barrier kernel through the JIT
 
@@ -345,8 +346,8 @@ def start(
     stream after the last chunk (overlapping the consumer), for callers that return it. ``launcher`` launches
     the barriers. ``flag_own=False``: the consumer never waits for my chunk (it reads my rows from its own copy),
     so ``progress[rank]`` is not written; at world size 1 no flag is, and ``progress`` is not even reset (its
-    reset and the flag's write were 3 us of GPU time per call in a graph: all_gather_matmul 1024x6656x5120 1.060
-    -> 1.028 x cuBLAS, 256x8192x8192 1.066 -> 1.024, one H200).
+    reset and the flag's write were 3 us of GPU time per call in a graph: all_gather_matmul 1024x6656x5120 1.059-1.061
+    -> 1.030-1.033 x cuBLAS, 256x8192x8192 1.066 -> 1.022-1.025, one H200).
     """
     world_size, shard = len(peers), peers[rank]
     side = copy_stream(shard.device)

@@ -34,10 +34,11 @@ making it wait for rows that are not there yet.
 
 The flags are zeroed on the current stream before the side stream forks, and the side
 stream rejoins after the GEMM: every call (and every CUDA-graph replay) runs the whole
-protocol, with no host round trip. My own rows carry no flag (the GEMM reads them from ``a``),
-so a group of one writes no flag and skips the zeroing (``start``'s ``flag_own``). Rank r's rows of the output are ``r * M ...``, where
-``all_gather(a) @ b`` has them. With ``return_a=True`` the gathered ``a`` is returned too
-(a fresh copy, made on the side stream while the GEMM runs).
+protocol, with no host round trip. My own rows carry no flag (the GEMM reads them from
+``a``), so a group of one writes no flag and skips the zeroing (``start``'s ``flag_own``).
+Rank r's rows of the output are ``r * M ...``, where ``all_gather(a) @ b`` has them. With
+``return_a=True`` the gathered ``a`` is returned too (a fresh copy, made on the side stream
+while the GEMM runs).
 
 The kernel and ``tile_plan`` also serve ``kraken.fused.all_gather_matmul_fp8`` (its ``a_desc`` is its fp8 ``a``,
 its own rows' scales ``scale_a``): the kernel's constexpr switches (``SCALED``, ``A_ROWWISE``, ``B_COLWISE``) and
