@@ -431,7 +431,9 @@ def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None
     bound kernel's generated host code launches through the ``_launcher`` it is given, and a Triton launch compiles for
     the ``maxnreg`` and ``launch_pdl`` among its keywords. Even the first call launches so (it compiles the config, then
     launches capped): an uncapped kernel could fit fewer blocks per SM than the grid counts on."""
-    options = {**({} if maxnreg is None else {"maxnreg": maxnreg}), **({"launch_pdl": True} if launch_pdl else {})}
+    options = {} if maxnreg is None else {"maxnreg": maxnreg}
+    if launch_pdl:
+        options["launch_pdl"] = True
     if not options:
         return run(kernel, args, launcher)
 
