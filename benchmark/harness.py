@@ -121,17 +121,26 @@ def loop_calls(gpu_us: float, settings: Settings) -> int:
     return int(min(settings.max_loop_calls, max(settings.loop_calls, LOOP_US // max(gpu_us, 1e-3))))
 
 
-def eager_loop_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+def eager_loop_us(fn: Callable[[], object], calls: int, gpu_us: float = 0.0) -> tuple[float, float]:
     """What a user's eager Python loop sees per call, and its GPU time: ``calls`` back-to-back calls with CUDA
     events around them and nothing queued in front, so the host's launch path shows wherever it is slower than
-    the GPU; then the same calls queued behind a GPU sleep (the host hidden), for the GPU time of that loop."""
+    the GPU; then the same calls queued behind a GPU sleep (the host hidden), for the GPU time of that loop.
+
+    Both loops start on a GPU rested ``REST`` times the loop's work (``gpu_us`` per call; at most ``MAX_SLEEP_US``):
+    the first waits for its rest to end before it launches anything, the second is queued behind it. Unrested, a
+    loop of big GEMMs run right after another one starts at a hot GPU's lower clocks (up to 13% longer per call)
+    and the difference would read as host time."""
+    rest_us = min(MAX_SLEEP_US, REST * gpu_us * calls)
     per_call = []
     for queued in (False, True):
         torch.cuda.synchronize()
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if queued:  # a sleep that covers the host enqueueing every call, twice over, capped at 200 ms
-            _sleep_us(min(200000.0, 2.0 * per_call[0] * calls + 100.0))
+            _sleep_us(max(rest_us, min(MAX_SLEEP_US, 2.0 * per_call[0] * calls + 100.0)))
+        elif rest_us > 0:
+            _sleep_us(rest_us)
+            torch.cuda.synchronize()
         start.record()
         for _ in range(calls):
             fn()
@@ -277,7 +286,7 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
                 row.gbps = nbytes / (row.us * 1e3)
                 if not settings.cuda_graph:
                     heartbeat(f"{op.name} {shape_text} {row.backend} eager loop")
-                    loop_us, loop_gpu_us = eager_loop_us(call, loop_calls(row.us, settings))
+                    loop_us, loop_gpu_us = eager_loop_us(call, loop_calls(row.us, settings), row.us)
                     row.loop_us, row.loop_gpu_us = _slowest(loop_us), _slowest(loop_gpu_us)
     return rows
 

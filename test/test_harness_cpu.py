@@ -396,6 +396,23 @@ def test_backends_take_turns_burst_by_burst_and_drift_reaches_each_alike(monkeyp
     assert harness.device_time_us(fast, harness.Settings(iters=10, burst=10), 5.0) > 10.0
 
 
+def test_eager_loops_start_on_a_rested_gpu(monkeypatch):
+    """Both eager loops follow a rest of REST x their GPU work (at most MAX_SLEEP_US); the unqueued one waits for
+    its rest to end before it launches, so the host is not hidden, and the two run at the same clocks."""
+    clock, events = FakeClock(), []
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(harness.dist, "barrier", lambda: None)
+    monkeypatch.setattr(harness, "_sleep_us", events.append)
+    gemm = clock.fn("gemm", 100.0)
+    loop_us, gpu_us = harness.eager_loop_us(lambda: (events.append("call"), gemm()), 4, 100.0)
+    rest = harness.REST * 100.0 * 4
+    assert events == ["sync", rest, "sync", *["call"] * 4, "sync", "sync", rest, *["call"] * 4, "sync"]
+    assert loop_us == gpu_us == 100.0
+    events.clear()
+    harness.eager_loop_us(lambda: (events.append("call"), gemm()), 4, 1e9)
+    assert [e for e in events if not isinstance(e, str)] == [harness.MAX_SLEEP_US] * 2
+
 def test_run_op_times_a_shapes_backends_together(monkeypatch):
     """run_op checks, warms up and host-times each backend, then times them all in one interleaved run
     (device_times_us), then runs each one's eager loop: every row gets its own time."""
