@@ -136,7 +136,7 @@ def eager_loop_us(fn: Callable[[], object], calls: int, gpu_us: float = 0.0) -> 
         torch.cuda.synchronize()
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if queued:  # a sleep that covers the host enqueueing every call, twice over, capped at 200 ms
+        if queued:  # the rest, or a sleep that covers the host enqueueing every call twice over (at most 200 ms)
             _sleep_us(max(rest_us, min(MAX_SLEEP_US, 2.0 * per_call[0] * calls + 100.0)))
         elif rest_us > 0:
             _sleep_us(rest_us)

@@ -413,6 +413,7 @@ def test_eager_loops_start_on_a_rested_gpu(monkeypatch):
     harness.eager_loop_us(lambda: (events.append("call"), gemm()), 4, 1e9)
     assert [e for e in events if not isinstance(e, str)] == [harness.MAX_SLEEP_US] * 2
 
+
 def test_run_op_times_a_shapes_backends_together(monkeypatch):
     """run_op checks, warms up and host-times each backend, then times them all in one interleaved run
     (device_times_us), then runs each one's eager loop: every row gets its own time."""
