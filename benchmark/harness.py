@@ -121,7 +121,7 @@ def loop_calls(gpu_us: float, settings: Settings) -> int:
     return int(min(settings.max_loop_calls, max(settings.loop_calls, LOOP_US // max(gpu_us, 1e-3))))
 
 
-def eager_loop_us(fn: Callable[[], object], calls: int, gpu_us: float = 0.0) -> tuple[float, float]:
+def eager_loop_us(fn: Callable[[], object], calls: int, gpu_us: float) -> tuple[float, float]:
     """What a user's eager Python loop sees per call, and its GPU time: ``calls`` back-to-back calls with CUDA
     events around them and nothing queued in front, so the host's launch path shows wherever it is slower than
     the GPU; then the same calls queued behind a GPU sleep (the host hidden), for the GPU time of that loop.
