@@ -25,7 +25,8 @@ For each op, shape and backend, on every rank:
    backend alike, NCCL included;
 4. eager loop (eager mode only): ``loop_calls`` back-to-back calls with no sleep
    in front, what a user's Python loop sees: where the host's launch path is
-   slower than the GPU work, this is slower than step 3.
+   slower than the GPU work, this is slower than step 3. The median of
+   ``loop_repeats`` such loops, beside the median GPU time of the same loops.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Settings:
     # between loop_calls and max_loop_calls (a few calls of a 300-ms attention, 200 of a 5-us collective).
     loop_calls: int = 20
     max_loop_calls: int = 200
+    # Each eager loop is run this many times (each after its own rest) and the median kept: one loop of a 5-us op
+    # lasts a few milliseconds, and one host hiccup in it moved its per-call figure by 5 us.
+    loop_repeats: int = 3
 
 
 @dataclass
@@ -121,33 +125,35 @@ def loop_calls(gpu_us: float, settings: Settings) -> int:
     return int(min(settings.max_loop_calls, max(settings.loop_calls, LOOP_US // max(gpu_us, 1e-3))))
 
 
-def eager_loop_us(fn: Callable[[], object], calls: int, gpu_us: float) -> tuple[float, float]:
+def eager_loop_us(fn: Callable[[], object], calls: int, gpu_us: float, repeats: int = 1) -> tuple[float, float]:
     """What a user's eager Python loop sees per call, and its GPU time: ``calls`` back-to-back calls with CUDA
     events around them and nothing queued in front, so the host's launch path shows wherever it is slower than
-    the GPU; then the same calls queued behind a GPU sleep (the host hidden), for the GPU time of that loop.
+    the GPU; then the same calls queued behind a GPU sleep (the host hidden), for the GPU time of that loop. The
+    pair is run ``repeats`` times; each figure is its median.
 
     Both loops start on a GPU rested ``REST`` times the loop's work (``gpu_us`` per call; at most ``MAX_SLEEP_US``):
     the first waits for its rest to end before it launches anything, the second is queued behind it. Unrested, a
     loop of big GEMMs run right after another one starts at a hot GPU's lower clocks (up to 13% longer per call)
     and the difference would read as host time."""
     rest_us = min(MAX_SLEEP_US, REST * gpu_us * calls)
-    per_call = []
-    for queued in (False, True):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if queued:  # the rest, or a sleep that covers the host enqueueing every call twice over (at most 200 ms)
-            _sleep_us(max(rest_us, min(MAX_SLEEP_US, 2.0 * per_call[0] * calls + 100.0)))
-        elif rest_us > 0:
-            _sleep_us(rest_us)
+    unqueued, queued_times = [], []
+    for _ in range(repeats):
+        for queued in (False, True):
             torch.cuda.synchronize()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        per_call.append(start.elapsed_time(end) * 1e3 / calls)
-    return per_call[0], per_call[1]
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:  # the rest, or a sleep that covers the host enqueueing every call twice over (at most 200 ms)
+                _sleep_us(max(rest_us, min(MAX_SLEEP_US, 2.0 * unqueued[-1] * calls + 100.0)))
+            elif rest_us > 0:
+                _sleep_us(rest_us)
+                torch.cuda.synchronize()
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            (queued_times if queued else unqueued).append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(unqueued), statistics.median(queued_times)
 
 
 # Rest before each timed burst, in multiples of the burst's own GPU time (at most MAX_SLEEP_US). On the H200, a
@@ -286,7 +292,8 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
                 row.gbps = nbytes / (row.us * 1e3)
                 if not settings.cuda_graph:
                     heartbeat(f"{op.name} {shape_text} {row.backend} eager loop")
-                    loop_us, loop_gpu_us = eager_loop_us(call, loop_calls(row.us, settings), row.us)
+                    loop_us, loop_gpu_us = eager_loop_us(call, loop_calls(row.us, settings), row.us,
+                                                          settings.loop_repeats)
                     row.loop_us, row.loop_gpu_us = _slowest(loop_us), _slowest(loop_gpu_us)
     return rows
 

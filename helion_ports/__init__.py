@@ -84,22 +84,33 @@ def views(tensors: tuple[torch.Tensor, ...], shape, row: int | None = None) -> t
 
 def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch):
     """Call a twin's Helion kernel on ``args``: plainly (``kernel(*args)``) with the default launcher, or, with
-    a prepared call's ``host.Launcher``, through the bound kernel kept in it, launching with it.
+    a prepared call's ``host.Launcher``, through what that keeps for the kernel.
 
-    Relies on two things of Helion 1.5.0: ``Kernel.bind(args)`` returns the ``BoundKernel`` for the
-    arguments' specialisation (one per config here), and its ``_run`` is the generated host function, which
-    takes the launcher as its keyword ``_launcher`` (the code ``HELION_PRINT_OUTPUT_CODE=1`` prints). That
-    skips Helion's per-call argument matching and Triton's binding; the first call of a prepared call goes
-    the plain way (it compiles). The plain way launches with ``host.scratch_allocator`` set, as ``host.jit_launch``
-    does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
+    With a ``host.Launcher``: the first call goes the plain way (it compiles) and keeps the ``BoundKernel``
+    (``Kernel.bind(args)`` in Helion 1.5.0: the kernel for the arguments' specialisation, one per config here,
+    whose ``_run`` is the generated host code, taking the launcher as its keyword ``_launcher``; the code
+    ``HELION_PRINT_OUTPUT_CODE=1`` prints). The second runs that host code once, launching through the
+    launcher, and records it (``host.record_replay``); later calls replay its launches on their own arguments'
+    addresses, with no host code (``host.Replay``), or, where it cannot be replayed or a Triton launch hook is
+    set, run the host code again. The plain way launches with ``host.scratch_allocator`` set, as
+    ``host.jit_launch`` does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
     """
     if launcher is host.jit_launch:
         with host.scratch_allocator():
             return kernel(*args)
-    bound = launcher.bound.get(id(kernel))
+    key = id(kernel)
+    replay = launcher.replays.get(key)
+    if replay is not None and not host.launch_hooked():
+        result = replay(args)
+        if result is not host.NOT_REPLAYED:
+            return result
+    bound = launcher.bound.get(key)
     if bound is None:
         with host.scratch_allocator():
             result = kernel(*args)
-        launcher.bound[id(kernel)] = kernel.bind(args)
+        launcher.bound[key] = kernel.bind(args)
+        return result
+    if key not in launcher.replays and not host.launch_hooked():
+        launcher.replays[key], result = host.record_replay(launcher, bound._run, args)
         return result
     return bound._run(*args, _launcher=launcher)

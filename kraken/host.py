@@ -37,8 +37,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
+from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
 from triton.runtime import _allocation
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken._ptx_utils import timeout
 
@@ -694,6 +696,7 @@ class Launcher:
         # id(JIT kernel) -> (launch function, arguments before the kernel's, tensor descriptors, constexprs)
         self.compiled: dict = {}
         self.bound: dict = {}  # id(Helion kernel) -> its BoundKernel for this call's specialisation
+        self.replays: dict = {}  # id(Helion kernel) -> its Replay for this call, or None where it cannot replay
 
     def __call__(self, kernel, grid: tuple[int, ...], *args, **meta):
         global last_op
@@ -708,6 +711,12 @@ class Launcher:
                 tail = tuple(meta.get(name, params[i].default) for i, name in enumerate(names) if i >= len(args))
                 self.compiled[id(kernel)] = (*launch_function(compiled, len(args), programs), tail)
             return compiled
+        self.launch_compiled(hit, grid, grid_y, grid_z, args)
+
+    @staticmethod
+    def launch_compiled(hit: tuple, grid: tuple[int, ...], grid_y: int, grid_z: int, args) -> None:
+        """Launch a kernel compiled before (its entry in ``compiled``) on ``args`` as the JIT lays them out: tensors
+        or their addresses (ints), host tensor descriptors or anything with their fields (``tensor_maps``)."""
         run, head, descriptors, _, tail = hit
         if descriptors:
             args = tensor_maps(args, descriptors)
@@ -767,3 +776,191 @@ def tensor_maps(args: tuple, descriptors: tuple) -> list:
             value = cache[key] = tuple(encode(desc, meta))
         expanded[position:position + 1] = value
     return expanded
+
+
+# ---------------------------------------------------------------------------
+# Replaying a Helion kernel's generated host code (the twins' host fast path)
+# ---------------------------------------------------------------------------
+
+
+class Address:
+    """A device address where a launch wants an object with ``data_ptr()`` (a replayed descriptor's base)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@dataclass(frozen=True)
+class DescriptorArgs:
+    """What a launch reads of a host tensor descriptor (``tensor_maps``; Triton's ``make_tensordesc_arg``)."""
+
+    base: Address
+    shape: tuple
+    strides: tuple
+    block_shape: tuple
+    padding: str
+
+
+class _ViewsOnly(TorchDispatchMode):
+    """Watches the ATen ops run inside (outside launches): ``other`` is set by any that is not a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.launching, self.other = False, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.launching and not func.is_view and self.other is None:
+            self.other = func
+        return func(*args, **(kwargs or {}))
+
+
+class NotReplayable(Exception):
+    """A launch argument that a replay cannot derive from the kernel's arguments."""
+
+
+NOT_REPLAYED = object()  # what ``Replay.__call__`` returns for arguments it was not made for
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The launches of one call of a Helion kernel's generated host code, as functions of the kernel's arguments.
+
+    Helion's host code turns the kernel's arguments into launches: a Triton kernel, a grid, and arguments that
+    are the tensors given or views of them, host tensor descriptors on them, and sizes, strides and scalars. Under
+    one prepared call everything but the tensors' addresses is fixed (its key holds every tensor's shape, strides
+    and dtype, and every scalar), so ``record_replay`` runs the host code once, watching what it launches, and
+    keeps each launch argument as a constant or as (argument, byte offset into it). A replay launches the same
+    compiled kernels (``Launcher.launch_compiled``) with each tensor as its address (the C launch function takes
+    an int where it takes a tensor, and then skips the tensor's ``data_ptr()`` and the driver's pointer check) and
+    each descriptor as ``DescriptorArgs``: no host code, no views, no descriptor objects. A call whose scalars or
+    top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``, and the caller runs the host code.
+    """
+
+    launcher: Launcher
+    launches: tuple  # per launch: (id of the Triton kernel, grid, grid y, grid z, constants, ((position, getter), ...))
+    scalars: tuple  # (position, value): every top-level argument that is neither a tensor nor a tuple
+    shapes: tuple  # (position, shape): every top-level tensor argument
+    result: int | tuple | None  # the argument(s) the host code returned, by position
+
+    def __call__(self, args: tuple):
+        for i, value in self.scalars:
+            if args[i] != value:
+                return NOT_REPLAYED
+        for i, shape in self.shapes:
+            if args[i].shape != shape:
+                return NOT_REPLAYED
+        global last_op
+        last_op = self.launcher.op
+        compiled = self.launcher.compiled
+        for key, grid, grid_y, grid_z, constants, fills in self.launches:
+            values = list(constants)
+            for position, get in fills:
+                values[position] = get(args)
+            Launcher.launch_compiled(compiled[key], grid, grid_y, grid_z, values)
+        if self.result is None or isinstance(self.result, int):
+            return None if self.result is None else args[self.result]
+        return tuple(args[i] for i in self.result)
+
+
+def record_replay(launcher: Launcher, host_code: Callable, args: tuple) -> tuple[Replay | None, object]:
+    """Run ``host_code(*args, _launcher=...)`` (a Helion ``BoundKernel``'s generated host code), launching through
+    ``launcher``; returns (its ``Replay``, or None where it cannot be replayed, and what it returned). It cannot be
+    replayed if the host code ran an ATen op other than a view (it would not be repeated), launched a kernel that
+    did not compile to a kept launch (a CPU capture), passed an argument not derived from ``args`` (a tensor of
+    its own), or returned something other than arguments."""
+    launches: list = []
+    watch = _ViewsOnly()
+
+    def recording(kernel, grid, *launch_args, **meta):
+        launches.append((kernel, tuple(grid), launch_args))
+        watch.launching = True
+        try:
+            return launcher(kernel, grid, *launch_args, **meta)
+        finally:
+            watch.launching = False
+
+    with watch:
+        result = host_code(*args, _launcher=recording)
+    try:
+        if watch.other is not None or not all(id(kernel) in launcher.compiled for kernel, _, _ in launches):
+            raise NotReplayable
+        return _replay_of(launcher, args, launches, result), result
+    except NotReplayable:
+        return None, result
+
+
+def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) -> Replay:
+    sources = []  # (top-level position, position in a tuple or None, tensor)
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            sources.append((i, None, arg))
+        elif isinstance(arg, tuple):
+            sources += [(i, j, t) for j, t in enumerate(arg) if isinstance(t, torch.Tensor)]
+
+    def address_of(tensor: torch.Tensor) -> Callable:
+        """A getter of ``tensor``'s address in a call's arguments: it is one of them, or a view into one."""
+        found = next(((i, j, 0) for i, j, t in sources if t is tensor), None)
+        if found is None:
+            ptr = tensor.data_ptr()
+            inside = [(i, j, t) for i, j, t in sources if t.data_ptr() <= ptr < t.data_ptr() + _extent_bytes(t)]
+            if not inside or len({t.data_ptr() for _, _, t in inside}) > 1:  # none, or overlapping arguments
+                raise NotReplayable
+            i, j, t = inside[0]
+            found = (i, j, ptr - t.data_ptr())
+        i, j, offset = found
+        if j is None:
+            return lambda call: call[i].data_ptr() + offset
+        return lambda call: call[i][j].data_ptr() + offset
+
+    def getter(value) -> Callable | None:
+        """None for a constant, else a getter of the value for a call's arguments."""
+        if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+            return None
+        if isinstance(value, torch.Tensor):
+            return address_of(value)
+        if isinstance(value, TensorDescriptor):
+            base, rest = address_of(value.base), (tuple(value.shape), tuple(value.strides), tuple(value.block_shape))
+            padding = value.padding
+            return lambda call: DescriptorArgs(Address(base(call)), *rest, padding)
+        if isinstance(value, tuple):
+            parts = tuple((getter(item), item) for item in value)
+            if all(get is None for get, _ in parts):
+                return None
+            return lambda call: tuple(item if get is None else get(call) for get, item in parts)
+        raise NotReplayable
+
+    planned = []
+    for kernel, grid, launch_args in launches:
+        fills = tuple((position, get) for position, get in enumerate(map(getter, launch_args)) if get is not None)
+        filled = {position for position, _ in fills}
+        constants = tuple(None if position in filled else value for position, value in enumerate(launch_args))
+        grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
+        planned.append((id(kernel), grid, grid_y, grid_z, constants, fills))
+
+    def position_of(value) -> int:
+        found = next((i for i, arg in enumerate(args) if arg is value), None)
+        if found is None:
+            raise NotReplayable
+        return found
+
+    if result is None:
+        returned = None
+    elif isinstance(result, tuple):
+        returned = tuple(position_of(r) for r in result)
+    else:
+        returned = position_of(result)
+    scalars = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple)))
+    shapes = tuple((i, a.shape) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    return Replay(launcher, tuple(planned), scalars, shapes, returned)
+
+
+def _extent_bytes(tensor: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to just past its last one (its strides' span)."""
+    if tensor.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()

@@ -166,6 +166,16 @@ CASES = [
 ]
 
 
+def same_kind(launched, bound, addresses: bool) -> bool:
+    """Whether a fast launch's argument is of the kind the JIT bound: the same type, or (``addresses``) an int
+    address where it bound a tensor."""
+    if isinstance(bound, tuple):
+        return isinstance(launched, tuple) and all(same_kind(a, b, addresses) for a, b in zip(launched, bound))
+    if addresses and isinstance(bound, torch.Tensor):
+        return type(launched) is int and launched != 0
+    return type(launched) is type(bound)
+
+
 @pytest.mark.parametrize("module,name,plan_module,make_args", CASES, ids=[f"{c[0]}" for c in CASES])
 def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, plan_module, make_args):
     counts = symmetric_world(monkeypatch, plan_module)
@@ -189,7 +199,8 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
     _, _, jit_args, _, _ = launches[jit_calls - 1]
     for _, run_args in launches[jit_calls:]:
         assert len(run_args) - 9 >= len(jit_args)
-        assert all(type(a) is type(b) for a, b in zip(run_args[9:], jit_args))
+        # A twin's warm calls replay its launches (host.Replay): its tensors go in as their addresses.
+        assert all(same_kind(a, b, module.startswith("helion_ports")) for a, b in zip(run_args[9:], jit_args))
     assert all(out is not outputs[0] for out in outputs[1:]), "every call returns a new tensor"
 
     with pytest.raises(TypeError, match="unknown config keys"):
@@ -279,3 +290,86 @@ def test_local_scratch_is_kept_per_device_and_dtype():
     c = host.local_scratch((100,), torch.float32, cpu)
     assert c.numel() == 100 and host.local_scratch((2,), torch.int32, cpu).dtype == torch.int32
 
+
+
+def twin_examples() -> list:
+    from benchmark import registry
+
+    found = {}
+    for op in registry.load_all().values():
+        for pair in op.pairs:
+            found.setdefault(pair.helion_module, pair.example)
+    return sorted(found.items())
+
+
+def moved(value):
+    """``value`` (a kernel's argument) with every tensor in new memory: views of one buffer stay views of one new
+    buffer, at the same offsets, shapes and strides."""
+    buffers: dict = {}
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        new = buffers.get(storage.data_ptr())
+        if new is None:
+            new = buffers[storage.data_ptr()] = torch.empty(storage.nbytes() + 64, dtype=torch.uint8)
+        moved_tensor = torch.empty(0, dtype=tensor.dtype)
+        return moved_tensor.set_(new.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def walk(item):
+        if isinstance(item, torch.Tensor):
+            return move(item)
+        return tuple(walk(x) for x in item) if isinstance(item, tuple) else item
+
+    return walk(value)
+
+
+def normalized(value):
+    """A launch argument as the kernel sees it: a tensor as its address, a descriptor as its fields."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    if hasattr(value, "block_shape"):  # a TensorDescriptor, or the replay's DescriptorArgs
+        return ("descriptor", value.base.data_ptr(), tuple(value.shape), tuple(value.strides),
+                tuple(value.block_shape), value.padding)
+    if isinstance(value, tuple):
+        return tuple(normalized(x) for x in value)
+    return value
+
+
+@pytest.mark.parametrize("module_name,example", twin_examples(), ids=[m for m, _ in twin_examples()])
+def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launches, module_name, example):
+    """For every twin: after its first two calls through a prepared call's launcher, the calls replay the
+    launches of Helion's generated host code (``host.Replay``), with no host code run. Each call here moves
+    every argument to new memory, and the replayed launches must be exactly what the host code launches for
+    those arguments (run again with replays off): the same kernels, grids, addresses, descriptors and scalars."""
+    import helion
+    import helion_ports
+
+    calls = []
+    real_call = helion.Kernel.__call__
+    monkeypatch.setattr(helion.Kernel, "__call__", lambda self, *args: calls.append((self, args)) or
+                        real_call(self, *args))
+    example(importlib.import_module(module_name), 2)
+    monkeypatch.setattr(helion.Kernel, "__call__", real_call)
+    assert calls, "the example launched no Helion kernel"
+    real_record = host.record_replay
+    for kernel, args in calls:
+        variants = [moved(args) for _ in range(5)]
+        runs = {}
+        for replaying in (True, False):
+            if not replaying:
+                monkeypatch.setattr(host, "record_replay", lambda launcher, code, call: (None, code(
+                    *call, _launcher=launcher)))
+            launcher, start = host.Launcher("test"), len(launches)
+            results = [helion_ports.run(kernel, variant, launcher) for variant in variants]
+            runs[replaying] = [(entry[0], normalized(entry[1:])) for entry in launches[start:]]
+            # What each call returned, as the position of that argument among its own (None: it returned None).
+            runs[replaying].append([next((i for i, arg in enumerate(variant) if arg is result), "other")
+                                    if result is not None else None for result, variant in zip(results, variants)])
+            if replaying:
+                assert isinstance(launcher.replays[id(kernel)], host.Replay), f"{module_name}: not replayed"
+        monkeypatch.setattr(host, "record_replay", real_record)
+        assert [kind for kind, _ in runs[True][:-1]] == ["jit", "jit", "fast", "fast", "fast"], runs[True]
+        assert "other" not in runs[True][-1], "a call returned something other than one of its arguments"
+        assert runs[True] == runs[False], module_name
+        addresses = [args for kind, args in runs[True][2:-1]]
+        assert addresses[0] != addresses[1], "the moved arguments launched at the same addresses"

@@ -414,6 +414,26 @@ def test_eager_loops_start_on_a_rested_gpu(monkeypatch):
     assert [e for e in events if not isinstance(e, str)] == [harness.MAX_SLEEP_US] * 2
 
 
+def test_eager_loops_keep_the_median_of_their_repeats(monkeypatch):
+    """``repeats`` pairs of loops, each pair as above; a host hiccup in one loop does not move the figure."""
+    clock, events = FakeClock(), []
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(harness.dist, "barrier", lambda: None)
+    monkeypatch.setattr(harness, "_sleep_us", events.append)
+    # per call, loop by loop: (unqueued, queued) x 3, with a hiccup in the second unqueued loop
+    costs = iter([10.0] * 4 + [10.0] * 4 + [90.0] * 4 + [10.0] * 4 + [11.0] * 4 + [12.0] * 4)
+    step = clock.fn("step", 0.0)
+
+    def call():
+        clock.now += next(costs)
+        step()
+
+    loop_us, gpu_us = harness.eager_loop_us(call, 4, 10.0, repeats=3)
+    assert len(events) == 6  # a rest before each of the six loops
+    assert loop_us == 11.0 and gpu_us == 10.0  # medians of (10, 90, 11) and (10, 10, 12)
+
+
 def test_run_op_times_a_shapes_backends_together(monkeypatch):
     """run_op checks, warms up and host-times each backend, then times them all in one interleaved run
     (device_times_us), then runs each one's eager loop: every row gets its own time."""
@@ -436,5 +456,6 @@ def test_run_op_times_a_shapes_backends_together(monkeypatch):
     interleaved = (["nccl"] * 2 + ["triton"] * 4 + ["nccl"] * 2) * 5  # 10 bursts asked: 5 pairs of rounds
     text, pattern = " ".join(clock.log), " ".join(interleaved)
     assert text.count(pattern) == 2  # once per shape
-    # per shape: the reference and 2 checks, 2 x 2 warm-ups (one untimed), 2 host calls, 40 timed, 6 + 6 in the loops
-    assert len(clock.log) == 2 * (1 + 2 + 4 + 2 + 40 + 6 + 6)
+    # per shape: the reference and 2 checks, 2 x 2 warm-ups (one untimed), 2 host calls, 40 timed, 3 repeats of
+    # 6 + 6 in the loops
+    assert len(clock.log) == 2 * (1 + 2 + 4 + 2 + 40 + 3 * (6 + 6))
