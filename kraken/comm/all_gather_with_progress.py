@@ -293,8 +293,9 @@ def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, o
 # gather buffers) touches the same buffers, flags and signal pads on every call of a prepared call: its launches,
 # copies and flag writes (two barriers, and one write unless ``flag_own`` is off, at world size 1; 2 (world_size - 1)
 # more operations beyond) are captured once into a CUDA graph and replayed, one graph launch where each was a host
-# call. Key (the launcher, the pads, the rank and every pointer touched) -> the graph, or the count of plain runs so
-# far.
+# call. So is a standalone gather's (its own rows' copy too) whenever its ``out`` and ``progress`` come back at
+# addresses seen before. Key (the launcher, the pads, the rank and every pointer touched) -> the graph, or the count
+# of plain runs so far.
 _exchanges: dict[tuple, object] = {}
 PLAIN_RUNS = 1  # a key's plain runs before its capture: the first binds the barrier kernel through the JIT
 
@@ -358,9 +359,11 @@ def start(
         reset_flags(progress)
     fork(side)
     order = tuple((rank + step) % world_size for step in range(world_size))
-    # A gather in place with no snapshot touches only a prepared call's buffers: replayed from a graph, unless the
-    # caller's stream is being captured (the caller's graph takes the launches) or a profiler hooks Triton launches.
-    replay = in_place and snapshot is None and not torch._C._cuda_isCurrentStreamCapturing() and not host.launch_hooked()
+    # An exchange with no snapshot is replayed from a graph kept per pointer set (a gather in place touches only a
+    # prepared call's buffers; a fresh ``out`` and ``progress`` mostly come back at the same addresses from torch's
+    # allocator), unless the caller's stream is being captured (the caller's graph takes the launches) or a
+    # profiler hooks Triton launches.
+    replay = snapshot is None and not torch._C._cuda_isCurrentStreamCapturing() and not host.launch_hooked()
     with on_stream(side):
         if copy_in:
             shard.copy_(stage_from)
@@ -369,8 +372,8 @@ def start(
         if replay:
             key = (id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(), flag_own,
                    *(peer.data_ptr() for peer in peers))
-            replayed(key, lambda: exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher, True,
-                                           flag_own))
+            replayed(key, lambda: exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher,
+                                           in_place, flag_own))
         else:
             exchange(peers, signal_pad_ptrs, rank, out, progress, snapshot, order, launcher, in_place, flag_own)
     return GatherInProgress(out, progress, side, order)
