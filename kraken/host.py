@@ -842,24 +842,27 @@ class Replay:
     """
 
     launcher: Launcher
-    launches: tuple  # per launch: (id of the Triton kernel, grid, grid y, grid z, constants, ((position, getter), ...))
-    scalars: tuple  # (position, value): every top-level argument that is neither a tensor nor a tuple
-    shapes: tuple  # (position, shape): every top-level tensor argument
+    # per launch: (id of the Triton kernel, grid, grid y, grid z, constants, pointers, others), where ``pointers``
+    # are (position, argument, tuple index or None, byte offset) and ``others`` (position, getter) (descriptors, tuples)
+    launches: tuple
+    scalar_positions: list  # every top-level argument that is neither a tensor nor a tuple ...
+    scalar_values: list  # ... and its value
+    tensor_positions: list  # every top-level tensor argument ...
+    shapes: list  # ... and its shape
     result: int | tuple | None  # the argument(s) the host code returned, by position
 
     def __call__(self, args: tuple):
-        for i, value in self.scalars:
-            if args[i] != value:
-                return NOT_REPLAYED
-        for i, shape in self.shapes:
-            if args[i].shape != shape:
-                return NOT_REPLAYED
+        if [args[i] for i in self.scalar_positions] != self.scalar_values or [
+                args[i].shape for i in self.tensor_positions] != self.shapes:
+            return NOT_REPLAYED
         global last_op
         last_op = self.launcher.op
         compiled = self.launcher.compiled
-        for key, grid, grid_y, grid_z, constants, fills in self.launches:
+        for key, grid, grid_y, grid_z, constants, pointers, others in self.launches:
             values = list(constants)
-            for position, get in fills:
+            for position, i, j, offset in pointers:
+                values[position] = (args[i] if j is None else args[i][j]).data_ptr() + offset
+            for position, get in others:
                 values[position] = get(args)
             Launcher.launch_compiled(compiled[key], grid, grid_y, grid_z, values)
         if self.result is None or isinstance(self.result, int):
@@ -902,8 +905,9 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) 
         elif isinstance(arg, tuple):
             sources += [(i, j, t) for j, t in enumerate(arg) if isinstance(t, torch.Tensor)]
 
-    def address_of(tensor: torch.Tensor) -> Callable:
-        """A getter of ``tensor``'s address in a call's arguments: it is one of them, or a view into one."""
+    def address_of(tensor: torch.Tensor) -> tuple[int, int | None, int]:
+        """Where ``tensor``'s address is in a call's arguments: (argument, tuple index or None, byte offset); it
+        is one of them, or a view into one."""
         found = next(((i, j, 0) for i, j, t in sources if t is tensor), None)
         if found is None:
             ptr = tensor.data_ptr()
@@ -912,21 +916,20 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) 
                 raise NotReplayable
             i, j, t = inside[0]
             found = (i, j, ptr - t.data_ptr())
-        i, j, offset = found
-        if j is None:
-            return lambda call: call[i].data_ptr() + offset
-        return lambda call: call[i][j].data_ptr() + offset
+        return found
 
     def getter(value) -> Callable | None:
-        """None for a constant, else a getter of the value for a call's arguments."""
+        """None for a constant, else a getter of the value for a call's arguments (descriptors, tuples)."""
         if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
             return None
         if isinstance(value, torch.Tensor):
-            return address_of(value)
+            i, j, offset = address_of(value)
+            return lambda call: (call[i] if j is None else call[i][j]).data_ptr() + offset
         if isinstance(value, TensorDescriptor):
-            base, rest = address_of(value.base), (tuple(value.shape), tuple(value.strides), tuple(value.block_shape))
-            padding = value.padding
-            return lambda call: DescriptorArgs(Address(base(call)), *rest, padding)
+            i, j, offset = address_of(value.base)
+            rest = (tuple(value.shape), tuple(value.strides), tuple(value.block_shape), value.padding)
+            return lambda call: DescriptorArgs(Address((call[i] if j is None else call[i][j]).data_ptr() + offset),
+                                               *rest)
         if isinstance(value, tuple):
             parts = tuple((getter(item), item) for item in value)
             if all(get is None for get, _ in parts):
@@ -936,11 +939,14 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) 
 
     planned = []
     for kernel, grid, launch_args in launches:
-        fills = tuple((position, get) for position, get in enumerate(map(getter, launch_args)) if get is not None)
-        filled = {position for position, _ in fills}
+        pointers = tuple((position, *address_of(value)) for position, value in enumerate(launch_args)
+                         if isinstance(value, torch.Tensor))
+        others = tuple((position, get) for position, get in enumerate(map(getter, launch_args))
+                       if get is not None and not isinstance(launch_args[position], torch.Tensor))
+        filled = {position for position, *_ in pointers} | {position for position, _ in others}
         constants = tuple(None if position in filled else value for position, value in enumerate(launch_args))
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
-        planned.append((id(kernel), grid, grid_y, grid_z, constants, fills))
+        planned.append((id(kernel), grid, grid_y, grid_z, constants, pointers, others))
 
     def position_of(value) -> int:
         found = next((i for i, arg in enumerate(args) if arg is value), None)
@@ -954,9 +960,10 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) 
         returned = tuple(position_of(r) for r in result)
     else:
         returned = position_of(result)
-    scalars = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple)))
-    shapes = tuple((i, a.shape) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-    return Replay(launcher, tuple(planned), scalars, shapes, returned)
+    scalars = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple))]
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return Replay(launcher, tuple(planned), scalars, [args[i] for i in scalars], tensors,
+                  [args[i].shape for i in tensors], returned)
 
 
 def _extent_bytes(tensor: torch.Tensor) -> int:

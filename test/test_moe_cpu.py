@@ -25,7 +25,7 @@ from benchmark.cli import parse_args
 from benchmark.ops import moe as moe_op
 from fake_world import FakeWorld
 from kraken import host
-from test_fast_path_cpu import WARM_CALLS, symmetric_world
+from test_fast_path_cpu import WARM_CALLS, same_kind, symmetric_world
 from test_fast_path_cpu import launches as fast_path_launches  # noqa: F401 (a fixture, used by its name)
 
 DISPATCH = ("kraken.comm.moe_dispatch", "helion_ports.comm.moe_dispatch")
@@ -352,7 +352,9 @@ def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches
             bound = launch_args(rounds[jit_calls - 1][i])
             for rnd in rounds[jit_calls:]:
                 fast = launch_args(rnd[i])
-                assert len(fast) >= len(bound) and all(type(a) is type(b) for a, b in zip(fast, bound)), i
+                # A twin's warm calls replay its launches (host.Replay): its tensors go in as their addresses.
+                replayed = package == "helion_ports" and i >= 3
+                assert len(fast) >= len(bound) and all(same_kind(a, b, replayed) for a, b in zip(fast, bound)), i
         for r, rnd in enumerate(rounds):
             histogram, exchange, slots_launch = (launch_args(entry) for entry in rnd[:3])
             assert histogram[1] is launch_args(rounds[0][0])[1], "the routing scratch is made once per signature"
