@@ -779,6 +779,56 @@ def tensor_maps(args: tuple, descriptors: tuple) -> list:
 
 
 # ---------------------------------------------------------------------------
+# Calls of several launches, replayed from a CUDA graph per pointer set
+# ---------------------------------------------------------------------------
+
+_graphs: dict = {}  # key -> the CUDA graph of its work, or the count of its plain runs so far (NEVER: never captured)
+PLAIN_RUNS = 1  # a key's plain runs before its capture: the first binds its kernels through the JIT
+NEVER = -1
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None:
+    """``run()``'s work on the current stream, from a CUDA graph of it kept under ``key``: captured (thread-local
+    mode: other threads' CUDA calls go on) on the key's run after ``PLAIN_RUNS`` plain runs, and replayed from then
+    on, one graph launch where ``run`` made a host call per launch, stream operation and copy. ``key`` must hold
+    everything ``run`` reads whose value can change from call to call: a prepared call (its ``Launcher``: its
+    shapes, plan and buffers) and the address of every tensor passed in. Tensors ``run`` makes itself come from the
+    graph's memory pool. ``run`` goes plainly where the device is no GPU, while the current stream is being
+    captured (the caller's graph takes the launches), while a Triton launch hook is set (a profiler sees every
+    launch), and for a key whose capture failed. Keys past ``MAX_PREPARED`` start the cache over."""
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing() or launch_hooked():
+        run()
+        return
+    entry = _graphs.get(key, 0)
+    if isinstance(entry, int):
+        if entry == NEVER or entry < PLAIN_RUNS:
+            run()
+            if entry != NEVER:
+                _graphs[key] = entry + 1
+            return
+        if len(_graphs) >= MAX_PREPARED:
+            _graphs.clear()
+        entry = torch.cuda.CUDAGraph()
+        stream = _capture_streams.get(device.index)
+        if stream is None:  # a capture needs a stream of its own: never the legacy default one
+            stream = _capture_streams[device.index] = torch.cuda.Stream(device=device)
+        try:
+            with torch.cuda.stream(stream):
+                entry.capture_begin(capture_error_mode="thread_local")
+                try:
+                    run()
+                finally:
+                    entry.capture_end()
+        except Exception:  # not capturable (or a real error, which the plain run raises again)
+            _graphs[key] = NEVER
+            run()
+            return
+        _graphs[key] = entry
+    entry.replay()
+
+
+# ---------------------------------------------------------------------------
 # Replaying a Helion kernel's generated host code (the twins' host fast path)
 # ---------------------------------------------------------------------------
 

@@ -250,7 +250,7 @@ def test_gather_flags_only_what_a_consumer_reads(monkeypatch, world_size, flag_o
     monkeypatch.setattr(gather, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(gather, "reset_flags", lambda progress: events.append("reset"))
     monkeypatch.setattr(gather, "set_flag", lambda progress, index, value=1: events.append(("flag", index)))
-    monkeypatch.setattr(gather, "replayed", lambda key, run: run())  # the graph of the exchange: run it plainly
+    monkeypatch.setattr(host, "graphed", lambda key, run, device: run())  # the graph of the exchange: run it plainly
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
     rows, rank = 3, world_size - 1
     out = torch.full((world_size * rows, 5), float("nan"))

@@ -125,8 +125,8 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
                 check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k}, {shapes[k]})")
                 outs[k].fill_(POISON)
     # Those launches ran the in-place gather's exchange from its CUDA graph after the first call of each shape.
-    exchanges = importlib.import_module("kraken.comm.all_gather_with_progress")._exchanges.values()
-    assert any(isinstance(e, torch.cuda.CUDAGraph) for e in exchanges), f"{backend}: no exchange replayed from a graph"
+    graphs = importlib.import_module("kraken.host")._graphs.values()
+    assert any(isinstance(e, torch.cuda.CUDAGraph) for e in graphs), f"{backend}: nothing replayed from a graph"
 
     slots = range(0, 6, 2)  # the graph replays one shape
     eager = {k: fn(*inputs[k]) for k in slots}
@@ -175,11 +175,32 @@ def bad_input(backend: str, module, fn) -> None:
     heartbeat(f"{backend} bad input done")
 
 
+def replayed_front_door(backend: str, fn) -> None:
+    """The public call, repeated on the same tensors (its output freed between calls, so torch's allocator gives the
+    next call the same address), runs from one CUDA graph (``host.graphed``) from its second call on: every call
+    still reads the values its inputs hold then."""
+    world_size, shape = dist.get_world_size(), STRESS_SHAPES[1]
+    a, b = operands(shape, BF16, 400)
+    for i in range(6):
+        seed = 400 + i // 2  # new values every other call, at the same addresses
+        heartbeat(f"{backend} front door call {i}")
+        a.copy_(operands(shape, BF16, seed)[0])
+        out = fn(a, b)
+        torch.cuda.synchronize()
+        check(out, reference(shape, BF16, seed, world_size, b), f"{backend} front door call {i}")
+        out.fill_(POISON)  # a replay must write every element again
+        del out
+    graphs = importlib.import_module("kraken.host")._graphs
+    assert any(isinstance(e, torch.cuda.CUDAGraph) and key[1] == a.data_ptr() for key, e in graphs.items()), (
+        f"{backend}: the front door's calls were not replayed from a graph")
+
+
 def worker(backend: str) -> None:
     module = importlib.import_module(MODULES[backend])
     fn = module.all_gather_matmul
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
+    replayed_front_door(backend, fn)
     bad_input(backend, module, fn)
 
 

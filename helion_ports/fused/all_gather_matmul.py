@@ -229,7 +229,11 @@ def all_gather_matmul(
     """``all_gather(a) @ b`` (and the gathered ``a`` first when ``return_a``); see the kraken recipe."""
     ctx, cfg = prepare(a, b, group, f"helion {OP}", config, return_a)
     new = outputs(a, b, cfg["gathered"], return_a)
-    out = launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new, group_name=ctx.group_name)
+    out, a_out = new["out"], new["a_out"]
+    # A fork, the gather's exchange, the GEMM and a join per call: replayed from one CUDA graph per pointer set.
+    host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(), a_out is not None and a_out.data_ptr()),
+                 lambda: launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new,
+                                group_name=ctx.group_name), a.device)
     if not return_a:
         return out
     return new["a_out"][:, :a.shape[1]], out

@@ -113,5 +113,8 @@ def all_gather_matmul_fp8(
     """``_scaled_mm(all_gather(a), b, all_gather(scale_a), scale_b)`` in bf16; see the kraken recipe."""
     ctx, cfg = prepare(a, b, scale_a, scale_b, group, f"helion {OP}", config)
     out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=OUT_DTYPE, device=a.device)
-    return launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out, **cfg,
-                  group_name=ctx.group_name)
+    # A fork, the gather's exchange, the GEMM and a join per call: replayed from one CUDA graph per pointer set.
+    host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(), out.data_ptr()),
+                 lambda: launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out,
+                                **cfg, group_name=ctx.group_name), a.device)
+    return out

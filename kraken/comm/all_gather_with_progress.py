@@ -33,7 +33,7 @@ The protocol (CUDA-graph safe, no host round trip):
   (The GEMM consumer is far longer than the copies, so the join costs nothing.)
 * a gather in place (my shard my own chunk of a symmetric ``out``, as the GEMM consumers' prepared buffers)
   replays its exchange (the barriers, copies and flag writes above) from a CUDA graph captured on its second
-  call (``replayed``): the same operations, one host call;
+  call (``host.graphed``): the same operations, one host call;
 * my own rows: copied locally to ``out`` after the peers' chunks (those are what a
   consumer waits for; it can read its own rows from ``shard`` without waiting) and
   flagged like the others, unless the consumer reads them from its own copy (``start``'s
@@ -292,33 +292,9 @@ def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, o
 # The exchange of a gather in place (my shard my own chunk of a symmetric ``out``: the GEMM consumers' prepared
 # gather buffers) touches the same buffers, flags and signal pads on every call of a prepared call: its launches,
 # copies and flag writes (two barriers, and one write unless ``flag_own`` is off, at world size 1; 2 (world_size - 1)
-# more operations beyond) are captured once into a CUDA graph and replayed, one graph launch where each was a host
+# more operations beyond) are replayed from a CUDA graph (``host.graphed``), one graph launch where each was a host
 # call. So is a standalone gather's (its own rows' copy too) whenever its ``out`` and ``progress`` come back at
-# addresses seen before. Key (the launcher, the pads, the rank and every pointer touched) -> the graph, or the count
-# of plain runs so far.
-_exchanges: dict[tuple, object] = {}
-PLAIN_RUNS = 1  # a key's plain runs before its capture: the first binds the barrier kernel through the JIT
-
-
-def replayed(key: tuple, run: Callable[[], None]) -> None:
-    """``run()`` on the current stream (the side stream: never the default one), from a CUDA graph of it kept
-    under ``key``: captured (thread-local mode: other threads' CUDA calls go on) after ``PLAIN_RUNS`` plain runs."""
-    entry = _exchanges.get(key, 0)
-    if isinstance(entry, int):
-        if entry < PLAIN_RUNS:
-            run()
-            _exchanges[key] = entry + 1
-            return
-        if len(_exchanges) >= host.MAX_PREPARED:
-            _exchanges.clear()
-        entry = torch.cuda.CUDAGraph()
-        entry.capture_begin(capture_error_mode="thread_local")
-        try:
-            run()
-        finally:
-            entry.capture_end()
-        _exchanges[key] = entry
-    entry.replay()
+# addresses seen before. Key: the launcher, the pads, the rank and every pointer touched.
 
 
 def start(
@@ -359,21 +335,19 @@ def start(
         reset_flags(progress)
     fork(side)
     order = tuple((rank + step) % world_size for step in range(world_size))
-    # An exchange with no snapshot is replayed from a graph kept per pointer set (a gather in place touches only a
-    # prepared call's buffers; a fresh ``out`` and ``progress`` mostly come back at the same addresses from torch's
-    # allocator), unless the caller's stream is being captured (the caller's graph takes the launches) or a
-    # profiler hooks Triton launches.
-    replay = snapshot is None and not torch._C._cuda_isCurrentStreamCapturing() and not host.launch_hooked()
     with on_stream(side):
         if copy_in:
             shard.copy_(stage_from)
         if stage_launch is not None and has_reader:
             stage_launch()
-        if replay:
+        # An exchange with no snapshot is replayed from a graph kept per pointer set (a gather in place touches only
+        # a prepared call's buffers; a fresh ``out`` and ``progress`` mostly come back at the same addresses from
+        # torch's allocator).
+        if snapshot is None:
             key = (id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(), flag_own,
                    *(peer.data_ptr() for peer in peers))
-            replayed(key, lambda: exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher,
-                                           in_place, flag_own))
+            host.graphed(key, lambda: exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher,
+                                               in_place, flag_own), shard.device)
         else:
             exchange(peers, signal_pad_ptrs, rank, out, progress, snapshot, order, launcher, in_place, flag_own)
     return GatherInProgress(out, progress, side, order)

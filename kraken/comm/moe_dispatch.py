@@ -417,7 +417,10 @@ def dispatch(launch, op: str, tokens, expert_ids, num_experts, group, capacity, 
     call (a dictionary lookup once warm), a new handle, the launches through the prepared call's launcher."""
     call = prepare(tokens, expert_ids, num_experts, group, capacity, op, config)
     handle = new_handle(tokens, expert_ids, num_experts, call.recv, call.recv_context, call.capacity)
-    launch(tokens, expert_ids, handle, call.counts_context, call.recv_context.rank, **call.launch_cfg)
+    # Four launches per call: replayed from one CUDA graph per pointer set (the handle's tensors are one allocation).
+    host.graphed((call.launch_cfg["launcher"], tokens.data_ptr(), expert_ids.data_ptr(), handle.status.data_ptr()),
+                 lambda: launch(tokens, expert_ids, handle, call.counts_context, call.recv_context.rank,
+                                **call.launch_cfg), tokens.device)
     if check_status:
         check(handle)
     return call.recv, handle.recv_counts, handle
