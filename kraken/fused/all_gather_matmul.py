@@ -51,7 +51,6 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._ptx_utils import wait_async
@@ -206,8 +205,8 @@ def launch_matmul(
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
-        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(gathered, [block_m, block_k]),
-        TensorDescriptor.from_tensor(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
+        host.tma_operand(a, [block_m, block_k]), host.tma_operand(gathered, [block_m, block_k]),
+        host.tma_operand(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
         FLATTEN=flattens(block_m, block_n), num_warps=num_warps, num_stages=num_stages,
     )

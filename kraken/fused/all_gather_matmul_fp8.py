@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._gemm_core import FP8, MAX_INDEX, flattens, tma_fp8
@@ -176,8 +175,8 @@ def launch_matmul(
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
-        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(values, [block_m, block_k]),
-        TensorDescriptor.from_tensor(b, b_box), out, progress, scales, scale_a, scale_b, m, n, k, scales.stride(0),
+        host.tma_operand(a, [block_m, block_k]), host.tma_operand(values, [block_m, block_k]),
+        host.tma_operand(b, b_box), out, progress, scales, scale_a, scale_b, m, n, k, scales.stride(0),
         rank, world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
         SCALED=True, A_ROWWISE=int(scale_a.numel() > 1), B_COLWISE=int(scale_b.numel() > 1),
         FLATTEN=flattens(block_m, block_n), num_warps=num_warps, num_stages=num_stages,

@@ -64,7 +64,6 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import crossover, host
 from kraken._gemm_core import (  # noqa: F401 (OUT_DTYPES, SKINNY_M: this recipe's, used by tests)
@@ -297,7 +296,7 @@ def launch(
     workspace = peers[rank]
     launcher(
         gemm_one_shot_all_reduce_kernel, (num_blocks,),
-        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
+        host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, [block_k, block_n]),
         partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_groups, k_per_split, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m, PUSH=shot == PUSH,

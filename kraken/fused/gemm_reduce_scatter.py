@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too)
@@ -207,7 +206,7 @@ def launch(
     workspace = peers[rank]
     launcher(
         gemm_reduce_scatter_kernel, (num_blocks,),
-        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
+        host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, [block_k, block_n]),
         None, None, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken import host
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
@@ -87,7 +86,7 @@ def launch(
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         gemm_reduce_scatter_kernel, (num_blocks,),
-        TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, b_box),
+        host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, b_box),
         scale_a, scale_b, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans, SCALED=True,
