@@ -815,7 +815,8 @@ def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None
     shapes, plan and buffers) and the address of every tensor passed in. Tensors ``run`` makes itself come from the
     graph's memory pool. ``run`` goes plainly where the device is no GPU, while the current stream is being
     captured (the caller's graph takes the launches), while a Triton launch hook is set (a profiler sees every
-    launch), and for a key whose capture failed. Keys past ``MAX_PREPARED`` start the cache over."""
+    launch), and for a key whose capture failed. Keys past ``MAX_PREPARED`` start the cache over (after a device
+    synchronisation: a graph's pool must not go back to the allocator while a replay still uses it)."""
     if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing() or launch_hooked():
         run()
         return
@@ -826,7 +827,8 @@ def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None
             if entry != NEVER:
                 _graphs[key] = entry + 1
             return
-        if len(_graphs) >= MAX_PREPARED:
+        if len(_graphs) >= MAX_PREPARED:  # start over, once every replay has finished with its graph's memory
+            torch.cuda.synchronize(device)
             _graphs.clear()
         entry = torch.cuda.CUDAGraph()
         stream = _capture_streams.get(device.index)

@@ -7,6 +7,7 @@ the first launch. A new signature (here, a bad config) still goes through the ch
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -373,3 +374,53 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
         assert runs[True] == runs[False], module_name
         addresses = [args for kind, args in runs[True][2:-1]]
         assert addresses[0] != addresses[1], "the moved arguments launched at the same addresses"
+
+
+def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
+    """``host.graphed``: a key's first run is plain, its second is captured (on a stream of its own) and replayed,
+    later ones only replay; a capture that fails runs plainly and is never tried again; while the current stream is
+    being captured, or on a CPU, every run is plain."""
+    events: list = []
+
+    class Graph:
+        def capture_begin(self, capture_error_mode):
+            assert capture_error_mode == "thread_local"
+            events.append("begin")
+
+        def capture_end(self):
+            events.append("end")
+
+        def replay(self):
+            events.append("replay")
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "capture stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: events.append(("on", stream)) or contextlib.nullcontext())
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
+    monkeypatch.setattr(host, "_graphs", {})
+    monkeypatch.setattr(host, "_capture_streams", {})
+    gpu = torch.device("cuda", 0)
+    run = lambda: events.append("run")  # noqa: E731
+    for _ in range(4):
+        host.graphed(("key",), run, gpu)
+    assert events == ["run", ("on", "capture stream"), "begin", "run", "end", "replay", "replay", "replay"]
+
+    events.clear()
+    capturing[0] = True
+    host.graphed(("key",), run, gpu)
+    host.graphed(("other",), run, torch.device("cpu"))
+    assert events == ["run", "run"] and ("other",) not in host._graphs
+    capturing[0] = False
+
+    events.clear()
+
+    def failing():
+        events.append("run")
+        if "begin" in events and "end" not in events:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    for _ in range(4):
+        host.graphed(("failing",), failing, gpu)
+    assert events == ["run", ("on", "capture stream"), "begin", "run", "end", "run", "run", "run"]
+    assert host._graphs[("failing",)] == host.NEVER
