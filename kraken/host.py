@@ -659,13 +659,26 @@ def scratch_allocator() -> Iterator[None]:
         _allocation._allocator.reset(token)
 
 
+class Address:
+    """A device address where a launch wants an object with ``data_ptr()`` (a replayed descriptor's base)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
 class TmaOperand(NamedTuple):
     """A host tensor descriptor's fields, as a recipe passes them to its launcher (``tma_operand``): what the
     launch reads of one (``tensor_maps``, Triton's ``make_tensordesc_arg``) without ``TensorDescriptor``'s
     checks on every call (3.4 us a descriptor on the CI CPU, two or three per GEMM launch); ``jit_launch`` makes
-    it a ``TensorDescriptor`` (checked, and what the JIT specialises on) for the launches that bind."""
+    it a ``TensorDescriptor`` (checked, and what the JIT specialises on) for the launches that bind. A replayed
+    twin's descriptor (``Replay``) has an ``Address`` for its base: it only goes to compiled launches."""
 
-    base: torch.Tensor
+    base: torch.Tensor | Address
     shape: tuple
     strides: tuple
     block_shape: list
@@ -822,7 +835,7 @@ def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None
         return
     entry = _graphs.get(key, 0)
     if isinstance(entry, int):
-        if entry == NEVER or entry < PLAIN_RUNS:
+        if entry < PLAIN_RUNS:  # NEVER included
             run()
             if entry != NEVER:
                 _graphs[key] = entry + 1
@@ -852,29 +865,6 @@ def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None
 # ---------------------------------------------------------------------------
 # Replaying a Helion kernel's generated host code (the twins' host fast path)
 # ---------------------------------------------------------------------------
-
-
-class Address:
-    """A device address where a launch wants an object with ``data_ptr()`` (a replayed descriptor's base)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
-@dataclass(frozen=True)
-class DescriptorArgs:
-    """What a launch reads of a host tensor descriptor (``tensor_maps``; Triton's ``make_tensordesc_arg``)."""
-
-    base: Address
-    shape: tuple
-    strides: tuple
-    block_shape: tuple
-    padding: str
 
 
 class _ViewsOnly(TorchDispatchMode):
@@ -908,7 +898,7 @@ class Replay:
     keeps each launch argument as a constant or as (argument, byte offset into it). A replay launches the same
     compiled kernels (``Launcher.launch_compiled``) with each tensor as its address (the C launch function takes
     an int where it takes a tensor, and then skips the tensor's ``data_ptr()`` and the driver's pointer check) and
-    each descriptor as ``DescriptorArgs``: no host code, no views, no descriptor objects. A call whose scalars or
+    each descriptor as a ``TmaOperand`` on an ``Address``: no host code, no views, no descriptor objects. A call whose scalars or
     top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``, and the caller runs the host code.
     """
 
@@ -990,7 +980,8 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) 
         return found
 
     def getter(value) -> Callable | None:
-        """None for a constant, else a getter of the value for a call's arguments (descriptors, tuples)."""
+        """None for a constant, else a getter of the value for a call's arguments (descriptors, tuples and the
+        tensors in them; a launch's own tensor arguments are its ``pointers``)."""
         if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
             return None
         if isinstance(value, torch.Tensor):
@@ -999,8 +990,7 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) 
         if isinstance(value, TensorDescriptor):
             i, j, offset = address_of(value.base)
             rest = (tuple(value.shape), tuple(value.strides), tuple(value.block_shape), value.padding)
-            return lambda call: DescriptorArgs(Address((call[i] if j is None else call[i][j]).data_ptr() + offset),
-                                               *rest)
+            return lambda call: TmaOperand(Address((call[i] if j is None else call[i][j]).data_ptr() + offset), *rest)
         if isinstance(value, tuple):
             parts = tuple((getter(item), item) for item in value)
             if all(get is None for get, _ in parts):
@@ -1012,8 +1002,8 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) 
     for kernel, grid, launch_args in launches:
         pointers = tuple((position, *address_of(value)) for position, value in enumerate(launch_args)
                          if isinstance(value, torch.Tensor))
-        others = tuple((position, get) for position, get in enumerate(map(getter, launch_args))
-                       if get is not None and not isinstance(launch_args[position], torch.Tensor))
+        others = tuple((position, get) for position, value in enumerate(launch_args)
+                       if not isinstance(value, torch.Tensor) and (get := getter(value)) is not None)
         filled = {position for position, *_ in pointers} | {position for position, _ in others}
         constants = tuple(None if position in filled else value for position, value in enumerate(launch_args))
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)

@@ -328,7 +328,7 @@ def normalized(value):
     """A launch argument as the kernel sees it: a tensor as its address, a descriptor as its fields."""
     if isinstance(value, torch.Tensor):
         return value.data_ptr()
-    if hasattr(value, "block_shape"):  # a TensorDescriptor, or the replay's DescriptorArgs
+    if hasattr(value, "block_shape"):  # a TensorDescriptor, or a TmaOperand (the replay's)
         return ("descriptor", value.base.data_ptr(), tuple(value.shape), tuple(value.strides),
                 tuple(value.block_shape), value.padding)
     if isinstance(value, tuple):
