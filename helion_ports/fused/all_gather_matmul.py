@@ -44,7 +44,7 @@ from kraken._gemm_core import flattens
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul import (  # noqa: F401 (shared with the recipe)
-    OP, outputs, plan, prepare, tma_inputs,
+    OP, call, outputs, plan, prepare, tma_inputs,
 )
 
 # The flag (a pointer expression in the snippet): progress + index.
@@ -227,13 +227,4 @@ def all_gather_matmul(
     **config,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``all_gather(a) @ b`` (and the gathered ``a`` first when ``return_a``); see the kraken recipe."""
-    ctx, cfg = prepare(a, b, group, f"helion {OP}", config, return_a)
-    new = outputs(a, b, cfg["gathered"], return_a)
-    out, a_out = new["out"], new["a_out"]
-    # A fork, the gather's exchange, the GEMM and a join per call: replayed from one CUDA graph per pointer set.
-    host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(), a_out is not None and a_out.data_ptr()),
-                 lambda: launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new,
-                                group_name=ctx.group_name), a.device)
-    if not return_a:
-        return out
-    return new["a_out"][:, :a.shape[1]], out
+    return call(launch, f"helion {OP}", a, b, group, return_a, config)

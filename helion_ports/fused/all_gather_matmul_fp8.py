@@ -27,7 +27,7 @@ from kraken import host
 from kraken._gemm_core import tma_fp8
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul_fp8 import (  # noqa: F401 (shared with the recipe)
-    OP, OUT_DTYPE, b_operand, buffer_views, plan, prepare, row_bytes, stage,
+    OP, OUT_DTYPE, b_operand, buffer_views, call, plan, prepare, row_bytes, stage,
 )
 
 # Per load/store of one tile loop, in program order: the rows (a's or the buffer's) and b through TMA; the row and
@@ -111,10 +111,4 @@ def all_gather_matmul_fp8(
     **config,
 ) -> torch.Tensor:
     """``_scaled_mm(all_gather(a), b, all_gather(scale_a), scale_b)`` in bf16; see the kraken recipe."""
-    ctx, cfg = prepare(a, b, scale_a, scale_b, group, f"helion {OP}", config)
-    out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=OUT_DTYPE, device=a.device)
-    # A fork, the gather's exchange, the GEMM and a join per call: replayed from one CUDA graph per pointer set.
-    host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(), out.data_ptr()),
-                 lambda: launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out,
-                                **cfg, group_name=ctx.group_name), a.device)
-    return out
+    return call(launch, f"helion {OP}", a, b, scale_a, scale_b, group, config)

@@ -379,13 +379,18 @@ def all_gather_matmul(
     every rank; ``b`` [K, N] in any layout. ``config`` overrides the tiles (``block_m``, ``block_n``,
     ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks`` and ``b_layout`` (see ``plan``).
     """
-    ctx, cfg = prepare(a, b, group, OP, config, return_a)
+    return call(launch, OP, a, b, group, return_a, config)
+
+
+def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: bool, config: dict
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather_matmul`` with a given ``launch`` (the recipe's or its twin's) under the name ``op``: the prepared
+    call, the new outputs, and the launch. Its fork, the gather's exchange, the GEMM and a join are replayed from
+    one CUDA graph per pointer set (``host.graphed``)."""
+    ctx, cfg = prepare(a, b, group, op, config, return_a)
     new = outputs(a, b, cfg["gathered"], return_a)
     out, a_out = new["out"], new["a_out"]
-    # A fork, the gather's exchange, the GEMM and a join per call: replayed from one CUDA graph per pointer set.
     host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(), a_out is not None and a_out.data_ptr()),
                  lambda: launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new,
                                 group_name=ctx.group_name), a.device)
-    if not return_a:
-        return out
-    return new["a_out"][:, :a.shape[1]], out
+    return out if not return_a else (a_out[:, :a.shape[1]], out)

@@ -289,9 +289,16 @@ def all_gather_matmul_fp8(
     the tiles (``block_m``, ``block_n``, ``block_k``, ``num_warps``, ``num_stages``, ``group_m``),
     ``max_blocks`` and ``b_layout`` (see ``plan`` and ``B_LAYOUTS``).
     """
-    ctx, cfg = prepare(a, b, scale_a, scale_b, group, OP, config)
+    return call(launch, OP, a, b, scale_a, scale_b, group, config)
+
+
+def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
+         config: dict) -> torch.Tensor:
+    """``all_gather_matmul_fp8`` with a given ``launch`` (the recipe's or its twin's) under the name ``op``: the
+    prepared call, the new output, and the launch. Its fork, the gather's exchange, the GEMM and a join are replayed
+    from one CUDA graph per pointer set (``host.graphed``)."""
+    ctx, cfg = prepare(a, b, scale_a, scale_b, group, op, config)
     out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=OUT_DTYPE, device=a.device)
-    # A fork, the gather's exchange, the GEMM and a join per call: replayed from one CUDA graph per pointer set.
     host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(), out.data_ptr()),
                  lambda: launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out,
                                 **cfg, group_name=ctx.group_name), a.device)
