@@ -82,7 +82,7 @@ def views(tensors: tuple[torch.Tensor, ...], shape, row: int | None = None) -> t
     return hit[1]
 
 
-def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch):
+def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch, kernel_args=None):
     """Call a twin's Helion kernel on ``args``: plainly (``kernel(*args)``) with the default launcher, or, with
     a prepared call's ``host.Launcher``, through what that keeps for the kernel.
 
@@ -94,23 +94,31 @@ def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch):
     addresses, with no host code (``host.Replay``), or, where it cannot be replayed or a Triton launch hook is
     set, run the host code again. The plain way launches with ``host.scratch_allocator`` set, as
     ``host.jit_launch`` does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
+
+    ``kernel_args``: for a kernel that takes views of what the twin holds (a flat view of a [tokens, hidden]
+    tensor, a buffer shaped as regions, a scale expanded to a row), a function of ``args`` that returns the
+    kernel's arguments; only the paths that run host code call it. A replay makes no view: it reads each address
+    from ``args`` themselves (a view's is its tensor's, or at a fixed offset from it), and a view costs about a
+    microsecond of the host's time. With ``kernel_args``, ``run`` returns None (the twin holds its outputs).
     """
     if launcher is host.jit_launch:
         with host.scratch_allocator():
-            return kernel(*args)
+            result = kernel(*(args if kernel_args is None else kernel_args(args)))
+        return result if kernel_args is None else None
     key = id(kernel)
     replay = launcher.replays.get(key)
     if replay is not None and not host.launch_hooked():
         result = replay(args)
         if result is not host.NOT_REPLAYED:
             return result
+    call = args if kernel_args is None else kernel_args(args)
     bound = launcher.bound.get(key)
     if bound is None:
         with host.scratch_allocator():
-            result = kernel(*args)
-        launcher.bound[key] = kernel.bind(args)
-        return result
-    if key not in launcher.replays and not host.launch_hooked():
-        launcher.replays[key], result = host.record_replay(launcher, bound._run, args)
-        return result
-    return bound._run(*args, _launcher=launcher)
+            result = kernel(*call)
+        launcher.bound[key] = kernel.bind(call)
+    elif key not in launcher.replays and not host.launch_hooked():
+        launcher.replays[key], result = host.record_replay(launcher, bound._run, args, call)
+    else:
+        result = bound._run(*call, _launcher=launcher)
+    return result if kernel_args is None else None

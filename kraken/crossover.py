@@ -9,7 +9,7 @@ at which one-shot is chosen, by world size; the front doors (``kraken.all_reduce
 pick two-shot above it. ``shot="one"`` or ``shot="two"`` in a front door's config forces either.
 
 A front door checks its inputs as the recipes do and agrees on them across ranks on its own first call of
-each call signature (``host.agreed``, through ``checked_shot``), ``shot`` included, before it calls a
+each call signature (``host.agreed``, through ``checked_plan``), ``shot`` included, before it calls a
 recipe: the recipe's prepared calls are shared with direct calls of it, so a signature the recipe has
 seen before would skip the agreement there, and one rank's bad input would raise on that rank alone.
 
@@ -90,14 +90,14 @@ def plan(op: str, one_shot, two_shot, size: int, world_size: int, config: dict, 
     return {"shot": shot, **(one_shot if shot == ONE else two_shot).plan(*plan_args, world_size, config)}
 
 
-def checked_shot(name: str, plan, sizes: tuple[int, ...], group, config: dict) -> str:
+def checked_plan(name: str, plan, sizes: tuple[int, ...], group, config: dict) -> dict:
     """A front door's first-call checks after its inputs' own, inside its ``host.agreed`` (``name``: the op its
-    errors name): the group's size, ``plan(*sizes, world_size, config)`` (the choice under ``"shot"``, the
-    chosen recipe's config resolved) and the signal pad's budget. Returns the choice."""
+    errors name): the group's size, ``plan(*sizes, world_size, config)`` and the signal pad's budget. Returns
+    that plan: the choice under ``"shot"``, the chosen recipe's launch configuration."""
     world_size = host.world_size_of(group, name)
     launch_cfg = plan(*sizes, world_size, config)
     host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, name)
-    return launch_cfg["shot"]
+    return launch_cfg
 
 
 def size_of(op: str, x: object) -> int:
@@ -110,13 +110,18 @@ def size_of(op: str, x: object) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
+def traced_shot(op: str, x: object, group, config: dict) -> str:
+    """A front door's choice while Dynamo traces: unchecked, from ``x``'s size (the chosen recipe's operator checks
+    when it runs); takes ``"shot"`` out of ``config`` (the rest is the chosen recipe's)."""
+    return choose(op, size_of(op, x), host.world_size_of(group, op), config.pop("shot", None))
+
+
 def route(op: str, checked, inputs: tuple, group, config: dict) -> str:
     """A front door's choice for its ``inputs`` in ``group``; takes ``"shot"`` out of ``config`` (the rest is the
     chosen recipe's). In eager, the door's ``checked(*inputs, group, config)``: checked and agreed on its first
-    call of each signature (``checked_shot``), a lookup after. While Dynamo traces, unchecked, from the first
-    input's size (the chosen recipe's operator checks when it runs)."""
+    call of each signature (``checked_plan``), a lookup after. While Dynamo traces, ``traced_shot``."""
     if torch.compiler.is_dynamo_compiling():
-        return choose(op, size_of(op, inputs[0]), host.world_size_of(group, op), config.pop("shot", None))
+        return traced_shot(op, inputs[0], group, config)
     shot = checked(*inputs, group, config)
     config.pop("shot", None)
     return shot

@@ -931,12 +931,14 @@ class Replay:
         return tuple(args[i] for i in self.result)
 
 
-def record_replay(launcher: Launcher, host_code: Callable, args: tuple) -> tuple[Replay | None, object]:
-    """Run ``host_code(*args, _launcher=...)`` (a Helion ``BoundKernel``'s generated host code), launching through
-    ``launcher``; returns (its ``Replay``, or None where it cannot be replayed, and what it returned). It cannot be
-    replayed if the host code ran an ATen op other than a view (it would not be repeated), launched a kernel that
-    did not compile to a kept launch (a CPU capture), passed an argument not derived from ``args`` (a tensor of
-    its own), or returned something other than arguments."""
+def record_replay(launcher: Launcher, host_code: Callable, args: tuple, call: tuple | None = None
+                  ) -> tuple[Replay | None, object]:
+    """Run ``host_code(*call, _launcher=...)`` (a Helion ``BoundKernel``'s generated host code; ``call``: ``args``,
+    or views of them, as ``helion_ports.run``'s ``kernel_args`` makes them), launching through ``launcher``;
+    returns (its ``Replay`` as a function of ``args``, or None where it cannot be replayed, and what it returned).
+    It cannot be replayed if the host code ran an ATen op other than a view (it would not be repeated), launched a
+    kernel that did not compile to a kept launch (a CPU capture), passed an argument not derived from ``args`` (a
+    tensor of its own), or returned something other than arguments. A replay of views returns None."""
     launches: list = []
     watch = _ViewsOnly()
 
@@ -949,11 +951,12 @@ def record_replay(launcher: Launcher, host_code: Callable, args: tuple) -> tuple
             watch.launching = False
 
     with watch:
-        result = host_code(*args, _launcher=recording)
+        result = host_code(*(args if call is None else call), _launcher=recording)
     try:
         if watch.other is not None or not all(id(kernel) in launcher.compiled for kernel, _, _ in launches):
             raise NotReplayable
-        return _replay_of(launcher, args, launches, result), result
+        viewed = call is not None and call is not args
+        return _replay_of(launcher, args, launches, None if viewed else result), result
     except NotReplayable:
         return None, result
 

@@ -87,14 +87,29 @@ CALLS = {  # op -> how to call its front door ``fn`` on x
 
 
 def recorded_recipes(monkeypatch, package: str, op: str) -> list:
-    """The front door's two recipes replaced by recorders of (shot, args, config); returns the record."""
+    """The front door's two recipes replaced by recorders of (shot, args, config); returns the record. The bias
+    family's doors launch the chosen recipe on the preparation they keep (``door_call``): there the recipe's
+    ``launch`` records, with the launch configuration it got; ``all_reduce``'s door calls the recipe."""
     door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
     calls = []
     for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
         name = FRONT_DOORS[op][1 if shot == "one" else 2].rsplit(".", 1)[1]
         assert recipe.__name__ == f"{package}.{FRONT_DOORS[op][1 if shot == 'one' else 2]}"
-        monkeypatch.setattr(recipe, name, lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
+        if op == "all_reduce":
+            monkeypatch.setattr(recipe, name, lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
+        else:
+            monkeypatch.setattr(recipe, "launch", lambda *args, _shot=shot, launcher, group_name, **launch_cfg: (
+                calls.append((_shot, args, launch_cfg))))
     return calls
+
+
+def reached(op: str, shot: str, x: torch.Tensor, world_size: int, config: dict) -> dict:
+    """What the recorder of ``shot``'s recipe should see of ``config``: itself (``all_reduce``), or the recipe's
+    launch configuration planned with it."""
+    if op == "all_reduce":
+        return config
+    recipe = importlib.import_module(f"kraken.{FRONT_DOORS[op][1 if shot == 'one' else 2]}")
+    return recipe.plan(x.shape[0], x.shape[1], world_size, config)
 
 
 @pytest.fixture
@@ -133,10 +148,11 @@ def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op)
         CALLS[op](fn, x, max_blocks=8)  # a key every recipe of the door knows: the door checks the config too
         ((shot, args, config),) = calls
         assert shot == expected, (world_size, tuple(x.shape))
-        assert args[0] is x and config == {"max_blocks": 8}
+        assert args[0] is x and config == reached(op, shot, x, world_size, {"max_blocks": 8})
         calls.clear()
-        CALLS[op](fn, x, shot="two" if expected == "one" else "one")
-        assert calls[0][0] != expected and calls[0][2] == {}
+        forced = "two" if expected == "one" else "one"
+        CALLS[op](fn, x, shot=forced)
+        assert calls[0][0] == forced and calls[0][2] == reached(op, forced, x, world_size, {})
 
 
 BF16 = torch.bfloat16

@@ -10,12 +10,14 @@ import torch.distributed as dist
 
 from kraken import crossover, host
 from kraken.fused.all_reduce_bias import OP, checked_choice, plan  # the choice and the plans are the recipe's
+from kraken.fused.one_shot_all_reduce_bias import door_call
 
 ONE_SHOT = importlib.import_module("helion_ports.fused.one_shot_all_reduce_bias")
 TWO_SHOT = importlib.import_module("helion_ports.fused.two_shot_all_reduce_bias")
 
 # Checked and agreed on this door's own first call of each signature, under its own name (see the kraken door).
-choose = checked_choice(f"helion {OP}")
+NAME = f"helion {OP}"
+choose = checked_choice(NAME)
 
 
 def launch(
@@ -40,7 +42,4 @@ def all_reduce_bias(
     x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """``sum over ranks of x`` + ``bias``, one-shot or two-shot (see the kraken front door)."""
-    shot = crossover.route(OP, choose, (x, bias), group, config)
-    if shot == crossover.ONE:
-        return ONE_SHOT.one_shot_all_reduce_bias(x, bias, group, **config)
-    return TWO_SHOT.two_shot_all_reduce_bias(x, bias, group, **config)
+    return door_call(OP, NAME, (ONE_SHOT, TWO_SHOT), choose, x, (bias,), group, config)

@@ -73,15 +73,20 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_reduce_scatter_fp8.launch``
     (``peers[rank]`` also goes in as ``workspace`` under its own storage: see the bf16 twin)."""
-    a = tma_a(a)
-    b, b_trans = b_operand(b, b_layout)
-    m, n = a.shape[0], out.shape[1]
+    b, b_trans = b_operand(b, b_layout)  # (a copy, where b is not TMA-ready, is an argument of its own)
     args = (
-        a, b, scale_a.reshape(-1).expand(m), scale_b.reshape(-1).expand(n), own_storage(peers[rank]), peers, parity,
-        epochs, out, signal_pad_ptrs, num_blocks, rank, len(peers), b_trans, True, block_m, block_n, group_m, group_name,
+        tma_a(a), b, scale_a, scale_b, own_storage(peers[rank]), peers, parity, epochs, out, signal_pad_ptrs,
+        num_blocks, rank, len(peers), b_trans, True, block_m, block_n, group_m, group_name,
     )
-    run(compiled(block_m, block_n, block_k, num_warps, num_stages, len(peers)), args, launcher)
+    run(compiled(block_m, block_n, block_k, num_warps, num_stages, len(peers)), args, launcher, scaled_args)
     return out
+
+
+def scaled_args(args: tuple) -> tuple:
+    """``launch``'s arguments as the kernel takes them (``helion_ports.run``): the scales as [M] and [N] views."""
+    a, b, scale_a, scale_b, workspace, peers, parity, epochs, out, *rest = args
+    return (a, b, scale_a.reshape(-1).expand(a.shape[0]), scale_b.reshape(-1).expand(out.shape[1]), workspace, peers,
+            parity, epochs, out, *rest)
 
 
 def gemm_reduce_scatter_fp8(

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.one_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
+from kraken.fused.one_shot_all_reduce_bias import plan, prepare, signature, staged_call  # shared with the recipe
 
 # "My staged chunk is visible / yours is" (release + acquire), then "done reading yours" (release).
 SYNC_STAGED = SYMM_MEM_SYNC[(True, True)]
@@ -89,19 +89,21 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.one_shot_all_reduce_bias.launch``."""
     # `workspace` through its own storage object: see helion_ports.own_storage. The workspace is flat already.
-    args = (
-        x.view(-1), bias, own_storage(peers[rank]), views(peers, -1), out.view(-1), signal_pad_ptrs, num_blocks, chunk,
-        rank, len(peers), group_name,
-    )
-    run(compiled(block_size, num_warps), args, launcher)
+    args = (x, bias, own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks, chunk, rank, len(peers),
+            group_name)
+    run(compiled(block_size, num_warps), args, launcher, flat_args)
     return out
+
+
+def flat_args(args: tuple) -> tuple:
+    """``launch``'s arguments as the kernel takes them: ``x``, the peers and ``out`` flat (``helion_ports.run``)."""
+    x, bias, workspace, peers, out, *rest = args
+    return (x.view(-1), bias, workspace, views(peers, -1), out.view(-1), *rest)
 
 
 def one_shot_all_reduce_bias(
     x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """``sum over ranks of x`` + ``bias``; a new tensor (see the kraken recipe)."""
-    x2d, ctx, launch_cfg = prepare(x, bias, group, "helion one_shot_all_reduce_bias", config)
-    out = torch.empty_like(x2d)
-    launch(x2d, bias, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
-    return out if x.dim() == 2 else out.view(x.shape)
+    op = "helion one_shot_all_reduce_bias"
+    return staged_call(launch, op, x, (bias,), signature(x, bias, group, op, config))

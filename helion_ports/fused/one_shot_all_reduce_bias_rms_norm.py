@@ -23,7 +23,8 @@ from helion_ports.fused.rms_norm import rms_normalize
 from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.one_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
+from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
+from kraken.fused.one_shot_all_reduce_bias_rms_norm import plan, prepare, signature  # shared with the recipe
 
 # "My staged rows are visible / yours are" (release + acquire), then "done reading yours" (release).
 SYNC_STAGED = SYMM_MEM_SYNC[(True, True)]
@@ -96,13 +97,16 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     # `workspace` through its own storage object: see helion_ports.own_storage.
-    row_peers = views(peers, x.shape)
-    args = (
-        x, bias, weight, float(eps), own_storage(peers[rank]).view(x.shape), row_peers, out, signal_pad_ptrs, num_blocks,
-        rows_per_block, rank, len(peers), group_name,
-    )
-    run(compiled(num_warps), args, launcher)
+    args = (x, bias, weight, float(eps), own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks,
+            rows_per_block, rank, len(peers), group_name)
+    run(compiled(num_warps), args, launcher, row_args)
     return out
+
+
+def row_args(args: tuple) -> tuple:
+    """``launch``'s arguments as the kernel takes them (``helion_ports.run``): the workspaces as ``x``'s rows."""
+    x, bias, weight, eps, workspace, peers, *rest = args
+    return (x, bias, weight, eps, workspace.view(x.shape), views(peers, x.shape), *rest)
 
 
 def one_shot_all_reduce_bias_rms_norm(
@@ -115,10 +119,4 @@ def one_shot_all_reduce_bias_rms_norm(
 ) -> torch.Tensor:
     """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``; a new tensor (see the kraken recipe)."""
     op = "helion one_shot_all_reduce_bias_rms_norm"
-    x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
-    out = torch.empty_like(x2d)
-    launch(
-        x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
-        group_name=ctx.group_name,
-    )
-    return out if x.dim() == 2 else out.view(x.shape)
+    return staged_call(launch, op, x, (bias, weight, eps), signature(x, bias, weight, eps, group, op, config))

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.two_shot_all_reduce_bias import plan, prepare  # shared with the Triton recipe
+from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
+from kraken.fused.two_shot_all_reduce_bias import plan, prepare, signature  # shared with the recipe
 
 # Both barriers: "my writes are visible to you" (release) and "yours to me" (acquire).
 SYNC = SYMM_MEM_SYNC[(True, True)]
@@ -98,23 +99,25 @@ def launch(
     launcher=host.jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.two_shot_all_reduce_bias.launch``."""
-    regions = (2, x.numel())
     # `workspace` through its own storage object: see helion_ports.own_storage.
-    region_peers = views(peers, regions)
-    args = (
-        x.view(-1), bias, own_storage(peers[rank]).view(regions), region_peers, views(peers, regions, 1), out.view(-1),
-        signal_pad_ptrs, num_blocks,
-        shard, chunk, rank, len(peers), group_name,
-    )
-    run(compiled(block_size, num_warps), args, launcher)
+    args = (x, bias, own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks, shard, chunk, rank, len(peers),
+            group_name)
+    run(compiled(block_size, num_warps), args, launcher, region_args)
     return out
+
+
+def region_args(args: tuple) -> tuple:
+    """``launch``'s arguments as the kernel takes them (``helion_ports.run``): ``x`` and ``out`` flat, the
+    workspaces as their two regions [2, numel] (staged input, reduced shard), and the peers' second regions."""
+    x, bias, workspace, peers, out, *rest = args
+    regions = (2, x.numel())
+    return (x.view(-1), bias, workspace.view(regions), views(peers, regions), views(peers, regions, 1), out.view(-1),
+            *rest)
 
 
 def two_shot_all_reduce_bias(
     x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """``sum over ranks of x`` + ``bias``, sharded reduction; a new tensor (see the kraken recipe)."""
-    x2d, ctx, launch_cfg = prepare(x, bias, group, "helion two_shot_all_reduce_bias", config)
-    out = torch.empty_like(x2d)
-    launch(x2d, bias, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
-    return out if x.dim() == 2 else out.view(x.shape)
+    op = "helion two_shot_all_reduce_bias"
+    return staged_call(launch, op, x, (bias,), signature(x, bias, group, op, config))

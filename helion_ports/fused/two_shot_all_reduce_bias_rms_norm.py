@@ -21,7 +21,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare  # shared with the Triton recipe
+from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
+from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare, signature  # shared with the recipe
 
 # Both barriers: "my writes are visible to you" (release) and "yours to me" (acquire).
 SYNC = SYMM_MEM_SYNC[(True, True)]
@@ -117,15 +118,23 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     tokens, hidden = x.shape
-    flat = (2, tokens * hidden)
     # `workspace` through its own storage object: see helion_ports.own_storage.
     args = (
-        x, bias, weight, float(eps), own_storage(peers[rank]).view(2, tokens, hidden), views(peers, flat, 0),
-        views(peers, flat, 1), out, signal_pad_ptrs, num_blocks, shard, chunk, rank, min((rank + 1) * shard, tokens),
-        len(peers), host.next_power_of_2(hidden), group_name,
+        x, bias, weight, float(eps), own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks, shard, chunk,
+        rank, min((rank + 1) * shard, tokens), len(peers), host.next_power_of_2(hidden), group_name,
     )
-    run(compiled(num_warps), args, launcher)
+    run(compiled(num_warps), args, launcher, region_args)
     return out
+
+
+def region_args(args: tuple) -> tuple:
+    """``launch``'s arguments as the kernel takes them (``helion_ports.run``): the workspaces as two regions of
+    ``x``'s rows (staged input, reduced shard), and the peers' regions flat."""
+    x, bias, weight, eps, workspace, peers, *rest = args
+    tokens, hidden = x.shape
+    flat = (2, tokens * hidden)
+    return (x, bias, weight, eps, workspace.view(2, tokens, hidden), views(peers, flat, 0), views(peers, flat, 1),
+            *rest)
 
 
 def two_shot_all_reduce_bias_rms_norm(
@@ -138,10 +147,4 @@ def two_shot_all_reduce_bias_rms_norm(
 ) -> torch.Tensor:
     """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``, rows sharded over ranks (see the kraken recipe)."""
     op = "helion two_shot_all_reduce_bias_rms_norm"
-    x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
-    out = torch.empty_like(x2d)
-    launch(
-        x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
-        group_name=ctx.group_name,
-    )
-    return out if x.dim() == 2 else out.view(x.shape)
+    return staged_call(launch, op, x, (bias, weight, eps), signature(x, bias, weight, eps, group, op, config))

@@ -44,7 +44,7 @@ def checked_choice(name: str):
     def choose(tensor, group, config: dict) -> str:
         with host.agreed(name, group, tensor=tensor, config=config):  # one rank's bad input: every rank raises
             host.check_tensor(tensor, "tensor", name)
-            return crossover.checked_shot(name, plan, (tensor.numel(),), group, config)
+            return crossover.checked_plan(name, plan, (tensor.numel(),), group, config)["shot"]
 
     return choose
 

@@ -7,8 +7,10 @@ row). Both return a new tensor and leave ``x`` as it was, so the choice changes 
 
 The door's first call of each call signature checks the inputs as the recipes do and agrees across ranks
 (``choose``), so one rank's bad input raises on every rank before any launch, even on a signature the
-chosen recipe, called directly, has run before (its prepared call would skip the agreement); later
-calls of the signature: one lookup, then the recipe's own fast path.
+chosen recipe, called directly, has run before (its prepared call would skip the agreement), and keeps with
+the choice what the chosen recipe's launch needs (its plan, the workspace, a launcher: ``staged_workspace``);
+later calls of the signature: one lookup, then that launch (``door_call``). While Dynamo traces, the chosen
+recipe's operator.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kraken import crossover, host
+from kraken.fused.one_shot_all_reduce_bias import door_call, staged_workspace
 from kraken.fused.rms_norm import check_inputs
 
 OP = "all_reduce_bias"
@@ -32,16 +35,20 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
 
 
 def checked_choice(name: str):
-    """``choose(x, bias, group, config)``: the recipe for this call signature, checked and agreed on its first
-    call (a lookup after). ``name``: the op its errors name, this door's or its twin's: each door agrees on
-    its own first calls (``host.agreed`` remembers agreed signatures per op name)."""
+    """``choose(x, bias, group, config)``: (the recipe for this call signature, its preparation of the signature
+    under ``name``), checked and agreed on its first call (a lookup after). ``name``: the op its errors name, this
+    door's or its twin's: each door agrees on its own first calls (``host.agreed`` remembers agreed signatures per
+    op name)."""
 
     @host.per_signature(lambda x, bias, group, config: (
         name, group, host.tensor_key(x), host.tensor_key(bias), host.config_key(config)))
-    def choose(x, bias, group, config: dict) -> str:
+    def choose(x, bias, group, config: dict) -> tuple[str, tuple]:
         with host.agreed(name, group, x=x, config=config, bias=bias):  # one rank's bad input: every rank raises
             hidden = check_inputs(name, x, {"bias": bias})
-            return crossover.checked_shot(name, plan, (x.numel() // hidden, hidden), group, config)
+            launch_cfg = crossover.checked_plan(name, plan, (x.numel() // hidden, hidden), group, config)
+        shot = launch_cfg.pop("shot")
+        copies = (ONE_SHOT if shot == crossover.ONE else TWO_SHOT).WORKSPACE_COPIES
+        return shot, staged_workspace(name, x, hidden, group, launch_cfg, copies)
 
     return choose
 
@@ -76,7 +83,4 @@ def all_reduce_bias(
     [hidden], the same on every rank). ``config``: ``shot="one"|"two"`` forces a recipe; the rest
     overrides its config.
     """
-    shot = crossover.route(OP, choose, (x, bias), group, config)
-    if shot == crossover.ONE:
-        return ONE_SHOT.one_shot_all_reduce_bias(x, bias, group, **config)
-    return TWO_SHOT.two_shot_all_reduce_bias(x, bias, group, **config)
+    return door_call(OP, OP, (ONE_SHOT, TWO_SHOT), choose, x, (bias,), group, config)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kraken import crossover, host
+from kraken.fused.one_shot_all_reduce_bias import door_call, staged_workspace
 from kraken.fused.rms_norm import check_inputs
 
 OP = "all_reduce_bias_rms_norm"
@@ -29,16 +30,20 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
 
 
 def checked_choice(name: str):
-    """``choose(x, bias, weight, eps, group, config)``: the recipe for this call signature, checked and agreed
-    on its first call (a lookup after); ``name``: the op its errors name (see ``kraken.fused.all_reduce_bias``)."""
+    """``choose(x, bias, weight, eps, group, config)``: (the recipe for this call signature, its preparation of the
+    signature under ``name``), checked and agreed on its first call (a lookup after); ``name``: the op its errors
+    name (see ``kraken.fused.all_reduce_bias``)."""
 
     @host.per_signature(lambda x, bias, weight, eps, group, config: (
         name, group, host.tensor_key(x), host.tensor_key(bias), host.tensor_key(weight), host.scalar_key(eps),
         host.config_key(config)))
-    def choose(x, bias, weight, eps, group, config: dict) -> str:
+    def choose(x, bias, weight, eps, group, config: dict) -> tuple[str, tuple]:
         with host.agreed(name, group, x=x, eps=eps, config=config, bias=bias, weight=weight):
             hidden = check_inputs(name, x, {"bias": bias, "weight": weight}, eps)
-            return crossover.checked_shot(name, plan, (x.numel() // hidden, hidden), group, config)
+            launch_cfg = crossover.checked_plan(name, plan, (x.numel() // hidden, hidden), group, config)
+        shot = launch_cfg.pop("shot")
+        copies = (ONE_SHOT if shot == crossover.ONE else TWO_SHOT).WORKSPACE_COPIES
+        return shot, staged_workspace(name, x, hidden, group, launch_cfg, copies)
 
     return choose
 
@@ -80,7 +85,4 @@ def all_reduce_bias_rms_norm(
     Arguments as ``one_shot_all_reduce_bias_rms_norm``. ``config``: ``shot="one"|"two"`` forces a recipe;
     the rest overrides its config.
     """
-    shot = crossover.route(OP, choose, (x, bias, weight, eps), group, config)
-    if shot == crossover.ONE:
-        return ONE_SHOT.one_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)
-    return TWO_SHOT.two_shot_all_reduce_bias_rms_norm(x, bias, weight, eps, group, **config)
+    return door_call(OP, OP, (ONE_SHOT, TWO_SHOT), choose, x, (bias, weight, eps), group, config)

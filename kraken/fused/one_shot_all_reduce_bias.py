@@ -27,7 +27,7 @@ slot ``b``:
    overwrite it.
 
 This module also holds what the distributed members of the family share:
-``prepare_staged`` (validation, workspace, plan) and the device helpers
+``staged_signature`` (validation, workspace, plan, per signature), ``staged_call`` and the device helpers
 ``copy_slice`` (the plain collectives' staging copy, from ``kraken.comm.one_shot_all_reduce``) and
 ``sum_peers``.
 """
@@ -41,13 +41,14 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
+from kraken import crossover, host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG, copy_slice  # the family stages with it
 from kraken.fused.rms_norm import NO_EPS, check_inputs
 
 # Not tuned on its own: the tuned one-shot all-reduce's configuration (same loop plus a staging copy).
 DEFAULT_CONFIG = dict(ONE_SHOT_CONFIG)
+WORKSPACE_COPIES = 1  # the staged input
 
 
 # ---------------------------------------------------------------------------
@@ -112,40 +113,63 @@ def _check_not_aliased(x: torch.Tensor, workspace: torch.Tensor, op: str) -> Non
         )
 
 
-def prepare_staged(
-    op: str,
-    x: torch.Tensor,
-    vectors: dict[str, torch.Tensor],
-    eps: object,
-    group,
-    config: dict,
-    plan: Callable[[int, int, int, dict], dict],
-    copies: int = 1,
-) -> tuple[torch.Tensor, host.SymmContext, dict]:
-    """Shared by the family: validate, flatten ``x`` to [tokens, hidden], get the workspace, plan.
-
-    ``vectors`` are the [hidden] arguments (bias, weight); ``eps`` is
-    ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies``
-    message-sized regions (two-shot kernels keep their results apart from the
-    staged input). Returns ``x`` as a 2-D view, the workspace's symmetric
-    context and the launch configuration. All but the view and the aliasing
-    check (they depend on ``x``'s address) is kept per signature.
-    """
-    hidden, ctx, launch_cfg = staged_signature(op, x, vectors, eps, group, config, plan, copies)
+def on_signature(op: str, x: torch.Tensor, prepared: tuple) -> tuple[torch.Tensor, host.SymmContext, dict]:
+    """What a family member's call adds to its signature's preparation (``prepared``: ``staged_signature``'s):
+    the aliasing check (it depends on ``x``'s address) and ``x`` as [tokens, hidden]. Returns the view, the
+    workspace's symmetric context and the launch configuration."""
+    hidden, ctx, launch_cfg = prepared
     _check_not_aliased(x, ctx.peers[ctx.rank], op)
     return (x if x.dim() == 2 else x.view(-1, hidden)), ctx, launch_cfg  # a view costs ~1 us
 
 
-@host.per_signature(lambda op, x, vectors, eps, group, config, plan, copies: (
-    op, group, host.tensor_key(x), *map(host.tensor_key, vectors.values()), host.scalar_key(eps), plan, copies,
-    host.config_key(config)))
+def staged_call(launch: Callable, op: str, x: torch.Tensor, operands: tuple, prepared: tuple) -> torch.Tensor:
+    """A family member's call (a recipe's, a twin's, a front door's) on its signature's preparation: a new output
+    of ``x``'s shape, ``launch(x, *operands, peers, out, ...)`` (``operands``: bias, or bias, weight and eps)."""
+    x2d, ctx, launch_cfg = on_signature(op, x, prepared)
+    out = torch.empty_like(x2d)
+    launch(x2d, *operands, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return out if x.dim() == 2 else out.view(x.shape)
+
+
+# ``host.per_signature``'s keys of the members' ``signature(x, bias, group, op, config)`` and of the RMSNorm ones'
+# ``signature(x, bias, weight, eps, group, op, config)``.
+BIAS_KEY = lambda x, bias, group, op, config: (  # noqa: E731
+    op, group, host.tensor_key(x), host.tensor_key(bias), host.config_key(config))
+NORM_KEY = lambda x, bias, weight, eps, group, op, config: (  # noqa: E731
+    op, group, host.tensor_key(x), host.tensor_key(bias), host.tensor_key(weight), host.scalar_key(eps),
+    host.config_key(config))
+
+
+def door_call(op: str, name: str, recipes: tuple, choose: Callable, x: torch.Tensor, operands: tuple, group,
+              config: dict) -> torch.Tensor:
+    """A front door of the family (``all_reduce_bias``, ``all_reduce_bias_rms_norm``, their twins; ``name``: the
+    op its errors name) over ``recipes``, its (one-shot, two-shot) modules. In eager: ``choose``'s (choice,
+    preparation) for the call signature, then the chosen one's launch. While Dynamo traces: the chosen one's
+    operator (its public function, named as its module), from ``crossover.traced_shot``."""
+    if torch.compiler.is_dynamo_compiling():
+        recipe = recipes[0] if crossover.traced_shot(op, x, group, config) == crossover.ONE else recipes[1]
+        return getattr(recipe, recipe.__name__.rpartition(".")[2])(x, *operands, group, **config)
+    shot, prepared = choose(x, *operands, group, config)
+    return staged_call((recipes[0] if shot == crossover.ONE else recipes[1]).launch, name, x, operands, prepared)
+
+
 def staged_signature(op, x, vectors, eps, group, config, plan, copies) -> tuple[int, host.SymmContext, dict]:
-    """``prepare_staged``'s work that depends only on the signature: checks, agreement, plan, workspace."""
+    """Shared by the family: what a call signature needs (each member's ``signature`` keeps it per signature,
+    ``host.per_signature``). Validate, agree, plan, and get the workspace. ``vectors`` are the [hidden] arguments (bias, weight); ``eps`` is
+    ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies`` message-sized regions (two-shot
+    kernels keep their results apart from the staged input). Returns (hidden, the workspace's symmetric context,
+    the launch configuration)."""
     with host.agreed(op, group, x=x, eps=eps, config=config, **vectors):  # every rank raises if any rank's input is bad
         hidden = check_inputs(op, x, vectors, eps)
         world_size = host.world_size_of(group, op)
         launch_cfg = plan(x.numel() // hidden, hidden, world_size, config)
         host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
+    return staged_workspace(op, x, hidden, group, launch_cfg, copies)
+
+
+def staged_workspace(op: str, x: torch.Tensor, hidden: int, group, launch_cfg: dict, copies: int) -> tuple:
+    """A signature's preparation after its checks, agreement and plan (``launch_cfg``): the workspace of ``copies``
+    message-sized regions, its symmetric context and a launcher. Returns (hidden, context, launch configuration)."""
     workspace = host.symm_workspace(max(copies * x.numel(), 1), x.dtype, x.device, group, op)
     ctx = host.symm_context(workspace, group, op, name="workspace")
     return hidden, ctx, {**launch_cfg, "launcher": host.Launcher(op)}
@@ -160,8 +184,15 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk}
 
 
+@host.per_signature(BIAS_KEY)
+def signature(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict) -> tuple:
+    """This call signature's preparation (``staged_signature``), kept per signature; shared with the twin."""
+    return staged_signature(op, x, {"bias": bias}, NO_EPS, group, config, plan, WORKSPACE_COPIES)
+
+
 def prepare(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict):
-    return prepare_staged(op, x, {"bias": bias}, NO_EPS, group, config, plan)
+    """(``x`` as [tokens, hidden], the workspace's symmetric context, the launch configuration)."""
+    return on_signature(op, x, signature(x, bias, group, op, config))
 
 
 def launch(
@@ -202,7 +233,5 @@ def one_shot_all_reduce_bias(
     ``x``'s dtype, the same on every rank. Bitwise identical on every rank.
     ``config`` overrides ``DEFAULT_CONFIG``.
     """
-    x2d, ctx, launch_cfg = prepare(x, bias, group, "one_shot_all_reduce_bias", config)
-    out = torch.empty_like(x2d)
-    launch(x2d, bias, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
-    return out if x.dim() == 2 else out.view(x.shape)
+    op = "one_shot_all_reduce_bias"
+    return staged_call(launch, op, x, (bias,), signature(x, bias, group, op, config))

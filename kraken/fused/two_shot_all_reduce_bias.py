@@ -38,7 +38,9 @@ import triton.language as tl
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG, SHARD_ALIGN, block_range
-from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
+from kraken.fused.one_shot_all_reduce_bias import (
+    BIAS_KEY, copy_slice, on_signature, staged_call, staged_signature, sum_peers,
+)
 from kraken.fused.rms_norm import NO_EPS
 
 # Not tuned on its own: the tuned two-shot all-reduce's configuration.
@@ -97,8 +99,15 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     }
 
 
+@host.per_signature(BIAS_KEY)
+def signature(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict) -> tuple:
+    """This call signature's preparation (``staged_signature``), kept per signature; shared with the twin."""
+    return staged_signature(op, x, {"bias": bias}, NO_EPS, group, config, plan, WORKSPACE_COPIES)
+
+
 def prepare(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict):
-    return prepare_staged(op, x, {"bias": bias}, NO_EPS, group, config, plan, copies=WORKSPACE_COPIES)
+    """(``x`` as [tokens, hidden], the workspace's symmetric context, the launch configuration)."""
+    return on_signature(op, x, signature(x, bias, group, op, config))
 
 
 def launch(
@@ -137,7 +146,5 @@ def two_shot_all_reduce_bias(
     Arguments as ``one_shot_all_reduce_bias``; the sharded reduction moves less
     data over NVLink for larger messages. Bitwise identical on every rank.
     """
-    x2d, ctx, launch_cfg = prepare(x, bias, group, "two_shot_all_reduce_bias", config)
-    out = torch.empty_like(x2d)
-    launch(x2d, bias, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
-    return out if x.dim() == 2 else out.view(x.shape)
+    op = "two_shot_all_reduce_bias"
+    return staged_call(launch, op, x, (bias,), signature(x, bias, group, op, config))

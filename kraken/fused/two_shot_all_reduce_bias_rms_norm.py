@@ -29,7 +29,9 @@ import triton.language as tl
 from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG
-from kraken.fused.one_shot_all_reduce_bias import copy_slice, prepare_staged, sum_peers
+from kraken.fused.one_shot_all_reduce_bias import (
+    NORM_KEY, copy_slice, on_signature, staged_call, staged_signature, sum_peers,
+)
 from kraken.fused.rms_norm import rms_normalize, row_warps
 from kraken.fused.two_shot_all_reduce_bias import WORKSPACE_COPIES, block_range
 
@@ -95,8 +97,16 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     return {"num_warps": num_warps, "num_blocks": num_blocks, "shard": shard, "chunk": chunk}
 
 
+@host.per_signature(NORM_KEY)
+def signature(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict
+              ) -> tuple:
+    """This call signature's preparation (``staged_signature``), kept per signature; shared with the twin."""
+    return staged_signature(op, x, {"bias": bias, "weight": weight}, eps, group, config, plan, WORKSPACE_COPIES)
+
+
 def prepare(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict):
-    return prepare_staged(op, x, {"bias": bias, "weight": weight}, eps, group, config, plan, copies=WORKSPACE_COPIES)
+    """(``x`` as [tokens, hidden], the workspace's symmetric context, the launch configuration)."""
+    return on_signature(op, x, signature(x, bias, weight, eps, group, op, config))
 
 
 def launch(
@@ -142,10 +152,4 @@ def two_shot_all_reduce_bias_rms_norm(
     Arguments as ``one_shot_all_reduce_bias_rms_norm``. Bitwise identical on every rank.
     """
     op = "two_shot_all_reduce_bias_rms_norm"
-    x2d, ctx, launch_cfg = prepare(x, bias, weight, eps, group, op, config)
-    out = torch.empty_like(x2d)
-    launch(
-        x2d, bias, weight, eps, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
-        group_name=ctx.group_name,
-    )
-    return out if x.dim() == 2 else out.view(x.shape)
+    return staged_call(launch, op, x, (bias, weight, eps), signature(x, bias, weight, eps, group, op, config))
