@@ -155,6 +155,31 @@ def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op)
         assert calls[0][0] == forced and calls[0][2] == reached(op, forced, x, world_size, {})
 
 
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+@pytest.mark.parametrize("op", ["all_reduce_bias", "all_reduce_bias_rms_norm"])
+def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatch, package, op):
+    """While Dynamo traces, the bias family's doors neither check nor prepare (``door_call``): they call the chosen
+    recipe's public function (its operator there) with the caller's arguments and group, the config less ``shot``."""
+    door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
+    calls = []
+    for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
+        monkeypatch.setattr(recipe, recipe.__name__.rpartition(".")[2],
+                            lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
+        monkeypatch.setattr(recipe, "launch", lambda *args, **kwargs: pytest.fail("a traced door launched"))
+    monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
+    monkeypatch.setattr(host, "world_size_of", lambda group, op_name: 4)
+    for rows, expected in ((16, "one"), (32, "two")):  # one-shot and two-shot at 4 ranks
+        x = torch.empty(rows, 96)
+        forced = "two" if expected == "one" else "one"
+        CALLS[op](getattr(door, op), x, max_blocks=8)
+        CALLS[op](getattr(door, op), x, shot=forced)
+        (shot, args, config), (forced_shot, _, forced_config) = calls
+        assert (shot, forced_shot) == (expected, forced) and args[0] is x and args[-1] is None  # the default group
+        assert len(args) == (3 if op == "all_reduce_bias" else 5)
+        assert config == {"max_blocks": 8} and forced_config == {}
+        calls.clear()
+
+
 BF16 = torch.bfloat16
 RECIPE_FIRST = {  # op -> (a good call's arguments after x, rank 1's bad argument, what rank 1's check says of it)
     "all_reduce": ((), "tensor", "tensor must be contiguous"),
