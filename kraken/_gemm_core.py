@@ -183,12 +183,13 @@ def fp8_b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
     ``b`` or layout "nk", [K, N] for a row-major one or "kn" (``FP8_B_LAYOUTS``). Rows that TMA cannot address
     (a row stride not a multiple of 16 bytes, an unaligned base) or the other layout are copied into a
     zero-padded [rows, cols rounded up to 16] buffer, read through its [rows, cols] view."""
-    column_major = b.stride(0) == 1 and b.stride(1) >= max(b.shape[0], 1)
-    row_major = b.stride(1) == 1 and b.stride(0) >= max(b.shape[1], 1)
+    (k, n), (k_stride, n_stride) = b.shape, b.stride()  # once: each ``stride()`` is a host call on every launch
+    column_major = k_stride == 1 and n_stride >= max(k, 1)
+    row_major = n_stride == 1 and k_stride >= max(n, 1)
     trans = layout == "nk" or (layout == "auto" and (column_major or not row_major))
     w = b.t() if trans else b
-    rows, cols = w.shape
-    if w.stride(1) == 1 and w.stride(0) % 16 == 0 and w.stride(0) >= cols and w.data_ptr() % 16 == 0:
+    (rows, cols), (row_stride, col_stride) = ((n, k), (n_stride, k_stride)) if trans else ((k, n), (k_stride, n_stride))
+    if col_stride == 1 and row_stride % 16 == 0 and row_stride >= cols and b.data_ptr() % 16 == 0:
         return w, trans
     padded = torch.zeros(rows, host.round_up(cols, 16), dtype=torch.uint8, device=b.device)
     padded[:, :cols].copy_(w.view(torch.uint8))  # (bytes: copies of fp8 tensors go through their bytes)

@@ -298,7 +298,7 @@ def launch(
         gemm_one_shot_all_reduce_kernel, (num_blocks,),
         host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, [block_k, block_n]),
         partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
-        workspace.stride(0), workspace.stride(1), num_groups, k_per_split, rank, len(peers),
+        *workspace.stride()[:2], num_groups, k_per_split, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m, PUSH=shot == PUSH,
         KEEP_LAST=keeps_last(split_k, len(peers), out.dtype, shot), SHARDS=shards_of(shot, len(peers)),
         num_warps=num_warps, num_stages=num_stages,

@@ -208,7 +208,7 @@ def launch(
         gemm_reduce_scatter_kernel, (num_blocks,),
         host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, [block_k, block_n]),
         None, None, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
-        workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
+        *workspace.stride()[:2], num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         FLATTEN=flattens(block_m, block_n, out.element_size()), num_warps=num_warps, num_stages=num_stages,
     )

@@ -88,7 +88,7 @@ def launch(
         gemm_reduce_scatter_kernel, (num_blocks,),
         host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, b_box),
         scale_a, scale_b, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
-        workspace.stride(0), workspace.stride(1), num_blocks, rank, len(peers),
+        *workspace.stride()[:2], num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans, SCALED=True,
         A_ROWWISE=int(scale_a.numel() > 1), B_COLWISE=int(scale_b.numel() > 1), num_warps=num_warps,
         num_stages=num_stages,

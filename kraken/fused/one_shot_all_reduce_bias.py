@@ -155,10 +155,10 @@ def door_call(op: str, name: str, recipes: tuple, choose: Callable, x: torch.Ten
 
 def staged_signature(op, x, vectors, eps, group, config, plan, copies) -> tuple[int, host.SymmContext, dict]:
     """Shared by the family: what a call signature needs (each member's ``signature`` keeps it per signature,
-    ``host.per_signature``). Validate, agree, plan, and get the workspace. ``vectors`` are the [hidden] arguments (bias, weight); ``eps`` is
-    ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies`` message-sized regions (two-shot
-    kernels keep their results apart from the staged input). Returns (hidden, the workspace's symmetric context,
-    the launch configuration)."""
+    ``host.per_signature``). Validate, agree, plan, and get the workspace. ``vectors`` are the [hidden]
+    arguments (bias, weight); ``eps`` is ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies``
+    message-sized regions (two-shot kernels keep their results apart from the staged input). Returns (hidden,
+    the workspace's symmetric context, the launch configuration)."""
     with host.agreed(op, group, x=x, eps=eps, config=config, **vectors):  # every rank raises if any rank's input is bad
         hidden = check_inputs(op, x, vectors, eps)
         world_size = host.world_size_of(group, op)
