@@ -26,10 +26,10 @@ slot ``b``:
 4. barrier (release): "done reading your workspace", so the next call may
    overwrite it.
 
-This module also holds what the distributed members of the family share:
-``staged_signature`` (validation, workspace, plan, per signature), ``staged_call`` and the device helpers
-``copy_slice`` (the plain collectives' staging copy, from ``kraken.comm.one_shot_all_reduce``) and
-``sum_peers``.
+This module also holds what the distributed members of the family share: ``staged_signature``
+(validation, agreement, plan, workspace; each member's ``signature`` keeps it per signature), ``staged_call``
+(a call on it), ``door_call`` (the front doors' call) and the device helpers ``copy_slice`` (the plain
+collectives' staging copy, from ``kraken.comm.one_shot_all_reduce``) and ``sum_peers``.
 """
 
 from __future__ import annotations
