@@ -125,6 +125,13 @@ def test_b_layouts():
     b, trans = recipe.b_operand(w72.t(), "auto")
     assert trans and b.shape == (32, 72) and b.stride() == (80, 1)
     assert torch.equal(b.view(torch.uint8), w72.view(torch.uint8))
+    # Column-major forced to "kn": a row-major [K, N] copy. A base off the 16-byte grid: a copy, whatever the strides.
+    b, trans = recipe.b_operand(w.t(), "kn")
+    assert not trans and b.shape == (64, 32) and b.stride(1) == 1 and b.data_ptr() != w.data_ptr()
+    assert torch.equal(b.view(torch.uint8), w.t().contiguous().view(torch.uint8))
+    shifted = torch.randn(64 * 32 + 1).to(FP8)[1:].view(64, 32)  # row-major [K, N], one byte past an aligned base
+    b, trans = recipe.b_operand(shifted, "auto")
+    assert not trans and b.data_ptr() % 16 == 0 and torch.equal(b.view(torch.uint8), shifted.view(torch.uint8))
 
 
 def test_gather_buffer_rows_hold_values_and_scale():
