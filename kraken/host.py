@@ -898,8 +898,9 @@ class Replay:
     keeps each launch argument as a constant or as (argument, byte offset into it). A replay launches the same
     compiled kernels (``Launcher.launch_compiled``) with each tensor as its address (the C launch function takes
     an int where it takes a tensor, and then skips the tensor's ``data_ptr()`` and the driver's pointer check) and
-    each descriptor as a ``TmaOperand`` on an ``Address``: no host code, no views, no descriptor objects. A call whose scalars or
-    top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``, and the caller runs the host code.
+    each descriptor as a ``TmaOperand`` on an ``Address``: no host code, no views, no descriptor objects. A call
+    whose scalars or top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``, and the caller runs the
+    host code.
     """
 
     launcher: Launcher

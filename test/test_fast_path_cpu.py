@@ -365,8 +365,8 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
         runs = {}
         for replaying in (True, False):
             if not replaying:
-                monkeypatch.setattr(host, "record_replay", lambda launcher, code, call, viewed=None: (None, code(
-                    *(call if viewed is None else viewed), _launcher=launcher)))
+                monkeypatch.setattr(host, "record_replay", lambda launcher, code, args, call=None: (None, code(
+                    *(args if call is None else call), _launcher=launcher)))
             launcher, start = host.Launcher("test"), len(launches)
             results = [real_run(kernel, variant, launcher, kernel_args) for variant in variants]
             runs[replaying] = [(entry[0], normalized(entry[1:])) for entry in launches[start:]]
