@@ -8,10 +8,11 @@ at which one-shot is chosen, by world size; the front doors (``kraken.all_reduce
 ``kraken.fused.all_reduce_bias``, ``kraken.fused.all_reduce_bias_rms_norm`` and their Helion twins)
 pick two-shot above it. ``shot="one"`` or ``shot="two"`` in a front door's config forces either.
 
-A front door checks its inputs as the recipes do and agrees on them across ranks on its own first call of
-each call signature (``host.agreed``, through ``checked_plan``), ``shot`` included, before it calls a
-recipe: the recipe's prepared calls are shared with direct calls of it, so a signature the recipe has
-seen before would skip the agreement there, and one rank's bad input would raise on that rank alone.
+A front door keeps its own preparation per call signature: its first call of each checks the inputs as the
+recipes do and agrees on them across ranks (``host.agreed``, through ``checked_plan``), ``shot`` included,
+and later calls launch the chosen recipe from it after one lookup. The recipes' own prepared calls are
+shared with direct calls of them: a signature a recipe has seen before skips the agreement there, so a
+door that went through them would let one rank's bad input raise on that rank alone.
 
 Measured on H200s, bf16, eager GPU time (``docs/history.md``, ``docs/results.md``):
 
@@ -116,12 +117,9 @@ def traced_shot(op: str, x: object, group, config: dict) -> str:
     return choose(op, size_of(op, x), host.world_size_of(group, op), config.pop("shot", None))
 
 
-def route(op: str, checked, inputs: tuple, group, config: dict) -> str:
-    """A front door's choice for its ``inputs`` in ``group``; takes ``"shot"`` out of ``config`` (the rest is the
-    chosen recipe's). In eager, the door's ``checked(*inputs, group, config)``: checked and agreed on its first
-    call of each signature (``checked_plan``), a lookup after. While Dynamo traces, ``traced_shot``."""
-    if torch.compiler.is_dynamo_compiling():
-        return traced_shot(op, inputs[0], group, config)
-    shot = checked(*inputs, group, config)
-    config.pop("shot", None)
-    return shot
+def traced_call(op: str, recipes: tuple, x: object, operands: tuple, group, config: dict):
+    """A front door's call while Dynamo traces: the operator of the recipe ``traced_shot`` chooses among ``recipes``
+    (its (one-shot, two-shot) modules; a module's operator is its public function, named as the module), on
+    ``(x, *operands, group, **config)``. The operator checks when it runs."""
+    recipe = recipes[0] if traced_shot(op, x, group, config) == ONE else recipes[1]
+    return getattr(recipe, recipe.__name__.rpartition(".")[2])(x, *operands, group, **config)

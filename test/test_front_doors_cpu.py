@@ -87,28 +87,27 @@ CALLS = {  # op -> how to call its front door ``fn`` on x
 
 
 def recorded_recipes(monkeypatch, package: str, op: str) -> list:
-    """The front door's two recipes replaced by recorders of (shot, args, config); returns the record. The bias
-    family's doors launch the chosen recipe on the preparation they keep (``door_call``): there the recipe's
-    ``launch`` records, with the launch configuration it got; ``all_reduce``'s door calls the recipe."""
+    """The front door's two recipes' ``launch`` replaced by recorders of (shot, the door's input as the launch got
+    it, the launch configuration); returns the record. The doors launch the chosen recipe on the preparation they
+    keep (``door_call``): ``all_reduce``'s passes an ordinary input as ``x`` (staged), the bias family's first."""
     door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
     calls = []
     for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
-        name = FRONT_DOORS[op][1 if shot == "one" else 2].rsplit(".", 1)[1]
         assert recipe.__name__ == f"{package}.{FRONT_DOORS[op][1 if shot == 'one' else 2]}"
-        if op == "all_reduce":
-            monkeypatch.setattr(recipe, name, lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
-        else:
-            monkeypatch.setattr(recipe, "launch", lambda *args, _shot=shot, launcher, group_name, **launch_cfg: (
-                calls.append((_shot, args, launch_cfg))))
+
+        def record(*args, _shot=shot, launcher, group_name, **launch_cfg):
+            x = launch_cfg.pop("x") if op == "all_reduce" else args[0]
+            calls.append((_shot, x, launch_cfg))
+
+        monkeypatch.setattr(recipe, "launch", record)
     return calls
 
 
 def reached(op: str, shot: str, x: torch.Tensor, world_size: int, config: dict) -> dict:
-    """What the recorder of ``shot``'s recipe should see of ``config``: itself (``all_reduce``), or the recipe's
-    launch configuration planned with it."""
-    if op == "all_reduce":
-        return config
+    """The launch configuration ``shot``'s recipe should get: its ``plan`` with ``config``."""
     recipe = importlib.import_module(f"kraken.{FRONT_DOORS[op][1 if shot == 'one' else 2]}")
+    if op == "all_reduce":
+        return recipe.plan(x.numel(), world_size, config)
     return recipe.plan(x.shape[0], x.shape[1], world_size, config)
 
 
@@ -146,9 +145,9 @@ def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op)
         x = torch.empty(size) if op == "all_reduce" else torch.empty(size, 96)
         calls.clear()
         CALLS[op](fn, x, max_blocks=8)  # a key every recipe of the door knows: the door checks the config too
-        ((shot, args, config),) = calls
+        ((shot, seen, config),) = calls
         assert shot == expected, (world_size, tuple(x.shape))
-        assert args[0] is x and config == reached(op, shot, x, world_size, {"max_blocks": 8})
+        assert seen is x and config == reached(op, shot, x, world_size, {"max_blocks": 8})
         calls.clear()
         forced = "two" if expected == "one" else "one"
         CALLS[op](fn, x, shot=forced)
@@ -156,10 +155,10 @@ def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op)
 
 
 @pytest.mark.parametrize("package", ["kraken", "helion_ports"])
-@pytest.mark.parametrize("op", ["all_reduce_bias", "all_reduce_bias_rms_norm"])
+@pytest.mark.parametrize("op", sorted(FRONT_DOORS))
 def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatch, package, op):
-    """While Dynamo traces, the bias family's doors neither check nor prepare (``door_call``): they call the chosen
-    recipe's public function (its operator there) with the caller's arguments and group, the config less ``shot``."""
+    """While Dynamo traces, the doors neither check nor prepare (``door_call``): they call the chosen recipe's public
+    function (its operator there) with the caller's arguments and group, the config less ``shot``."""
     door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
     calls = []
     for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
@@ -168,14 +167,15 @@ def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatc
         monkeypatch.setattr(recipe, "launch", lambda *args, **kwargs: pytest.fail("a traced door launched"))
     monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
     monkeypatch.setattr(host, "world_size_of", lambda group, op_name: 4)
-    for rows, expected in ((16, "one"), (32, "two")):  # one-shot and two-shot at 4 ranks
-        x = torch.empty(rows, 96)
+    sizes = (8 * K, 64 * K) if op == "all_reduce" else (16, 32)  # one-shot and two-shot at 4 ranks
+    for size, expected in zip(sizes, ("one", "two")):
+        x = torch.empty(size) if op == "all_reduce" else torch.empty(size, 96)
         forced = "two" if expected == "one" else "one"
         CALLS[op](getattr(door, op), x, max_blocks=8)
         CALLS[op](getattr(door, op), x, shot=forced)
         (shot, args, config), (forced_shot, _, forced_config) = calls
         assert (shot, forced_shot) == (expected, forced) and args[0] is x and args[-1] is None  # the default group
-        assert len(args) == (3 if op == "all_reduce_bias" else 5)
+        assert len(args) == {"all_reduce": 2, "all_reduce_bias": 3, "all_reduce_bias_rms_norm": 5}[op]
         assert config == {"max_blocks": 8} and forced_config == {}
         calls.clear()
 

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 
 from kraken import crossover, host
-from kraken.comm.all_reduce import OP, checked_choice, plan  # the choice and the plans are the recipe's
+from kraken.comm.all_reduce import OP, door_call, plan  # the choice, the plans and the call are the recipe door's
 
 ONE_SHOT = importlib.import_module("helion_ports.comm.one_shot_all_reduce")
 TWO_SHOT = importlib.import_module("helion_ports.comm.two_shot_all_reduce")
 
-# Checked and agreed on this door's own first call of each signature, under its own name (see the kraken door).
-choose = checked_choice(f"helion {OP}")
+# This door's prepared calls are kept, and its first calls agreed, under its own name (see the kraken door).
+NAME = f"helion {OP}"
 
 
 def launch(
@@ -37,7 +37,4 @@ def launch(
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """The sum of ``tensor`` over the group, one-shot or two-shot (see the kraken front door)."""
-    shot = crossover.route(OP, choose, (tensor,), group, config)
-    if shot == crossover.ONE:
-        return ONE_SHOT.one_shot_all_reduce(tensor, group, **config)
-    return TWO_SHOT.two_shot_all_reduce(tensor, group, **config)
+    return door_call(NAME, launch, (ONE_SHOT, TWO_SHOT), tensor, group, config)

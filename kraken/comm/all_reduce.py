@@ -3,11 +3,11 @@
 ``all_reduce(tensor, group)`` sums a symmetric tensor over the group with the recipe that wins at
 its size and world size (``kraken.crossover``: one-shot while the message is latency-bound, two-shot
 from the crossover on). ``shot="one"`` / ``shot="two"`` forces either; every other config key goes to
-the chosen recipe. Nothing here launches a kernel of its own: a recipe's whole fast path runs as if
-it had been called directly. Before it, the door's first call of each call signature checks the input
-as the recipes do and agrees across ranks (``choose``), so one rank's bad input raises on every rank
-before any launch, even on a signature the chosen recipe, called directly, has run before (its prepared
-call would skip the agreement); later calls of the signature: one lookup.
+the chosen recipe. Nothing here launches a kernel of its own: the door keeps its own prepared call per
+call signature (``door_call``; symmetric or staged, as the recipes do), whose first call checks the input
+as the recipes do and agrees across ranks, so one rank's bad input raises on every rank before any
+launch, even on a signature the chosen recipe, called directly, has run before (its prepared call would
+skip the agreement). Later calls: one lookup, then the chosen recipe's launch, as its own call makes it.
 
 The two recipes differ in where the sum lands: one-shot writes a new tensor and leaves the input as
 it was, two-shot sums in place. The front door returns the sum either way, and its input is spent:
@@ -18,11 +18,13 @@ before any all-reduce).
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from kraken import crossover, host
+from kraken.comm import staging
 
 OP = "all_reduce"
 # The recipes' modules (``kraken.comm`` exports their functions under the modules' names).
@@ -35,21 +37,32 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
     return crossover.plan(OP, ONE_SHOT, TWO_SHOT, numel, world_size, config, numel)
 
 
-def checked_choice(name: str):
-    """``choose(tensor, group, config)``: the recipe for this call signature, checked and agreed on its first
-    call (a lookup after). ``name``: the op its errors name, this door's or its twin's: each door agrees on
-    its own first calls (``host.agreed`` remembers agreed signatures per op name)."""
-
-    @host.per_signature(lambda tensor, group, config: (name, group, host.tensor_key(tensor), host.config_key(config)))
-    def choose(tensor, group, config: dict) -> str:
-        with host.agreed(name, group, tensor=tensor, config=config):  # one rank's bad input: every rank raises
-            host.check_tensor(tensor, "tensor", name)
-            return crossover.checked_plan(name, plan, (tensor.numel(),), group, config)["shot"]
-
-    return choose
+def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
+    """A door's first call of a signature under ``op`` (its own name, or its twin's: each door agrees on its own
+    first calls): the input checked as the recipes check it and agreed across ranks (``staged`` included), then
+    the choice and the chosen recipe's plan (``crossover.checked_plan``: the launch configuration with ``shot``)."""
+    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # one rank's bad input: every rank raises
+        host.check_tensor(tensor, "tensor", op)
+        return crossover.checked_plan(op, plan, (tensor.numel(),), group, config)
 
 
-choose = checked_choice(OP)
+# The doors' own prepared calls, per signature and door name (``kraken.comm.staging``): (the peers' symmetric
+# context, the chosen recipe's launch configuration with ``shot`` and a ``host.Launcher``, staged or not).
+_, _, prepare_call = staging.prepares(check)
+
+
+def door_call(name: str, launch: Callable, recipes: tuple, tensor: torch.Tensor, group, config: dict) -> torch.Tensor:
+    """This door's call or its twin's (``name``: the op its errors name; ``launch``: the door's ``launch``;
+    ``recipes``: its (one-shot, two-shot) modules). In eager: the door's prepared call of this signature, then the
+    chosen recipe's launch, as the recipe's own call would make it. While Dynamo traces: the chosen recipe's
+    operator (``crossover.traced_call``)."""
+    if torch.compiler.is_dynamo_compiling():
+        return crossover.traced_call(OP, recipes, tensor, (), group, config)
+    ctx, launch_cfg, staged = prepare_call(tensor, group, name, config)
+    one_shot = launch_cfg["shot"] == crossover.ONE
+    out = launch(ctx.peers, torch.empty_like(tensor) if one_shot else None, ctx.signal_pad_ptrs, ctx.rank,
+                 **launch_cfg, group_name=ctx.group_name, x=tensor if staged else None)
+    return out if one_shot else tensor
 
 
 def launch(
@@ -78,7 +91,4 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = Non
     sum: a new tensor (one-shot) or ``tensor`` itself (two-shot, in place); afterwards treat ``tensor``'s
     values as spent. ``config``: ``shot="one"|"two"`` forces a recipe; the rest overrides its config.
     """
-    shot = crossover.route(OP, choose, (tensor,), group, config)
-    if shot == crossover.ONE:
-        return ONE_SHOT.one_shot_all_reduce(tensor, group, **config)
-    return TWO_SHOT.two_shot_all_reduce(tensor, group, **config)
+    return door_call(OP, launch, (ONE_SHOT, TWO_SHOT), tensor, group, config)

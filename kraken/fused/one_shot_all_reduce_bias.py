@@ -145,10 +145,9 @@ def door_call(op: str, name: str, recipes: tuple, choose: Callable, x: torch.Ten
     """A front door of the family (``all_reduce_bias``, ``all_reduce_bias_rms_norm``, their twins; ``name``: the
     op its errors name) over ``recipes``, its (one-shot, two-shot) modules. In eager: ``choose``'s (choice,
     preparation) for the call signature, then the chosen one's launch. While Dynamo traces: the chosen one's
-    operator (its public function, named as its module), from ``crossover.traced_shot``."""
+    operator (``crossover.traced_call``)."""
     if torch.compiler.is_dynamo_compiling():
-        recipe = recipes[0] if crossover.traced_shot(op, x, group, config) == crossover.ONE else recipes[1]
-        return getattr(recipe, recipe.__name__.rpartition(".")[2])(x, *operands, group, **config)
+        return crossover.traced_call(op, recipes, x, operands, group, config)
     shot, prepared = choose(x, *operands, group, config)
     return staged_call((recipes[0] if shot == crossover.ONE else recipes[1]).launch, name, x, operands, prepared)
 
