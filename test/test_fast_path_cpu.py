@@ -248,6 +248,34 @@ def test_gather_with_progress_keeps_its_barrier_launcher_per_group_and_rank():
     assert id(first) not in others and len(others) == 3
 
 
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+def test_a_standalone_gather_prepares_once_and_keeps_its_launcher(monkeypatch, package):
+    """``all_gather_with_progress`` (and its twin) checks the shard and finds its peers on the first call of a
+    signature only, and hands ``start`` the same launcher object on every call: ``start`` replays the exchange from
+    a graph kept per launcher (``host.graphed``), which a new launcher per call (the twin's Helion barrier was one)
+    would never find. ``out`` and ``progress`` are new on every call."""
+    module = importlib.import_module(f"{package}.comm.all_gather_with_progress")
+    host.forget_prepared_calls()
+    contexts, started = [], []
+    monkeypatch.setattr(host, "check_tensor", lambda *args, **kwargs: None)
+    monkeypatch.setattr(host, "symm_context", lambda tensor, group, op, name="tensor": contexts.append(name) or
+                        host.SymmContext(0, 2, "fake", (tensor, torch.zeros_like(tensor)), sm90.FAKE_SIGNAL_PADS))
+    monkeypatch.setattr(module, "start" if package == "kraken" else "recipe_start",
+                        lambda *args, launcher, **kwargs: started.append((args, launcher)))
+    shard = torch.randn(4, 8)
+    for _ in range(3):
+        module.all_gather_with_progress(shard)
+    assert contexts == ["shard"] and len(started) == 3
+    assert len({id(launcher) for _, launcher in started}) == 1
+    outs = [args[3] for args, _ in started]
+    assert all(out.shape == (8, 8) for out in outs) and len({id(out) for out in outs}) == 3
+    assert all(args[4].shape == (2,) and args[4].dtype == torch.int32 for args, _ in started)
+    other = torch.randn(4, 16)  # another signature: checked and rendezvoused again
+    module.all_gather_with_progress(other)
+    assert contexts == ["shard", "shard"]
+    host.forget_prepared_calls()
+
+
 def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
     """Triton 3.6 wraps the C launch function of a kernel with tensor descriptors (``wrap_handle_tensordesc``) so
     that every launch encodes each descriptor's TMA map again. The launcher calls the C function under that

@@ -78,6 +78,13 @@ class HelionBarrier:
         barrier(signal_pad_ptrs, rank, world_size, self.launcher, self.group_name)
 
 
+@functools.cache
+def helion_barrier(launcher, group_name: str = "") -> HelionBarrier:
+    """The ``HelionBarrier`` over ``launcher``, one per (launcher, group name): the recipe's exchange replays a
+    graph kept per launcher object (``host.graphed``), which a new object per call would never find."""
+    return HelionBarrier(launcher, group_name)
+
+
 def start(
     peers: tuple[torch.Tensor, ...],
     signal_pad_ptrs: int,
@@ -92,7 +99,7 @@ def start(
 ) -> GatherInProgress:
     """The recipe's ``start`` with the Helion barrier; mirrors ``kraken.comm.all_gather_with_progress.start``."""
     return recipe_start(peers, signal_pad_ptrs, rank, out, progress, stage_from=stage_from, snapshot=snapshot,
-                        stage_launch=stage_launch, launcher=HelionBarrier(launcher), flag_own=flag_own)
+                        stage_launch=stage_launch, launcher=helion_barrier(launcher), flag_own=flag_own)
 
 
 def all_gather_with_progress(
@@ -105,4 +112,4 @@ def all_gather_with_progress(
     """Start gathering every rank's ``shard`` into ``out`` on the copy engine (see the kraken recipe)."""
     ctx, out, progress = prepare(shard, group, out, progress)
     return recipe_start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress,
-                        launcher=HelionBarrier(barrier_launcher(ctx), ctx.group_name))
+                        launcher=helion_barrier(barrier_launcher(ctx), ctx.group_name))

@@ -245,14 +245,22 @@ def barrier_launcher(ctx: host.SymmContext) -> host.Launcher:
     return launcher
 
 
-def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torch.Tensor | None
-            ) -> tuple[host.SymmContext, torch.Tensor, torch.Tensor]:
-    """Check the arguments and find the peers (shared with the Helion twin): the shard's symmetric context, and
-    ``out`` and ``progress``, allocated where not given."""
+@host.per_signature(lambda shard, group: (OP, group, host.tensor_key(shard, address=True)))
+def shard_context(shard: torch.Tensor, group) -> host.SymmContext:
+    """The shard's checks and its symmetric context (the peers), kept per signature: the shard's address finds its
+    peers, and a symmetric tensor stays alive once rendezvoused (its context holds it), so the address is never
+    another tensor's."""
     host.check_tensor(shard, "shard", OP, host.SUPPORTED_DTYPES + (torch.int32, torch.uint8))
     if shard.dim() < 1 or shard.shape[0] == 0:
         raise ValueError(f"{OP}: shard must have at least one row, got shape {tuple(shard.shape)}")
-    ctx = host.symm_context(shard, group, OP, name="shard")
+    return host.symm_context(shard, group, OP, name="shard")
+
+
+def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torch.Tensor | None
+            ) -> tuple[host.SymmContext, torch.Tensor, torch.Tensor]:
+    """Check the arguments and find the peers (shared with the Helion twin): the shard's symmetric context
+    (``shard_context``), and ``out`` and ``progress``, allocated where not given (checked where given)."""
+    ctx = shard_context(shard, group)
     shape = (ctx.world_size * shard.shape[0], *shard.shape[1:])
     if out is None:
         out = torch.empty(shape, dtype=shard.dtype, device=shard.device)
