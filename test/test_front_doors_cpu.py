@@ -220,7 +220,7 @@ def test_one_rank_alone_bad_raises_through_the_door_on_a_signature_the_recipe_ra
             getattr(door, op)(x, *rest)
         assert len(launches) == 1, "rank 0 launched while rank 1 raised"
         assert two_ranks.exchanges == 2
-        two_ranks.other = None  # rank 1 passes good input again: the door agrees once, then the recipe's fast path
+        two_ranks.other = None  # rank 1 passes good input again: the door agrees once, then its prepared call
         for _ in range(3):
             getattr(door, op)(x, *rest)
         assert len(launches) == 4 and two_ranks.exchanges == 3
