@@ -263,17 +263,19 @@ def test_a_standalone_gather_prepares_once_and_keeps_its_launcher(monkeypatch, p
     monkeypatch.setattr(module, "start" if package == "kraken" else "recipe_start",
                         lambda *args, launcher, **kwargs: started.append((args, launcher)))
     shard = torch.randn(4, 8)
-    for _ in range(3):
-        module.all_gather_with_progress(shard)
-    assert contexts == ["shard"] and len(started) == 3
-    assert len({id(launcher) for _, launcher in started}) == 1
-    outs = [args[3] for args, _ in started]
-    assert all(out.shape == (8, 8) for out in outs) and len({id(out) for out in outs}) == 3
-    assert all(args[4].shape == (2,) and args[4].dtype == torch.int32 for args, _ in started)
-    other = torch.randn(4, 16)  # another signature: checked and rendezvoused again
-    module.all_gather_with_progress(other)
-    assert contexts == ["shard", "shard"]
-    host.forget_prepared_calls()
+    try:  # no prepared call built on fakes outlives the test
+        for _ in range(3):
+            module.all_gather_with_progress(shard)
+        assert contexts == ["shard"] and len(started) == 3
+        assert len({id(launcher) for _, launcher in started}) == 1
+        outs = [args[3] for args, _ in started]
+        assert all(out.shape == (8, 8) for out in outs) and len({id(out) for out in outs}) == 3
+        assert all(args[4].shape == (2,) and args[4].dtype == torch.int32 for args, _ in started)
+        other = torch.randn(4, 16)  # another signature: checked and rendezvoused again
+        module.all_gather_with_progress(other)
+        assert contexts == ["shard", "shard"]
+    finally:
+        host.forget_prepared_calls()
 
 
 def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
