@@ -78,10 +78,12 @@ class HelionBarrier:
         barrier(signal_pad_ptrs, rank, world_size, self.launcher, self.group_name)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=host.MAX_PREPARED)
 def helion_barrier(launcher, group_name: str = "") -> HelionBarrier:
     """The ``HelionBarrier`` over ``launcher``, one per (launcher, group name): the recipe's exchange replays a
-    graph kept per launcher object (``host.graphed``), which a new object per call would never find."""
+    graph kept per launcher object (``host.graphed``), which a new object per call would never find. Bounded as
+    the prepared calls are (``host.MAX_PREPARED``): the all-gather + matmul twins pass their prepared calls'
+    launchers, which must not outlive those calls here."""
     return HelionBarrier(launcher, group_name)
 
 
