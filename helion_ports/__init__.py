@@ -91,8 +91,9 @@ def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch, kernel_arg
     whose ``_run`` is the generated host code, taking the launcher as its keyword ``_launcher``; the code
     ``HELION_PRINT_OUTPUT_CODE=1`` prints). The second runs that host code once, launching through the
     launcher, and records it (``host.record_replay``); later calls replay its launches on their own arguments'
-    addresses, with no host code (``host.Replay``), or, where it cannot be replayed or a Triton launch hook is
-    set, run the host code again. The plain way launches with ``host.scratch_allocator`` set, as
+    addresses, with no host code (``host.Replay``), or run the host code again: where it cannot be replayed, while
+    a Triton launch hook is set, and while a whole call's replay is being recorded (``host.replayed``: that one
+    takes these launches). The plain way launches with ``host.scratch_allocator`` set, as
     ``host.jit_launch`` does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
 
     ``kernel_args``: for a kernel that takes views of what the twin holds (a flat view of a [tokens, hidden]
@@ -106,19 +107,25 @@ def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch, kernel_arg
             result = kernel(*(args if kernel_args is None else kernel_args(args)))
         return result if kernel_args is None else None
     key = id(kernel)
+    recording = launcher.recording  # a whole call's replay being recorded (``host.replayed``): it takes the launches
     replay = launcher.replays.get(key)
-    if replay is not None and not host.launch_hooked():
+    if replay is not None and recording is None and not host.launch_hooked():
         result = replay(args)
         if result is not host.NOT_REPLAYED:
             return result
     call = args if kernel_args is None else kernel_args(args)
     bound = launcher.bound.get(key)
     if bound is None:
+        if recording is not None:
+            recording.past()
         with host.scratch_allocator():
             result = kernel(*call)
         launcher.bound[key] = kernel.bind(call)
-    elif key not in launcher.replays and not host.launch_hooked():
-        launcher.replays[key], result = host.record_replay(launcher, bound._run, args, call)
+    elif key not in launcher.replays and recording is None and not host.launch_hooked():
+        replay, result = host.record_replay(launcher, lambda: bound._run(*call, _launcher=launcher), args,
+                                            viewed=call is not args)
+        if replay is not host.NOT_YET:
+            launcher.replays[key] = replay
     else:
         result = bound._run(*call, _launcher=launcher)
     return result if kernel_args is None else None

@@ -728,11 +728,20 @@ class Launcher:
         # id(JIT kernel) -> (launch function, arguments before the kernel's, tensor descriptors, constexprs)
         self.compiled: dict = {}
         self.bound: dict = {}  # id(Helion kernel) -> its BoundKernel for this call's specialisation
-        self.replays: dict = {}  # id(Helion kernel) -> its Replay for this call, or None where it cannot replay
+        # id(Helion kernel), or CALL (the whole call: ``replayed``) -> its Replay, or None where it cannot replay
+        self.replays: dict = {}
+        self.recording: Recording | None = None  # what ``record_replay`` watches, while it runs
 
     def __call__(self, kernel, grid: tuple[int, ...], *args, **meta):
         global last_op
         last_op = self.op
+        recording = self.recording
+        if recording is not None:  # record_replay: the launch, then the same call with no recording
+            self.recording = None
+            try:
+                return recording.launch(self, kernel, grid, args, meta)
+            finally:
+                self.recording = recording
         hit = self.compiled.get(id(kernel))
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
         programs = grid[0] * grid_y * grid_z
@@ -881,41 +890,47 @@ class _ViewsOnly(TorchDispatchMode):
 
 
 class NotReplayable(Exception):
-    """A launch argument that a replay cannot derive from the kernel's arguments."""
+    """A launch argument that a replay cannot derive from the call's arguments or the prepared call's tensors."""
 
 
 NOT_REPLAYED = object()  # what ``Replay.__call__`` returns for arguments it was not made for
+NOT_YET = object()  # what ``record_replay`` returns where a launch went past the launcher (a kernel's first call)
+CALL = "call"  # ``Launcher.replays``' key of a whole call's replay (``replayed``)
 
 
 @dataclass(frozen=True)
 class Replay:
-    """The launches of one call of a Helion kernel's generated host code, as functions of the kernel's arguments.
+    """The launches of one call of host code (a Helion kernel's generated host code, or a recipe's or twin's whole
+    ``launch`` on a prepared call: ``replayed``), as functions of the call's arguments.
 
-    Helion's host code turns the kernel's arguments into launches: a Triton kernel, a grid, and arguments that
-    are the tensors given or views of them, host tensor descriptors on them, and sizes, strides and scalars. Under
-    one prepared call everything but the tensors' addresses is fixed (its key holds every tensor's shape, strides
-    and dtype, and every scalar), so ``record_replay`` runs the host code once, watching what it launches, and
-    keeps each launch argument as a constant or as (argument, byte offset into it). A replay launches the same
-    compiled kernels (``Launcher.launch_compiled``) with each tensor as its address (the C launch function takes
-    an int where it takes a tensor, and then skips the tensor's ``data_ptr()`` and the driver's pointer check) and
-    each descriptor as a ``TmaOperand`` on an ``Address``: no host code, no views, no descriptor objects. A call
-    whose scalars or top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``, and the caller runs the
-    host code.
+    Host code turns its arguments into launches: a Triton kernel, a grid, and arguments that are the tensors given
+    or views of them, host tensor descriptors on them, the prepared call's own tensors (``keep``: its peers and
+    workspaces), and sizes, strides and scalars. Under one prepared call everything but the arguments' addresses is
+    fixed (its key holds every tensor's shape, strides and dtype, and every scalar), so ``record_replay`` runs the
+    host code once, watching what it launches, and keeps each launch argument as a constant (a kept tensor as its
+    address) or as (argument, byte offset into it). A replay launches the same compiled kernels
+    (``Launcher.launch_compiled``) with each tensor as its address (the C launch function takes an int where it
+    takes a tensor, and then skips the tensor's ``data_ptr()`` and the driver's pointer check) and each descriptor
+    as a ``TmaOperand`` on an ``Address``: no host code, no views, no descriptor objects. With ``checked``, a call
+    whose scalars or top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``, and the caller runs
+    the host code (a whole call's arguments are fixed by its prepared call's key: not checked).
     """
 
     launcher: Launcher
     # per launch: (id of the Triton kernel, grid, grid y, grid z, constants, pointers, others), where ``pointers``
     # are (position, argument, tuple index or None, byte offset) and ``others`` (position, getter) (descriptors, tuples)
     launches: tuple
+    checked: bool
     scalar_positions: list  # every top-level argument that is neither a tensor nor a tuple ...
     scalar_values: list  # ... and its value
     tensor_positions: list  # every top-level tensor argument ...
     shapes: list  # ... and its shape
     result: int | tuple | None  # the argument(s) the host code returned, by position
+    keep: tuple  # the prepared call's tensors whose addresses are constants here: alive as long as the replay
 
     def __call__(self, args: tuple):
-        if [args[i] for i in self.scalar_positions] != self.scalar_values or [
-                args[i].shape for i in self.tensor_positions] != self.shapes:
+        if self.checked and ([args[i] for i in self.scalar_positions] != self.scalar_values or [
+                args[i].shape for i in self.tensor_positions] != self.shapes):
             return NOT_REPLAYED
         global last_op
         last_op = self.launcher.op
@@ -932,86 +947,175 @@ class Replay:
         return tuple(args[i] for i in self.result)
 
 
-def record_replay(launcher: Launcher, host_code: Callable, args: tuple, call: tuple | None = None
-                  ) -> tuple[Replay | None, object]:
-    """Run ``host_code(*call, _launcher=...)`` (a Helion ``BoundKernel``'s generated host code; ``call``: ``args``,
-    or views of them, as ``helion_ports.run``'s ``kernel_args`` makes them), launching through ``launcher``;
-    returns (its ``Replay`` as a function of ``args``, or None where it cannot be replayed, and what it returned).
-    It cannot be replayed if the host code ran an ATen op other than a view (it would not be repeated), launched a
-    kernel that did not compile to a kept launch (a CPU capture), passed an argument not derived from ``args`` (a
-    tensor of its own), or returned something other than arguments. A replay of views returns None."""
-    launches: list = []
-    watch = _ViewsOnly()
+class Recording:
+    """What ``record_replay`` sees while host code runs: each launch through the launcher (kernel, grid, arguments),
+    None for a launch that went past it (``past``), and (``watch``) any ATen op outside the launches."""
 
-    def recording(kernel, grid, *launch_args, **meta):
-        launches.append((kernel, tuple(grid), launch_args))
-        watch.launching = True
+    def __init__(self):
+        self.launches: list = []
+        self.watch = _ViewsOnly()
+
+    def launch(self, launcher: Launcher, kernel, grid: tuple[int, ...], args: tuple, meta: dict):
+        self.launches.append((kernel, tuple(grid), args))
+        self.watch.launching = True
         try:
-            return launcher(kernel, grid, *launch_args, **meta)
+            return launcher(kernel, grid, *args, **meta)
         finally:
-            watch.launching = False
+            self.watch.launching = False
 
-    with watch:
-        result = host_code(*(args if call is None else call), _launcher=recording)
+    def past(self) -> None:
+        self.launches.append(None)
+
+
+def record_replay(launcher: Launcher, host_code: Callable[[], object], args: tuple, viewed: bool = False,
+                  keep: tuple = (), checked: bool = True) -> tuple[Replay | None | object, object]:
+    """Run ``host_code()``, which launches through ``launcher`` on ``args`` (or, ``viewed``, on views of them), and
+    return (its ``Replay`` as a function of ``args``, what it returned). The replay is None where it cannot be made:
+    the host code ran an ATen op other than a view (it would not be repeated), launched nothing, launched a kernel
+    that did not compile to a kept launch (a CPU capture), passed a tensor derived neither from ``args`` nor from
+    ``keep`` (the prepared call's own tensors: tensors, tuples, dicts and dataclasses of them), or returned something
+    other than arguments; a replay of views returns None. It is ``NOT_YET`` where a launch went past the launcher (a
+    Helion kernel's first, plain call): try again on a later call."""
+    recording = launcher.recording = Recording()
     try:
-        if watch.other is not None or not all(id(kernel) in launcher.compiled for kernel, _, _ in launches):
+        with recording.watch:
+            result = host_code()
+    finally:
+        launcher.recording = None
+    launches = recording.launches
+    if None in launches:
+        return NOT_YET, result
+    try:
+        if recording.watch.other is not None or not launches or not all(
+                id(kernel) in launcher.compiled for kernel, _, _ in launches):
             raise NotReplayable
-        viewed = call is not None and call is not args
-        return _replay_of(launcher, args, launches, None if viewed else result), result
+        return _replay_of(launcher, args, launches, None if viewed else result, keep, checked), result
     except NotReplayable:
         return None, result
 
 
-def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) -> Replay:
+def replayed(launcher: Launcher, args: tuple, host_code: Callable[[], object], keep: tuple) -> object:
+    """``host_code()``: a prepared call's whole launch path (a recipe's or twin's ``launch`` on the prepared call's
+    arguments, ``keep``, and the call's own tensors, ``args``), replayed from its second call on (``Replay``): one
+    launch per kernel from the call's addresses, with no host code, no keyword arguments, no layers of calls. Only
+    for host code that does nothing but launch through ``launcher`` (views aside): a stream operation, an event or a
+    driver call would not be repeated. Runs the host code itself while a Triton launch hook is set, and where no
+    replay can be made (``record_replay``)."""
+    replay = launcher.replays.get(CALL)
+    if replay is not None and not launch_hooked():
+        return replay(args)
+    if replay is not None or CALL in launcher.replays or launch_hooked():
+        return host_code()
+    made, result = record_replay(launcher, host_code, args, keep=keep, checked=False)
+    if made is not NOT_YET:
+        launcher.replays[CALL] = made
+    return result
+
+
+def held_tensors(value: object, depth: int = 3) -> list[torch.Tensor]:
+    """Every tensor in ``value``: a tensor, or tensors in its tuples, lists, dict values and dataclass fields, to
+    ``depth`` levels (a prepared call's context and launch configuration: ``replayed``'s ``keep``)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    elif hasattr(value, "__dataclass_fields__"):
+        value = [getattr(value, name) for name in value.__dataclass_fields__]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in held_tensors(item, depth - 1)]
+    return []
+
+
+def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, keep: tuple, checked: bool) -> Replay:
     sources = []  # (top-level position, position in a tuple or None, tensor)
     for i, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
             sources.append((i, None, arg))
         elif isinstance(arg, tuple):
             sources += [(i, j, t) for j, t in enumerate(arg) if isinstance(t, torch.Tensor)]
+    kept = held_tensors(keep)
 
-    def address_of(tensor: torch.Tensor) -> tuple[int, int | None, int]:
-        """Where ``tensor``'s address is in a call's arguments: (argument, tuple index or None, byte offset); it
-        is one of them, or a view into one."""
+    def inside(ptr: int, tensors) -> list:
+        return [t for t in tensors if t.data_ptr() <= ptr < t.data_ptr() + _extent_bytes(t)]
+
+    def address_of(tensor: torch.Tensor) -> tuple[int | None, int | None, int]:
+        """(None, None, its address) when ``tensor`` is, or lies in, a tensor of ``keep``: a constant (the prepared
+        call holds it; where it is also an argument, as a symmetric input is one of its peers, the prepared call's
+        key holds that argument's address). Else where its address is in a call's arguments: (argument, tuple
+        index or None, byte offset), when it is one of them or a view into one."""
+        ptr = tensor.data_ptr()
+        if any(t is tensor for t in kept) or inside(ptr, kept):
+            return None, None, ptr
         found = next(((i, j, 0) for i, j, t in sources if t is tensor), None)
-        if found is None:
-            ptr = tensor.data_ptr()
-            inside = [(i, j, t) for i, j, t in sources if t.data_ptr() <= ptr < t.data_ptr() + _extent_bytes(t)]
-            if not inside or len({t.data_ptr() for _, _, t in inside}) > 1:  # none, or overlapping arguments
-                raise NotReplayable
-            i, j, t = inside[0]
-            found = (i, j, ptr - t.data_ptr())
-        return found
+        if found is not None:
+            return found
+        hits = [(i, j, t) for i, j, t in sources if inside(ptr, (t,))]
+        if not hits or len({t.data_ptr() for _, _, t in hits}) > 1:  # none, or overlapping arguments
+            raise NotReplayable
+        i, j, t = hits[0]
+        return i, j, ptr - t.data_ptr()
+
+    def constant(value) -> object:
+        """``value`` as a constant launch argument (a kept tensor as its address), or NotReplayable."""
+        if isinstance(value, torch.Tensor):
+            i, _, ptr = address_of(value)
+            if i is None:
+                return ptr
+        elif isinstance(value, (TensorDescriptor, TmaOperand)):  # (a TmaOperand is a tuple: before tuples)
+            if isinstance(value.base, Address):
+                return value
+            i, _, ptr = address_of(value.base)
+            if i is None:
+                return TmaOperand(Address(ptr), tuple(value.shape), tuple(value.strides), tuple(value.block_shape),
+                                  value.padding)
+        elif isinstance(value, tuple):
+            return tuple(constant(item) for item in value)
+        elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+            return value
+        raise NotReplayable
 
     def getter(value) -> Callable | None:
         """None for a constant, else a getter of the value for a call's arguments (descriptors, tuples and the
         tensors in them; a launch's own tensor arguments are its ``pointers``)."""
-        if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        try:
+            constant(value)
             return None
+        except NotReplayable:
+            pass
         if isinstance(value, torch.Tensor):
             i, j, offset = address_of(value)
             return lambda call: (call[i] if j is None else call[i][j]).data_ptr() + offset
-        if isinstance(value, TensorDescriptor):
+        if isinstance(value, (TensorDescriptor, TmaOperand)):
             i, j, offset = address_of(value.base)
             rest = (tuple(value.shape), tuple(value.strides), tuple(value.block_shape), value.padding)
             return lambda call: TmaOperand(Address((call[i] if j is None else call[i][j]).data_ptr() + offset), *rest)
         if isinstance(value, tuple):
-            parts = tuple((getter(item), item) for item in value)
-            if all(get is None for get, _ in parts):
-                return None
+            parts = tuple((getter(item), constant_or_none(item)) for item in value)
             return lambda call: tuple(item if get is None else get(call) for get, item in parts)
         raise NotReplayable
 
+    def constant_or_none(value) -> object:
+        try:
+            return constant(value)
+        except NotReplayable:
+            return None
+
     planned = []
     for kernel, grid, launch_args in launches:
-        pointers = tuple((position, *address_of(value)) for position, value in enumerate(launch_args)
-                         if isinstance(value, torch.Tensor))
-        others = tuple((position, get) for position, value in enumerate(launch_args)
-                       if not isinstance(value, torch.Tensor) and (get := getter(value)) is not None)
-        filled = {position for position, *_ in pointers} | {position for position, _ in others}
-        constants = tuple(None if position in filled else value for position, value in enumerate(launch_args))
+        pointers, others, constants = [], [], []
+        for position, value in enumerate(launch_args):
+            if isinstance(value, torch.Tensor) and address_of(value)[0] is not None:
+                pointers.append((position, *address_of(value)))
+                constants.append(None)
+            elif (get := getter(value)) is not None:
+                others.append((position, get))
+                constants.append(None)
+            else:
+                constants.append(constant(value))
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
-        planned.append((id(kernel), grid, grid_y, grid_z, constants, pointers, others))
+        planned.append((id(kernel), grid, grid_y, grid_z, tuple(constants), tuple(pointers), tuple(others)))
 
     def position_of(value) -> int:
         found = next((i for i, arg in enumerate(args) if arg is value), None)
@@ -1025,10 +1129,10 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object) 
         returned = tuple(position_of(r) for r in result)
     else:
         returned = position_of(result)
-    scalars = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple))]
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    return Replay(launcher, tuple(planned), scalars, [args[i] for i in scalars], tensors,
-                  [args[i].shape for i in tensors], returned)
+    scalars = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple))] if checked else []
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)] if checked else []
+    return Replay(launcher, tuple(planned), checked, scalars, [args[i] for i in scalars], tensors,
+                  [args[i].shape for i in tensors], returned, tuple(kept))
 
 
 def _extent_bytes(tensor: torch.Tensor) -> int:

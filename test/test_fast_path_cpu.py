@@ -199,15 +199,90 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
     # once more through the prepared call's launcher.
     assert kinds == ["jit"] * jit_calls + ["fast"] * (WARM_CALLS - jit_calls), kinds
     _, _, jit_args, _, _ = launches[jit_calls - 1]
-    for _, run_args in launches[jit_calls:]:
+    # The inputs here are ordinary tensors: staged. A twin stages by a copy launch, which a whole call's replay
+    # (``host.replayed``) would not repeat, so the call after its binding one runs its host code, and records its
+    # kernel's replay (``helion_ports.run``).
+    recorded = jit_calls + 1 if module.startswith("helion_ports") else jit_calls  # (bias twins need not: harmless)
+    for _, run_args in launches[recorded:]:
         assert len(run_args) - 9 >= len(jit_args)
-        # A twin's warm calls replay its launches (host.Replay): its tensors go in as their addresses.
-        assert all(same_kind(a, b, module.startswith("helion_ports")) for a, b in zip(run_args[9:], jit_args))
+        # Warm calls replay their launches (``host.Replay``: a twin's kernel, or the whole call, ``host.replayed``):
+        # their tensors go in as their addresses.
+        assert all(same_kind(a, b, True) for a, b in zip(run_args[9:], jit_args))
     assert all(out is not outputs[0] for out in outputs[1:]), "every call returns a new tensor"
 
     with pytest.raises(TypeError, match="unknown config keys"):
         fn(*args, not_a_key=1)  # a new signature: checked (and agreed) again, so it raises
     assert world.exchanges == 2
+
+
+BF16 = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
+REPLAYED = [  # (module, public function, module whose plan it uses, the call's arguments, config, in place)
+    ("kraken.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
+     lambda: (BF16(1000),), {}, False),
+    ("kraken.comm.two_shot_all_reduce", "two_shot_all_reduce", "kraken.comm.two_shot_all_reduce",
+     lambda: (BF16(1000),), {}, True),
+    ("kraken.comm.reduce_scatter", "reduce_scatter", "kraken.comm.reduce_scatter", lambda: (BF16(1000),), {}, False),
+    ("kraken.comm.all_gather", "all_gather", "kraken.comm.all_gather", lambda: (BF16(1000),), {}, False),
+    ("kraken.comm.all_reduce", "all_reduce", "kraken.comm.all_reduce", lambda: (BF16(1000),), {"shot": "one"}, False),
+    ("kraken.comm.all_reduce", "all_reduce", "kraken.comm.all_reduce", lambda: (BF16(1000),), {"shot": "two"}, True),
+    ("helion_ports.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
+     lambda: (BF16(1000),), {}, False),
+    ("kraken.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
+     lambda: (BF16(4, 256), BF16(256)), {}, False),
+    ("kraken.fused.two_shot_all_reduce_bias_rms_norm", "two_shot_all_reduce_bias_rms_norm",
+     "kraken.fused.two_shot_all_reduce_bias_rms_norm", lambda: (BF16(4, 320), BF16(320), BF16(320), 1e-5), {}, False),
+    ("helion_ports.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias",
+     "kraken.fused.one_shot_all_reduce_bias", lambda: (BF16(4, 256), BF16(256)), {}, False),
+]
+
+
+@pytest.mark.parametrize("module,name,plan_module,make_args,config,in_place", REPLAYED,
+                         ids=[f"{c[0]}-{c[4].get('shot', '')}" for c in REPLAYED])
+def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, launches, module, name, plan_module,
+                                                                  make_args, config, in_place):
+    """``host.replayed`` (the collectives' ``staging.launched``, the bias family's ``staged_call``): a call's first run
+    runs its host code, the next ones replay its launches with no host code. Each call here has new inputs (and gets a
+    new output), so each replay must launch exactly what the host code launched on the first call, with the inputs'
+    and the output's addresses moved to this call's. The prepared call's own tensors (the staging workspace: the
+    peers) stay where they are."""
+    symmetric_world(monkeypatch, plan_module)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+        twin = module.startswith("helion_ports")
+        calls = [make_args() for _ in range(WARM_CALLS)]
+        if twin and ".comm." in module:  # it stages by a copy launch: its whole call replays on symmetric inputs
+            monkeypatch.setattr(host, "is_symmetric", lambda tensor: True)
+            calls = calls[:1] * WARM_CALLS  # (one prepared call per symmetric address)
+        outputs = [fn(*args, **config) for args in calls]
+        addresses = [launch[1][9:] for launch in launches if launch[0] == "fast"]
+        first = [launch for launch in launches if launch[0] == "jit"][-1][2]
+        replayed = len(addresses)  # a twin's first call compiles plainly, its second binds through the launcher
+        assert replayed == WARM_CALLS - (2 if twin else 1) and len(launches) == WARM_CALLS, [l[0] for l in launches]
+        launcher = next(value["launcher"] for cache in host._prepared_caches for prepared in cache.values()
+                        for value in prepared if isinstance(value, dict) and "launcher" in value)
+        assert isinstance(launcher.replays.get(host.CALL), host.Replay)
+
+        def names(args, out) -> dict:
+            found = {out.data_ptr(): "out"}
+            found.update({arg.data_ptr(): f"arg{i}" for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)})
+            return found
+
+        bound = 1 if twin else 0  # the call of ``first``
+        expected = tuple(named(value, names(calls[bound], outputs[bound])) for value in normalized(first))
+        for args, out, launched in zip(calls[-replayed:], outputs[-replayed:], addresses[-replayed:]):
+            assert (out is args[0]) == in_place
+            got = tuple(named(value, names(args, out)) for value in normalized(tuple(launched)))
+            assert got[:len(expected)] == expected, module
+            assert all(type(value) is not torch.Tensor for value in launched), "a replay passes addresses"
+    finally:
+        host.forget_prepared_calls()
+
+
+def named(value, names: dict):
+    """A normalized launch argument with the addresses in ``names`` replaced by their names."""
+    if isinstance(value, tuple):
+        return tuple(named(item, names) for item in value)
+    return names.get(value, value) if type(value) is int else value
 
 
 def test_cached_prepare_is_per_signature(monkeypatch, launches):
@@ -395,8 +470,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
         runs = {}
         for replaying in (True, False):
             if not replaying:
-                monkeypatch.setattr(host, "record_replay", lambda launcher, code, args, call=None: (None, code(
-                    *(args if call is None else call), _launcher=launcher)))
+                monkeypatch.setattr(host, "record_replay", lambda launcher, code, args, **kwargs: (None, code()))
             launcher, start = host.Launcher("test"), len(launches)
             results = [real_run(kernel, variant, launcher, kernel_args) for variant in variants]
             runs[replaying] = [(entry[0], normalized(entry[1:])) for entry in launches[start:]]

@@ -22,6 +22,7 @@ from helion_ports import flat_kernel, flat_view, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather import plan, prepare, prepare_call  # shared with the Triton recipe
+from kraken.comm import staging
 from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' shards are ready" (acquire) and "done reading peers" (release).
@@ -91,7 +92,4 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = Non
     """Every rank's ``tensor`` stacked along the first dimension in rank order (see the kraken recipe)."""
     ctx, launch_cfg, staged = prepare_call(tensor, group, "helion all_gather", config)
     out = tensor.new_empty((ctx.world_size * tensor.shape[0], *tensor.shape[1:]))
-    return launch(
-        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
-        x=tensor if staged else None,
-    )
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)

@@ -25,6 +25,7 @@ from helion_ports import flat_kernel, flat_view, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.one_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
+from kraken.comm import staging
 from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
@@ -96,8 +97,4 @@ def one_shot_all_reduce(
 ) -> torch.Tensor:
     """Sum ``tensor`` over the group; returns a new tensor (see the kraken recipe)."""
     ctx, launch_cfg, staged = prepare_call(tensor, group, "helion one_shot_all_reduce", config)
-    out = torch.empty_like(tensor)
-    return launch(
-        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
-        x=tensor if staged else None,
-    )
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor, torch.empty_like(tensor))

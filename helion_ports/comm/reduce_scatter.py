@@ -21,6 +21,7 @@ from helion_ports import flat_kernel, flat_view, run
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.reduce_scatter import plan, prepare, prepare_call  # shared with the Triton recipe
+from kraken.comm import staging
 from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
@@ -112,7 +113,4 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None =
     """This rank's ``[M / world_size, ...]`` rows of the sum over the group (see the kraken recipe)."""
     ctx, launch_cfg, staged = prepare_call(tensor, group, "helion reduce_scatter", config)
     out = tensor.new_empty((tensor.shape[0] // ctx.world_size, *tensor.shape[1:]))
-    return launch(
-        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
-        x=tensor if staged else None,
-    )
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)

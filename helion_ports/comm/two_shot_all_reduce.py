@@ -19,6 +19,7 @@ from helion_ports import flat_kernel, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.two_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
+from kraken.comm import staging
 from kraken.comm.staging import stage_by_copy
 
 # "Peers' inputs are ready" (acquire), then "my pushes are visible / yours are" (release + acquire).
@@ -98,8 +99,4 @@ def two_shot_all_reduce(
 ) -> torch.Tensor:
     """Sum ``tensor`` over the group in place and return it (see the kraken recipe)."""
     ctx, launch_cfg, staged = prepare_call(tensor, group, "helion two_shot_all_reduce", config)
-    launch(
-        ctx.peers, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
-        x=tensor if staged else None,
-    )
-    return tensor
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor)

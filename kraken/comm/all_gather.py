@@ -150,7 +150,4 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = Non
     """
     ctx, launch_cfg, staged = prepare_call(tensor, group, "all_gather", config)
     out = tensor.new_empty((ctx.world_size * tensor.shape[0], *tensor.shape[1:]))
-    return launch(
-        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
-        x=tensor if staged else None,
-    )
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)

@@ -59,10 +59,8 @@ def door_call(name: str, launch: Callable, recipes: tuple, tensor: torch.Tensor,
     if torch.compiler.is_dynamo_compiling():
         return crossover.traced_call(OP, recipes, tensor, (), group, config)
     ctx, launch_cfg, staged = prepare_call(tensor, group, name, config)
-    one_shot = launch_cfg["shot"] == crossover.ONE
-    out = launch(ctx.peers, torch.empty_like(tensor) if one_shot else None, ctx.signal_pad_ptrs, ctx.rank,
-                 **launch_cfg, group_name=ctx.group_name, x=tensor if staged else None)
-    return out if one_shot else tensor
+    out = torch.empty_like(tensor) if launch_cfg["shot"] == crossover.ONE else None
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)
 
 
 def launch(

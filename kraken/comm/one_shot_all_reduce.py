@@ -137,8 +137,4 @@ def one_shot_all_reduce(
     overrides ``DEFAULT_CONFIG``.
     """
     ctx, launch_cfg, staged = prepare_call(tensor, group, "one_shot_all_reduce", config)
-    out = torch.empty_like(tensor)
-    return launch(
-        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
-        x=tensor if staged else None,
-    )
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor, torch.empty_like(tensor))

@@ -174,7 +174,4 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None =
     """
     ctx, launch_cfg, staged = prepare_call(tensor, group, "reduce_scatter", config)
     out = tensor.new_empty((tensor.shape[0] // ctx.world_size, *tensor.shape[1:]))
-    return launch(
-        ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
-        x=tensor if staged else None,
-    )
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)

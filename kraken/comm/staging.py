@@ -65,6 +65,22 @@ def prepares(check: Callable[[torch.Tensor, object, str, dict, bool], dict]) -> 
     return prepare, prepare_staged, prepare_call
 
 
+def launched(launch: Callable, ctx: host.SymmContext, launch_cfg: dict, staged: bool, tensor: torch.Tensor,
+             *out: torch.Tensor | None) -> torch.Tensor:
+    """A collective's (or its twin's) ``launch(peers, *out, signal_pad_ptrs, rank, **launch_cfg, group_name, x)`` on
+    one call of its prepared call (``prepare_call``'s three results), replayed from the second call of the prepared
+    call on (``host.replayed``: its launches from ``tensor``'s and ``out``'s addresses, with no host code). Returns
+    ``out`` (one new tensor), or ``tensor`` where the sum is in place (no ``out``, or None)."""
+    x = tensor if staged else None
+    result = out[0] if out and out[0] is not None else tensor
+
+    def host_code() -> torch.Tensor:
+        launch(ctx.peers, *out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name, x=x)
+        return result
+
+    return host.replayed(launch_cfg["launcher"], (result, tensor), host_code, (ctx, launch_cfg))
+
+
 def stage_by_copy(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor) -> torch.Tensor:
     """The Helion twins' staging: ``x`` copied into this rank's workspace (``peers[rank]``) by a copy launch
     before the twin's kernel, whose first barrier needs no release then (the copy finished before it

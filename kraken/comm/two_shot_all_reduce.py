@@ -158,8 +158,4 @@ def two_shot_all_reduce(
     kernel (and the sum written back). ``config`` overrides ``DEFAULT_CONFIG``.
     """
     ctx, launch_cfg, staged = prepare_call(tensor, group, "two_shot_all_reduce", config)
-    launch(
-        ctx.peers, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name,
-        x=tensor if staged else None,
-    )
-    return tensor
+    return staging.launched(launch, ctx, launch_cfg, staged, tensor)
