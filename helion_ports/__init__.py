@@ -108,6 +108,7 @@ def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch, kernel_arg
         return result if kernel_args is None else None
     key = id(kernel)
     recording = launcher.recording  # a whole call's replay being recorded (``host.replayed``): it takes the launches
+    recording = recording if recording is not None and recording.here() else None
     replay = launcher.replays.get(key)
     if replay is not None and recording is None and not host.launch_hooked():
         result = replay(args)

@@ -730,18 +730,14 @@ class Launcher:
         self.bound: dict = {}  # id(Helion kernel) -> its BoundKernel for this call's specialisation
         # id(Helion kernel), or CALL (the whole call: ``replayed``) -> its Replay, or None where it cannot replay
         self.replays: dict = {}
-        self.recording: Recording | None = None  # what ``record_replay`` watches, while it runs
+        self.recording: Recording | None = None  # what ``record_replay`` watches, while it runs (on one thread)
 
     def __call__(self, kernel, grid: tuple[int, ...], *args, **meta):
         global last_op
         last_op = self.op
         recording = self.recording
-        if recording is not None:  # record_replay: the launch, then the same call with no recording
-            self.recording = None
-            try:
-                return recording.launch(self, kernel, grid, args, meta)
-            finally:
-                self.recording = recording
+        if recording is not None and recording.here():  # record_replay: noted, then launched as below
+            return recording.launch(self, kernel, grid, args, meta)
         hit = self.compiled.get(id(kernel))
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
         programs = grid[0] * grid_y * grid_z
@@ -953,7 +949,12 @@ class Recording:
 
     def __init__(self):
         self.launches: list = []
-        self.watch = _ViewsOnly()
+        self.watch = _ViewsOnly()  # (a dispatch mode sees its own thread only)
+        self.thread = threading.get_ident()
+
+    def here(self) -> bool:
+        """Whether a launch belongs to this recording: made on its thread, and not the recorded launch itself."""
+        return self.thread == threading.get_ident() and not self.watch.launching
 
     def launch(self, launcher: Launcher, kernel, grid: tuple[int, ...], args: tuple, meta: dict):
         self.launches.append((kernel, tuple(grid), args))
@@ -967,6 +968,9 @@ class Recording:
         self.launches.append(None)
 
 
+_recording_lock = threading.Lock()
+
+
 def record_replay(launcher: Launcher, host_code: Callable[[], object], args: tuple, viewed: bool = False,
                   keep: tuple = (), checked: bool = True) -> tuple[Replay | None | object, object]:
     """Run ``host_code()``, which launches through ``launcher`` on ``args`` (or, ``viewed``, on views of them), and
@@ -976,7 +980,13 @@ def record_replay(launcher: Launcher, host_code: Callable[[], object], args: tup
     ``keep`` (the prepared call's own tensors: tensors, tuples, dicts and dataclasses of them), or returned something
     other than arguments; a replay of views returns None. It is ``NOT_YET`` where a launch went past the launcher (a
     Helion kernel's first, plain call): try again on a later call."""
-    recording = launcher.recording = Recording()
+    recording = Recording()
+    with _recording_lock:
+        busy = launcher.recording is not None  # another thread records this launcher now: leave it to that one
+        if not busy:
+            launcher.recording = recording
+    if busy:
+        return NOT_YET, host_code()
     try:
         with recording.watch:
             result = host_code()

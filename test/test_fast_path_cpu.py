@@ -278,6 +278,44 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
         host.forget_prepared_calls()
 
 
+def test_a_recording_takes_only_its_own_threads_launches(launches):
+    """``record_replay`` watches one thread: a launch that another thread makes through the same launcher meanwhile
+    (another call of the same prepared call) is launched, but not recorded, so the replay does not repeat it; and
+    that thread's own attempt to record the launcher runs its host code unrecorded (``NOT_YET``)."""
+    import threading
+
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    launcher = host.Launcher("op")
+    peers = (torch.zeros(8),)
+
+    def call(out):
+        launcher(kernel, (1,), peers, out, peers[0], peers[0], 77, 8, 1024, 0, 1, BLOCK_SIZE=1024, STAGED=False,
+                 num_warps=4)
+        return out
+
+    mine, theirs, inner, nested = torch.zeros(8), torch.zeros(8), torch.zeros(8), []
+
+    def other_thread():
+        call(theirs)
+        nested.append(host.record_replay(launcher, lambda: call(inner), (inner,))[0])
+
+    def host_code():  # (no ATen op of its own: a replay would not repeat it)
+        other = threading.Thread(target=other_thread)
+        other.start()
+        other.join()
+        return call(mine)
+
+    replay, result = host.record_replay(launcher, host_code, (mine,), keep=(peers,), checked=False)
+    assert result is mine and nested == [host.NOT_YET]
+    assert len(launches) == 3, "every launch was made"
+    assert isinstance(replay, host.Replay) and len(replay.launches) == 1, "only this thread's own launch is replayed"
+    launches.clear()
+    again = torch.zeros(8)
+    assert replay((again,)) is again
+    (kind, args), = launches
+    assert kind == "fast" and args[10] == again.data_ptr() and args[9] == (peers[0].data_ptr(),)
+
+
 def named(value, names: dict):
     """A normalized launch argument with the addresses in ``names`` replaced by their names."""
     if isinstance(value, tuple):
