@@ -1022,6 +1022,19 @@ def replayed(launcher: Launcher, args: tuple, host_code: Callable[[], object], k
     return result
 
 
+def prepared_launch(launch: Callable, inputs: tuple, ctx: SymmContext, launch_cfg: dict, out: torch.Tensor
+                    ) -> torch.Tensor:
+    """``launch(*inputs, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)``: a
+    fused recipe's (or twin's) ``launch`` on its prepared call (``ctx``, ``launch_cfg``) with this call's ``inputs``
+    and new ``out``, replayed from the prepared call's second call on (``replayed``). Returns ``out``."""
+
+    def host_code() -> torch.Tensor:
+        launch(*inputs, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+        return out
+
+    return replayed(launch_cfg["launcher"], (out, *inputs), host_code, (ctx, launch_cfg))
+
+
 def held_tensors(value: object, depth: int = 3) -> list[torch.Tensor]:
     """Every tensor in ``value``: a tensor, or tensors in its tuples, lists, dict values and dataclass fields, to
     ``depth`` levels (a prepared call's context and launch configuration: ``replayed``'s ``keep``)."""

@@ -254,28 +254,77 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
             monkeypatch.setattr(host, "is_symmetric", lambda tensor: True)
             calls = calls[:1] * WARM_CALLS  # (one prepared call per symmetric address)
         outputs = [fn(*args, **config) for args in calls]
-        addresses = [launch[1][9:] for launch in launches if launch[0] == "fast"]
-        first = [launch for launch in launches if launch[0] == "jit"][-1][2]
-        replayed = len(addresses)  # a twin's first call compiles plainly, its second binds through the launcher
-        assert replayed == WARM_CALLS - (2 if twin else 1) and len(launches) == WARM_CALLS, [l[0] for l in launches]
-        launcher = next(value["launcher"] for cache in host._prepared_caches for prepared in cache.values()
-                        for value in prepared if isinstance(value, dict) and "launcher" in value)
-        assert isinstance(launcher.replays.get(host.CALL), host.Replay)
-
-        def names(args, out) -> dict:
-            found = {out.data_ptr(): "out"}
-            found.update({arg.data_ptr(): f"arg{i}" for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)})
-            return found
-
-        bound = 1 if twin else 0  # the call of ``first``
-        expected = tuple(named(value, names(calls[bound], outputs[bound])) for value in normalized(first))
-        for args, out, launched in zip(calls[-replayed:], outputs[-replayed:], addresses[-replayed:]):
-            assert (out is args[0]) == in_place
-            got = tuple(named(value, names(args, out)) for value in normalized(tuple(launched)))
-            assert got[:len(expected)] == expected, module
-            assert all(type(value) is not torch.Tensor for value in launched), "a replay passes addresses"
+        assert_replays_match(launches, calls, outputs, twin)
+        assert all((out is args[0]) == in_place for args, out in zip(calls, outputs))
     finally:
         host.forget_prepared_calls()
+
+
+GEMMS = [  # (module, public function, the call's arguments)
+    ("kraken.fused.gemm_reduce_scatter", "gemm_reduce_scatter", lambda: (BF16(256, 128), BF16(128, 512))),
+    ("kraken.fused.gemm_one_shot_all_reduce", "gemm_one_shot_all_reduce", lambda: (BF16(128, 256), BF16(256, 512))),
+    ("kraken.fused.gemm_reduce_scatter_fp8", "gemm_reduce_scatter_fp8", lambda: (
+        BF16(256, 128).to(torch.float8_e4m3fn), BF16(512, 128).to(torch.float8_e4m3fn).t(),
+        torch.ones(1, dtype=torch.float32), torch.ones(1, dtype=torch.float32))),
+    ("helion_ports.fused.gemm_reduce_scatter", "gemm_reduce_scatter", lambda: (BF16(256, 128), BF16(128, 512))),
+]
+
+
+@pytest.mark.parametrize("module,name,make_args", GEMMS, ids=[c[0] for c in GEMMS])
+def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, module, name, make_args):
+    """``host.prepared_launch`` for the GEMM recipes and twins (TMA operands on the call's ``a`` and ``b``, the block
+    workspace's peers, parity and epochs kept): as ``test_a_whole_call_replay_launches_what_its_host_code_launches``,
+    on a fake H200 (132 SMs) and a fake workspace."""
+    FakeWorld(monkeypatch)
+    host.forget_prepared_calls()
+
+    class Properties:
+        multi_processor_count = 132
+
+    def block_workspace(chunk_bytes, device, group, op):
+        peers = tuple(torch.zeros(2 * 132 * chunk_bytes, dtype=torch.uint8) for _ in range(2))
+        flat = host.SymmContext(0, 2, "fake", peers, sm90.FAKE_SIGNAL_PADS)
+        ids = torch.zeros(host.max_barrier_blocks(2), dtype=torch.int32)
+        return host.BlockWorkspace(flat, ids, ids.clone(), 132, chunk_bytes)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(host, "block_workspace", block_workspace)
+    monkeypatch.setattr(host, "local_barrier_pads", lambda device: 4096)
+    recipe = importlib.import_module(module.replace("helion_ports", "kraken"))  # whose prepare the twin shares
+    monkeypatch.setattr(recipe, "check_inputs", lambda *args: None)  # CPU tensors stand in for CUDA ones
+    try:
+        fn = getattr(importlib.import_module(module), name)
+        calls = [make_args() for _ in range(WARM_CALLS)]
+        outputs = [fn(*args) for args in calls]
+        assert_replays_match(launches, calls, outputs, module.startswith("helion_ports"))
+    finally:
+        host.forget_prepared_calls()
+
+
+def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool) -> None:
+    """The calls' launches (``launches``) are: the first call's through the JIT (a twin's first two: its plain
+    compile, then its binding one through the launcher), then one replayed launch per later call, which must be
+    what the binding call launched with each input's and the output's address moved to that call's, addresses
+    only (no tensor)."""
+    addresses = [launch[1][9:] for launch in launches if launch[0] == "fast"]
+    first = [launch for launch in launches if launch[0] == "jit"][-1][2]
+    replayed = len(addresses)
+    assert replayed == len(calls) - (2 if twin else 1) and len(launches) == len(calls), [l[0] for l in launches]
+    launcher = next(value["launcher"] for cache in host._prepared_caches for prepared in cache.values()
+                    for value in prepared if isinstance(value, dict) and "launcher" in value)
+    assert isinstance(launcher.replays.get(host.CALL), host.Replay)
+
+    def names(args, out) -> dict:
+        found = {out.data_ptr(): "out"}
+        found.update({arg.data_ptr(): f"arg{i}" for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)})
+        return found
+
+    bound = 1 if twin else 0  # the call of ``first``
+    expected = tuple(named(value, names(calls[bound], outputs[bound])) for value in normalized(first))
+    for args, out, launched in zip(calls[-replayed:], outputs[-replayed:], addresses[-replayed:]):
+        got = tuple(named(value, names(args, out)) for value in normalized(tuple(launched)))
+        assert got[:len(expected)] == expected
+        assert all(type(value) is not torch.Tensor for value in launched), "a replay passes addresses"
 
 
 def test_a_recording_takes_only_its_own_threads_launches(launches):

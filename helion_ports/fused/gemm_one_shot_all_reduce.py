@@ -343,4 +343,4 @@ def gemm_one_shot_all_reduce(
     """``sum over ranks of a @ b`` as a new [M, N] tensor of ``out_dtype`` (see the kraken recipe)."""
     ctx, launch_cfg = prepare(a, b, group, out_dtype, "helion gemm_one_shot_all_reduce", config)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    return launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)

@@ -188,4 +188,4 @@ def gemm_reduce_scatter(
     """This rank's [M / ws, N] rows of ``sum over ranks of a @ b`` in ``out_dtype`` (see the kraken recipe)."""
     ctx, launch_cfg = prepare(a, b, group, out_dtype, "helion gemm_reduce_scatter", config)
     out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
-    return launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)

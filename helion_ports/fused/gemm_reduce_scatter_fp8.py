@@ -101,5 +101,4 @@ def gemm_reduce_scatter_fp8(
     """This rank's [M / ws, N] rows of ``sum over ranks of _scaled_mm(a, b, scale_a, scale_b)`` (see the recipe)."""
     ctx, launch_cfg = prepare(a, b, scale_a, scale_b, group, out_dtype, f"helion {OP}", config)
     out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
-    return launch(a, b, scale_a, scale_b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg,
-                  group_name=ctx.group_name)
+    return host.prepared_launch(launch, (a, b, scale_a, scale_b), ctx, launch_cfg, out)

@@ -483,4 +483,4 @@ def gemm_one_shot_all_reduce(
     """
     ctx, launch_cfg = prepare(a, b, group, out_dtype, OP, config)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    return launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
+    return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)

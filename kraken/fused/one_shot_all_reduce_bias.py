@@ -127,13 +127,7 @@ def staged_call(launch: Callable, op: str, x: torch.Tensor, operands: tuple, pre
     of ``x``'s shape, ``launch(x, *operands, peers, out, ...)`` (``operands``: bias, or bias, weight and eps),
     replayed from the second call of the signature on (``host.replayed``)."""
     x2d, ctx, launch_cfg = on_signature(op, x, prepared)
-    out = torch.empty_like(x2d)
-
-    def host_code() -> torch.Tensor:
-        launch(x2d, *operands, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
-        return out
-
-    host.replayed(launch_cfg["launcher"], (out, x2d, *operands), host_code, (ctx, launch_cfg))
+    out = host.prepared_launch(launch, (x2d, *operands), ctx, launch_cfg, torch.empty_like(x2d))
     return out if x.dim() == 2 else out.view(x.shape)
 
 
