@@ -21,8 +21,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, flat_view, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.all_gather import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.comm import staging
+from kraken.comm.all_gather import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' shards are ready" (acquire) and "done reading peers" (release).

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, flat_view, run
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.reduce_scatter import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.comm import staging
+from kraken.comm.reduce_scatter import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, run, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.two_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.comm import staging
+from kraken.comm.two_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.comm.staging import stage_by_copy
 
 # "Peers' inputs are ready" (acquire), then "my pushes are visible / yours are" (release + acquire).
