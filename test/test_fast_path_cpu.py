@@ -260,7 +260,7 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
         assert replayed == WARM_CALLS - (2 if twin else 1) and len(launches) == WARM_CALLS, [l[0] for l in launches]
         launcher = next(value["launcher"] for cache in host._prepared_caches for prepared in cache.values()
                         for value in prepared if isinstance(value, dict) and "launcher" in value)
-        assert isinstance(launcher.replays.get(host.CALL), host.Replay)
+        assert isinstance(launcher.replays.get(importlib.import_module(module).launch), host.Replay)
 
         def names(args, out) -> dict:
             found = {out.data_ptr(): "out"}
@@ -276,6 +276,31 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
             assert all(type(value) is not torch.Tensor for value in launched), "a replay passes addresses"
     finally:
         host.forget_prepared_calls()
+
+
+def test_a_whole_call_replay_is_kept_per_launch_function(launches):
+    """Two launch functions through one prepared call's launcher (say, a recipe's and another's sharing its
+    preparation) each get their own whole-call replay (``host.replayed`` keys it by the function): the second never
+    replays the first's launches."""
+    module = importlib.import_module("kraken.comm.one_shot_all_reduce")
+    kernels = {"one": module.one_shot_all_reduce_kernel,
+               "two": importlib.import_module("kraken.comm.two_shot_all_reduce").two_shot_all_reduce_kernel}
+    launcher, peers = host.Launcher("op"), (torch.zeros(8),)
+
+    def launch_with(name):
+        def launch(out):
+            launcher(kernels[name], (1,), peers, out, peers[0], peers[0], 77, 8, 1024, 0, 1, BLOCK_SIZE=1024,
+                     STAGED=False, num_warps=4)
+            return out
+        return launch
+
+    one, two = launch_with("one"), launch_with("two")
+    for launch in (one, two, one, two, one, two):
+        out = torch.zeros(8)
+        assert host.replayed(launcher, launch, (out,), lambda: launch(out), (peers,)) is out
+    assert {launcher.replays[one].launches[0][0], launcher.replays[two].launches[0][0]} == {
+        id(kernels["one"]), id(kernels["two"])}
+    assert [kind for kind, *_ in launches] == ["jit", "jit", "fast", "fast", "fast", "fast"]
 
 
 def test_a_recording_takes_only_its_own_threads_launches(launches):

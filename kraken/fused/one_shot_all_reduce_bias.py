@@ -133,7 +133,7 @@ def staged_call(launch: Callable, op: str, x: torch.Tensor, operands: tuple, pre
         launch(x2d, *operands, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
         return out
 
-    host.replayed(launch_cfg["launcher"], (out, x2d, *operands), host_code, (ctx, launch_cfg))
+    host.replayed(launch_cfg["launcher"], launch, (out, x2d, *operands), host_code, (ctx, launch_cfg))
     return out if x.dim() == 2 else out.view(x.shape)
 
 
