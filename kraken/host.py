@@ -728,7 +728,8 @@ class Launcher:
         # id(JIT kernel) -> (launch function, arguments before the kernel's, tensor descriptors, constexprs)
         self.compiled: dict = {}
         self.bound: dict = {}  # id(Helion kernel) -> its BoundKernel for this call's specialisation
-        # id(Helion kernel), or CALL (the whole call: ``replayed``) -> its Replay, or None where it cannot replay
+        # id(Helion kernel), or a whole call's ``launch`` function (``replayed``) -> its Replay, or None where it
+        # cannot replay
         self.replays: dict = {}
         self.recording: Recording | None = None  # what ``record_replay`` watches, while it runs (on one thread)
 
@@ -891,7 +892,6 @@ class NotReplayable(Exception):
 
 NOT_REPLAYED = object()  # what ``Replay.__call__`` returns for arguments it was not made for
 NOT_YET = object()  # what ``record_replay`` returns where a launch went past the launcher (a kernel's first call)
-CALL = "call"  # ``Launcher.replays``' key of a whole call's replay (``replayed``)
 
 
 @dataclass(frozen=True)
@@ -1004,21 +1004,23 @@ def record_replay(launcher: Launcher, host_code: Callable[[], object], args: tup
         return None, result
 
 
-def replayed(launcher: Launcher, args: tuple, host_code: Callable[[], object], keep: tuple) -> object:
-    """``host_code()``: a prepared call's whole launch path (a recipe's or twin's ``launch`` on the prepared call's
-    arguments, ``keep``, and the call's own tensors, ``args``), replayed from its second call on (``Replay``): one
+def replayed(launcher: Launcher, launch: Callable, args: tuple, host_code: Callable[[], object], keep: tuple
+             ) -> object:
+    """``host_code()``: a prepared call's whole launch path (``launch``, a recipe's or twin's, on the prepared call's
+    arguments, ``keep``, and the call's own tensors, ``args``), replayed from its second call on (``Replay``, kept
+    in the launcher under ``launch``, so a prepared call that two launch functions share keeps one replay each): one
     launch per kernel from the call's addresses, with no host code, no keyword arguments, no layers of calls. Only
     for host code that does nothing but launch through ``launcher`` (views aside): a stream operation, an event or a
     driver call would not be repeated. Runs the host code itself while a Triton launch hook is set, and where no
     replay can be made (``record_replay``)."""
-    replay = launcher.replays.get(CALL)
+    replay = launcher.replays.get(launch)
     if replay is not None and not launch_hooked():
         return replay(args)
-    if replay is not None or CALL in launcher.replays or launch_hooked():
+    if replay is not None or launch in launcher.replays or launch_hooked():
         return host_code()
     made, result = record_replay(launcher, host_code, args, keep=keep, checked=False)
     if made is not NOT_YET:
-        launcher.replays[CALL] = made
+        launcher.replays[launch] = made
     return result
 
 
@@ -1032,7 +1034,7 @@ def prepared_launch(launch: Callable, inputs: tuple, ctx: SymmContext, launch_cf
         launch(*inputs, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
         return out
 
-    return replayed(launch_cfg["launcher"], (out, *inputs), host_code, (ctx, launch_cfg))
+    return replayed(launch_cfg["launcher"], launch, (out, *inputs), host_code, (ctx, launch_cfg))
 
 
 def held_tensors(value: object, depth: int = 3) -> list[torch.Tensor]:

@@ -254,7 +254,7 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
             monkeypatch.setattr(host, "is_symmetric", lambda tensor: True)
             calls = calls[:1] * WARM_CALLS  # (one prepared call per symmetric address)
         outputs = [fn(*args, **config) for args in calls]
-        assert_replays_match(launches, calls, outputs, twin)
+        assert_replays_match(launches, calls, outputs, twin, importlib.import_module(module).launch)
         assert all((out is args[0]) == in_place for args, out in zip(calls, outputs))
     finally:
         host.forget_prepared_calls()
@@ -296,23 +296,24 @@ def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, 
         fn = getattr(importlib.import_module(module), name)
         calls = [make_args() for _ in range(WARM_CALLS)]
         outputs = [fn(*args) for args in calls]
-        assert_replays_match(launches, calls, outputs, module.startswith("helion_ports"))
+        assert_replays_match(launches, calls, outputs, module.startswith("helion_ports"),
+                             importlib.import_module(module).launch)
     finally:
         host.forget_prepared_calls()
 
 
-def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool) -> None:
+def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool, launch) -> None:
     """The calls' launches (``launches``) are: the first call's through the JIT (a twin's first two: its plain
     compile, then its binding one through the launcher), then one replayed launch per later call, which must be
     what the binding call launched with each input's and the output's address moved to that call's, addresses
-    only (no tensor)."""
+    only (no tensor). The replay is kept under the call's ``launch`` function."""
     addresses = [launch[1][9:] for launch in launches if launch[0] == "fast"]
     first = [launch for launch in launches if launch[0] == "jit"][-1][2]
     replayed = len(addresses)
     assert replayed == len(calls) - (2 if twin else 1) and len(launches) == len(calls), [l[0] for l in launches]
     launcher = next(value["launcher"] for cache in host._prepared_caches for prepared in cache.values()
                     for value in prepared if isinstance(value, dict) and "launcher" in value)
-    assert isinstance(launcher.replays.get(host.CALL), host.Replay)
+    assert isinstance(launcher.replays.get(launch), host.Replay)
 
     def names(args, out) -> dict:
         found = {out.data_ptr(): "out"}
@@ -325,6 +326,31 @@ def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool)
         got = tuple(named(value, names(args, out)) for value in normalized(tuple(launched)))
         assert got[:len(expected)] == expected
         assert all(type(value) is not torch.Tensor for value in launched), "a replay passes addresses"
+
+
+def test_a_whole_call_replay_is_kept_per_launch_function(launches):
+    """Two launch functions through one prepared call's launcher (say, a recipe's and another's sharing its
+    preparation) each get their own whole-call replay (``host.replayed`` keys it by the function): the second never
+    replays the first's launches."""
+    module = importlib.import_module("kraken.comm.one_shot_all_reduce")
+    kernels = {"one": module.one_shot_all_reduce_kernel,
+               "two": importlib.import_module("kraken.comm.two_shot_all_reduce").two_shot_all_reduce_kernel}
+    launcher, peers = host.Launcher("op"), (torch.zeros(8),)
+
+    def launch_with(name):
+        def launch(out):
+            launcher(kernels[name], (1,), peers, out, peers[0], peers[0], 77, 8, 1024, 0, 1, BLOCK_SIZE=1024,
+                     STAGED=False, num_warps=4)
+            return out
+        return launch
+
+    one, two = launch_with("one"), launch_with("two")
+    for launch in (one, two, one, two, one, two):
+        out = torch.zeros(8)
+        assert host.replayed(launcher, launch, (out,), lambda: launch(out), (peers,)) is out
+    assert {launcher.replays[one].launches[0][0], launcher.replays[two].launches[0][0]} == {
+        id(kernels["one"]), id(kernels["two"])}
+    assert [kind for kind, *_ in launches] == ["jit", "jit", "fast", "fast", "fast", "fast"]
 
 
 def test_a_recording_takes_only_its_own_threads_launches(launches):

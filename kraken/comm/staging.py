@@ -78,7 +78,7 @@ def launched(launch: Callable, ctx: host.SymmContext, launch_cfg: dict, staged: 
         launch(ctx.peers, *out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name, x=x)
         return result
 
-    return host.replayed(launch_cfg["launcher"], (result, tensor), host_code, (ctx, launch_cfg))
+    return host.replayed(launch_cfg["launcher"], launch, (result, tensor), host_code, (ctx, launch_cfg))
 
 
 def stage_by_copy(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor) -> torch.Tensor:
