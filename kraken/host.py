@@ -1101,44 +1101,40 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, 
             return value
         raise NotReplayable
 
-    def getter(value) -> Callable | None:
-        """None for a constant, else a getter of the value for a call's arguments (descriptors, tuples and the
-        tensors in them; a launch's own tensor arguments are its ``pointers``)."""
+    def resolved(value) -> tuple[Callable | None, object]:
+        """(None, the value as a constant), or (a getter of the value for a call's arguments, None): descriptors,
+        tuples and the tensors in them (a launch's own tensor arguments are its ``pointers``)."""
         try:
-            constant(value)
-            return None
+            return None, constant(value)
         except NotReplayable:
             pass
         if isinstance(value, torch.Tensor):
             i, j, offset = address_of(value)
-            return lambda call: (call[i] if j is None else call[i][j]).data_ptr() + offset
+            return (lambda call: (call[i] if j is None else call[i][j]).data_ptr() + offset), None
         if isinstance(value, (TensorDescriptor, TmaOperand)):
             i, j, offset = address_of(value.base)
             rest = (tuple(value.shape), tuple(value.strides), tuple(value.block_shape), value.padding)
-            return lambda call: TmaOperand(Address((call[i] if j is None else call[i][j]).data_ptr() + offset), *rest)
+            return (lambda call: TmaOperand(Address((call[i] if j is None else call[i][j]).data_ptr() + offset),
+                                            *rest)), None
         if isinstance(value, tuple):
-            parts = tuple((getter(item), constant_or_none(item)) for item in value)
-            return lambda call: tuple(item if get is None else get(call) for get, item in parts)
+            parts = tuple(resolved(item) for item in value)
+            return (lambda call: tuple(item if get is None else get(call) for get, item in parts)), None
         raise NotReplayable
-
-    def constant_or_none(value) -> object:
-        try:
-            return constant(value)
-        except NotReplayable:
-            return None
 
     planned = []
     for kernel, grid, launch_args in launches:
         pointers, others, constants = [], [], []
         for position, value in enumerate(launch_args):
-            if isinstance(value, torch.Tensor) and address_of(value)[0] is not None:
-                pointers.append((position, *address_of(value)))
-                constants.append(None)
-            elif (get := getter(value)) is not None:
+            if isinstance(value, torch.Tensor):  # its address: a constant (kept), or from an argument
+                i, j, offset = address_of(value)
+                constants.append(offset if i is None else None)
+                if i is not None:
+                    pointers.append((position, i, j, offset))
+                continue
+            get, fixed = resolved(value)
+            constants.append(fixed)
+            if get is not None:
                 others.append((position, get))
-                constants.append(None)
-            else:
-                constants.append(constant(value))
         grid_y, grid_z = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
         planned.append((id(kernel), grid, grid_y, grid_z, tuple(constants), tuple(pointers), tuple(others)))
 
@@ -1154,8 +1150,8 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, 
         returned = tuple(position_of(r) for r in result)
     else:
         returned = position_of(result)
-    scalars = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple))] if checked else []
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)] if checked else []
+    scalars = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple))]
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     return Replay(launcher, tuple(planned), checked, scalars, [args[i] for i in scalars], tensors,
                   [args[i].shape for i in tensors], returned, tuple(kept))
 
