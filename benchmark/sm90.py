@@ -95,7 +95,7 @@ def compile_sm90(launch: Launch):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)
 
 
-_SYS_ATOMIC = re.compile(r"\b(?:atom|red)\.[\w.]*\bsys\b|\b(?:ld|st)\.[\w.]*(?:acquire|release)\.sys\b")
+_SYS_ATOMIC = re.compile(r"\b(?:atom|red)\.[\w.]*\bsys\b|\b(?:ld|st)\.[\w.]*(?:acquire|release|relaxed)\.sys\b")
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 

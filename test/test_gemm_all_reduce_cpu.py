@@ -55,11 +55,17 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size, config
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
     # One epoch barrier round per launch (a release store to each peer's slot, an acquire spin on ours), two for
-    # two-shot, plus the k-split group's CAS round over local pads; none at the end (host.BlockWorkspace).
+    # two-shot, plus the k-split group's CAS round over local pads; none at the end (host.BlockWorkspace). A group
+    # of one that keeps its last tile in registers splits its round around the block, the send relaxed.
     cfg = recipe.plan(*shape, world_size, config, sm90.H200_NUM_SMS)
     assert sm90.signal_rounds(t["ptx"]) == (1 if cfg["split_k"] > 1 else 0), dict(sm90.barrier_opcodes(t["ptx"]))
     rounds = 2 if cfg["shot"] == "two" else 1
-    epoch_ops = {"st.global.release.sys.u32": rounds, "ld.global.acquire.sys.u32": rounds}
+    alone = world_size == 1 and recipe.keeps_last(cfg["split_k"], world_size, out_dtype, cfg["shot"])
+    send = "st.global.relaxed.sys" if alone else "st.global.release.sys"
+    epoch_ops = {f"{send}.u32": rounds, "ld.global.acquire.sys.u32": rounds}
+    if alone:  # the send before the GEMM, the wait after it, in both kernels
+        for ptx in (t["ptx"], h["ptx"]):
+            assert ptx.index(send) < ptx.index("wgmma.mma_async") < ptx.rindex("ld.global.acquire.sys")
     assert {op: n for op, n in sm90.barrier_opcodes(t["ptx"]).items() if ".cas." not in op} == epoch_ops
     assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
     # The twin generates the same GEMM: the same pipeline buffers, wgmma and TMA loads, and about as much code.
@@ -159,8 +165,13 @@ def no_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, hasPrevio
             hasSubsequentMemAccess: tl.constexpr = False):
     pass
 
-recipe.epoch_sync, recipe.symm_mem_sync = no_epoch, no_sync
-twin.EPOCH_SYNC = twin.SPLIT_SYNC = "tl.debug_barrier()"
+@triton.jit
+def no_send(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch, sem: tl.constexpr = "release"):
+    pass
+
+recipe.epoch_sync, recipe.epoch_send, recipe.epoch_wait, recipe.symm_mem_sync = no_epoch, no_send, no_epoch, no_sync
+twin.EPOCH_SYNC = twin.SPLIT_SYNC = twin.EPOCH_WAIT = "tl.debug_barrier()"
+twin.EPOCH_SEND = dict.fromkeys(twin.EPOCH_SEND, "tl.debug_barrier()")
 
 def workspaces(chunk_bytes, dtype, tile, world_size):
     """Every rank's BlockWorkspace as ``host.BlockWorkspace.context`` views it (132 chunks), NaN-poisoned."""

@@ -50,20 +50,26 @@ def test_both_kernels_compile_for_sm90_and_match(world_size, shape, out_dtype):
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
         assert stats["shared_bytes"] <= SHARED_MEMORY_BYTES
-    # One epoch barrier round per launch (a release store to each peer's slot, an acquire spin on ours); no CAS
-    # barrier and none at the end (host.BlockWorkspace).
-    epoch_ops = {"st.global.release.sys.u32": 1, "ld.global.acquire.sys.u32": 1}
+    # One epoch barrier round per launch (a release store to each peer's slot, an acquire spin on ours; a group of one
+    # sends relaxed: it wrote nothing before); no CAS barrier and none at the end (host.BlockWorkspace).
+    send = "st.global.relaxed.sys" if world_size == 1 else "st.global.release.sys"
+    epoch_ops = {f"{send}.u32": 1, "ld.global.acquire.sys.u32": 1}
     assert dict(sm90.barrier_opcodes(t["ptx"])) == epoch_ops
     assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
     # The twin generates the same GEMMs: the same pipeline buffers, wgmma and TMA loads (two GEMM loops each). On
     # 128x256 tiles with 2-byte partials the recipe flattens its band's tile loop (``kraken._gemm_core.flattens``):
     # the flattened loop's buffers beside its epilogue's and, with peers, its first tile (the barrier after it)
-    # before the loop: a third GEMM. A group of one meets before its band and flattens all of it: two GEMMs.
+    # before the loop: a third GEMM. A group of one splits its barrier around its band and flattens all of it: two
+    # GEMMs.
     t_planned = recipe.plan(*(shape or op_module.example_shape(world_size)), world_size, {}, sm90.H200_NUM_SMS)
     assert t["flatten"] == flattens(t_planned["block_m"], t_planned["block_n"], out_dtype.itemsize)
     assert (h["shared_bytes"] < t["shared_bytes"]) if t["flatten"] else (h["shared_bytes"] == t["shared_bytes"])
-    if t["flatten"]:  # a group of one meets before its first GEMM; with peers, phase 1's GEMMs come first
-        assert (t["ptx"].index("st.global.release.sys") < t["ptx"].index("wgmma.mma_async")) == (world_size == 1)
+    if world_size == 1:  # the send before the first GEMM, the wait after the last, in both kernels
+        for ptx in (t["ptx"], h["ptx"]):
+            assert ptx.index(send) < ptx.index("wgmma.mma_async")
+            assert ptx.rindex("ld.global.acquire.sys") > ptx.rindex("wgmma.mma_async")
+    elif t["flatten"]:  # with peers, phase 1's GEMMs come first
+        assert t["ptx"].index(send) > t["ptx"].index("wgmma.mma_async")
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor"):
         if t["flatten"] and world_size > 1:
             assert t["ptx"].count(instruction) > h["ptx"].count(instruction) > 0, instruction

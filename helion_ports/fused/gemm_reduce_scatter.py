@@ -12,7 +12,7 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
   workspace: the peers' workspaces arrive as one tuple walked with ``hl.static_range``, and the
   store into ``peers[r]`` runs for the ``r`` that is the owner;
 * phase 2, ``hl.grid(rounds)``: the own band's tiles; after the first GEMM the epoch barrier
-  (the kraken PTX through ``hl.inline_triton``), then the peers' partials from the local
+  (the kraken PTX through ``hl.inline_triton``; a group of one splits it around the band, as the recipe), then the peers' partials from the local
   ``workspace`` added in slot order and the band's rows stored to ``out`` with a mask;
 * the block's parity flips and its epoch count advances at the end (``host.BlockWorkspace``: no
   trailing barrier).
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run
 from kraken import host
-from kraken._ptx_utils.inline_source import EPOCH_SYNC
+from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT
 from kraken._gemm_core import tma_operands
 from kraken.fused.gemm_reduce_scatter import chunk_tile, plan, prepare, rounds_of  # shared with the recipe
 
@@ -104,6 +104,8 @@ def gemm_reduce_scatter_body(
                 for r in hl.static_range(world_size):
                     if owner == r:
                         hl.store(peers[r], [half, block, rnd, slot, tile_m.index - m0, tile_n.index - n0], partial)
+        if world_size == 1:  # a group of one: the barrier with itself split around its band (as the recipe)
+            hl.inline_triton(EPOCH_SEND["relaxed"], args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
         for rnd in hl.grid(rounds):
             j = block + rnd * num_blocks
             first_m = j // width * group_m
@@ -122,13 +124,16 @@ def gemm_reduce_scatter_body(
                     scale_rows = hl.load(scale_a, [tile_m], extra_mask=tile_m.index < m)
                     scale_cols = hl.load(scale_b, [tile_n], extra_mask=tile_n.index < n)
                     acc = acc * scale_rows[:, None] * scale_cols[None, :]
-                if rnd == 0:
-                    hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+                if world_size > 1:
+                    if rnd == 0:
+                        hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
                 for q in hl.grid(world_size - 1):  # a loop, as in the recipe (unrolled, it spills at 8 ranks)
                     acc = acc + workspace[half, block, rnd, q, tile_m.index - m0, tile_n.index - n0].to(torch.float32)
                 rows = tile_m.index - rank * band_m
                 inside = (rows < band_m)[:, None] & (tile_n.index < n)[None, :]
                 hl.store(out, [rows, tile_n], acc.to(out.dtype), extra_mask=inside)
+        if world_size == 1:
+            hl.inline_triton(EPOCH_WAIT, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
         parity[block] = 1 - half
         epochs[block] = epoch + 1
     return out

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from .gmem_barrier import (FENCE_CONSTRAINTS, FENCE_PROXY_ASYNC_PTX, GMEM_ARRIVE_PTX, GMEM_CONSTRAINTS,
                            GMEM_WAIT_EACH_THREAD_PTX, GMEM_WAIT_PTX)
-from .symm_mem_barrier import EPOCH_CONSTRAINTS, EPOCH_SYNC_PTX, SYMM_MEM_SYNC_PTX, SYNC_CONSTRAINTS
+from .symm_mem_barrier import (EPOCH_CONSTRAINTS, EPOCH_SEND_PTX, EPOCH_SYNC_PTX, EPOCH_WAIT_PTX, SYMM_MEM_SYNC_PTX,
+                               SYNC_CONSTRAINTS)
 
 
 def _literal(text: str) -> str:
@@ -57,11 +58,15 @@ def _sync_source(has_previous: bool, has_subsequent: bool) -> str:
 # Placeholders: signal_pad_ptrs, block_id, rank, world_size.
 SYMM_MEM_SYNC = {(p, s): _sync_source(p, s) for p in (False, True) for s in (False, True)}
 # epoch_sync (always release + acquire). Placeholders: signal_pad_ptrs, block_id, rank, world_size, epoch.
-EPOCH_SYNC = "\n".join([
-    "tl.debug_barrier()",
-    _asm(EPOCH_SYNC_PTX, EPOCH_CONSTRAINTS, _SYNC_OPERANDS + ", (tl.zeros([], tl.int32) + {epoch}).to(tl.int32)"),
-    "tl.debug_barrier()",
-])
+_EPOCH_OPERANDS = _SYNC_OPERANDS + ", (tl.zeros([], tl.int32) + {epoch}).to(tl.int32)"
+EPOCH_SYNC = "\n".join(
+    ["tl.debug_barrier()", _asm(EPOCH_SYNC_PTX, EPOCH_CONSTRAINTS, _EPOCH_OPERANDS), "tl.debug_barrier()"])
+# Its halves, as ``epoch_send`` (keyed by its ``sem``) and ``epoch_wait``. Placeholders: those of EPOCH_SYNC.
+EPOCH_SEND = {
+    "release": "tl.debug_barrier()\n" + _asm(EPOCH_SEND_PTX["release"], EPOCH_CONSTRAINTS, _EPOCH_OPERANDS),
+    "relaxed": _asm(EPOCH_SEND_PTX["relaxed"], EPOCH_CONSTRAINTS, _EPOCH_OPERANDS),
+}
+EPOCH_WAIT = _asm(EPOCH_WAIT_PTX, EPOCH_CONSTRAINTS, _EPOCH_OPERANDS) + "\ntl.debug_barrier()"
 
 _FLAG_OPERANDS = "{flag}, (tl.zeros([], tl.int32) + {value}).to(tl.int32)"
 # Placeholders: flag (a pointer expression), value.

@@ -74,25 +74,28 @@ def _sync_ptx(send: str, wait: str) -> str:
     # $0: dummy output, $1: device array of every rank's signal-pad address
     # (uint64[world_size]), $2: block id, $3: rank, $4: world size (, $5: the epoch of ``epoch_sync``).
     # ``send`` signals the slot at %rd_pad on peer %r_tid, ``wait`` waits on our slot for that peer.
+    # Either may be empty: one half of a barrier (``epoch_send``, ``epoch_wait``).
+    peer_slot = """
+    mul.wide.u32 %rd_off, %r_tid, 8;
+    add.u64 %rd_pad, $1, %rd_off;
+    ld.global.u64 %rd_pad, [%rd_pad];
+    mad.lo.u32 %r_slot, $2, $4, $3;
+    mul.wide.u32 %rd_off, %r_slot, 4;
+    add.u64 %rd_pad, %rd_pad, %rd_off;"""
+    my_slot = """
+    mul.wide.u32 %rd_off, $3, 8;
+    add.u64 %rd_pad, $1, %rd_off;
+    ld.global.u64 %rd_pad, [%rd_pad];
+    mad.lo.u32 %r_slot, $2, $4, %r_tid;
+    mul.wide.u32 %rd_off, %r_slot, 4;
+    add.u64 %rd_pad, %rd_pad, %rd_off;"""
     return f"""{{
     .reg .u32 %r_tid, %r_slot, %r_old;
     .reg .u64 %rd_pad, %rd_off;
     .reg .pred %p_idle, %p_spin;{timeout.REGISTERS}
     mov.u32 %r_tid, %tid.x;
     setp.ge.u32 %p_idle, %r_tid, $4;
-    @%p_idle bra SYNC_DONE;
-    mul.wide.u32 %rd_off, %r_tid, 8;
-    add.u64 %rd_pad, $1, %rd_off;
-    ld.global.u64 %rd_pad, [%rd_pad];
-    mad.lo.u32 %r_slot, $2, $4, $3;
-    mul.wide.u32 %rd_off, %r_slot, 4;
-    add.u64 %rd_pad, %rd_pad, %rd_off;{send}
-    mul.wide.u32 %rd_off, $3, 8;
-    add.u64 %rd_pad, $1, %rd_off;
-    ld.global.u64 %rd_pad, [%rd_pad];
-    mad.lo.u32 %r_slot, $2, $4, %r_tid;
-    mul.wide.u32 %rd_off, %r_slot, 4;
-    add.u64 %rd_pad, %rd_pad, %rd_off;{wait}
+    @%p_idle bra SYNC_DONE;{peer_slot + send if send else ""}{my_slot + wait if wait else ""}
     SYNC_DONE:
     mov.u32 $0, 0;
     }}"""
@@ -102,14 +105,17 @@ def _sync_ptx(send: str, wait: str) -> str:
 # spins on an acquire load until our slot has reached the epoch. Compared as a difference, so it
 # survives the int32 wrap. A slot holds the last epoch its peer reached and is never reset, so this
 # barrier needs a signal pad no other kind of barrier uses (torch's kernels expect 0/1 slots there).
-_EPOCH_SEND = """
-    st.global.release.sys.u32 [%rd_pad], $5;"""
+_EPOCH_SEND = {sem: f"""
+    st.global.{sem}.sys.u32 [%rd_pad], $5;""" for sem in ("relaxed", "release")}
 _EPOCH_WAIT = f"""{timeout.start_clock()}
     EPOCH_WAIT:
     ld.global.acquire.sys.u32 %r_old, [%rd_pad];
     sub.s32 %r_old, %r_old, $5;
     setp.lt.s32 %p_spin, %r_old, 0;{timeout.give_up("EPOCH_WAIT", 3, *_SYNC_WHO)}"""
-EPOCH_SYNC_PTX = _sync_ptx(_EPOCH_SEND, _EPOCH_WAIT)
+EPOCH_SYNC_PTX = _sync_ptx(_EPOCH_SEND["release"], _EPOCH_WAIT)
+# Its halves, for a block that has something to do between them (``epoch_send``, ``epoch_wait``).
+EPOCH_SEND_PTX = {sem: _sync_ptx(send, "") for sem, send in _EPOCH_SEND.items()}
+EPOCH_WAIT_PTX = _sync_ptx("", _EPOCH_WAIT)
 EPOCH_CONSTRAINTS = "=r,l,r,r,r,r"
 
 SEND_SIGNAL_PTX = {sem: _signal_ptx(_send("$1", sem)) for sem in ("relaxed", "release")}
@@ -146,6 +152,9 @@ _SYNC_ACQUIRE = tl.constexpr(SYMM_MEM_SYNC_PTX[(False, True)])
 _SYNC_ACQ_REL = tl.constexpr(SYMM_MEM_SYNC_PTX[(True, True)])
 _SYNC_CONSTRAINTS = tl.constexpr(SYNC_CONSTRAINTS)
 _EPOCH_SYNC = tl.constexpr(EPOCH_SYNC_PTX)
+_EPOCH_SEND_RELAXED = tl.constexpr(EPOCH_SEND_PTX["relaxed"])
+_EPOCH_SEND_RELEASE = tl.constexpr(EPOCH_SEND_PTX["release"])
+_EPOCH_WAIT = tl.constexpr(EPOCH_WAIT_PTX)
 _EPOCH_CONSTRAINTS = tl.constexpr(EPOCH_CONSTRAINTS)
 _SIGNAL_CONSTRAINTS = tl.constexpr(SIGNAL_CONSTRAINTS)
 _FLAT_TID = tl.constexpr(FLAT_TID_PTX)
@@ -228,6 +237,17 @@ def symm_mem_sync(
 
 
 @triton.jit
+def _epoch_operands(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
+    # Scalars may arrive as constexprs or tensors of any int type: normalise.
+    pads = tl.zeros([], tl.int64) + signal_pad_ptrs
+    block = (tl.zeros([], tl.int32) + block_id).to(tl.int32)
+    me = (tl.zeros([], tl.int32) + rank).to(tl.int32)
+    peers = tl.zeros([], tl.int32) + world_size
+    round_ = (tl.zeros([], tl.int32) + epoch).to(tl.int32)
+    return pads, block, me, peers, round_
+
+
+@triton.jit
 def epoch_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
     """Barrier between block ``block_id`` of every rank, release + acquire, on a private signal pad.
 
@@ -236,13 +256,36 @@ def epoch_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch)
     to every thread after it. Only for pads no other barrier uses (see ``EPOCH_SYNC_PTX``);
     ``host.BlockWorkspace`` keeps the count per block.
     """
-    pads = tl.zeros([], tl.int64) + signal_pad_ptrs
-    block = (tl.zeros([], tl.int32) + block_id).to(tl.int32)
-    me = (tl.zeros([], tl.int32) + rank).to(tl.int32)
-    peers = tl.zeros([], tl.int32) + world_size
-    round_ = (tl.zeros([], tl.int32) + epoch).to(tl.int32)
+    pads, block, me, peers, round_ = _epoch_operands(signal_pad_ptrs, block_id, rank, world_size, epoch)
     tl.debug_barrier()
-    tl.inline_asm_elementwise(
-        _EPOCH_SYNC, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32, is_pure=False, pack=1
-    )
+    tl.inline_asm_elementwise(_EPOCH_SYNC, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def epoch_send(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch, sem: tl.constexpr = "release"):
+    """The first half of ``epoch_sync``'s round ``epoch``: signal block ``block_id`` of every rank, and go on.
+
+    ``sem="release"``: every thread's earlier writes are visible to the peers once they see it. ``"relaxed"``
+    where the launch wrote nothing the peers read before it (a group of one: no peers), which spares the fence.
+    ``epoch_wait`` (the same round) completes the barrier; nothing may touch the pad in between.
+    """
+    pads, block, me, peers, round_ = _epoch_operands(signal_pad_ptrs, block_id, rank, world_size, epoch)
+    if sem == "release":
+        tl.debug_barrier()
+        tl.inline_asm_elementwise(_EPOCH_SEND_RELEASE, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(_EPOCH_SEND_RELAXED, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def epoch_wait(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
+    """The second half of ``epoch_sync``'s round ``epoch`` (after ``epoch_send``'s): wait until block ``block_id``
+    of every rank has sent it; their writes before their send are visible to every thread after it."""
+    pads, block, me, peers, round_ = _epoch_operands(signal_pad_ptrs, block_id, rank, world_size, epoch)
+    tl.inline_asm_elementwise(_EPOCH_WAIT, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32,
+                              is_pure=False, pack=1)
     tl.debug_barrier()

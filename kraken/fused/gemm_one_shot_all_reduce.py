@@ -35,8 +35,8 @@ With no k split at 1 or 2 ranks (``keeps_last``, one-shot only), the last round 
 its partial goes only to the peer (pushed, or left in the workspace for it to pull) and stays in
 registers through the barrier, where the block adds the peer's to it and writes ``out`` (two partials
 sum the same in either order: still bitwise identical); then the earlier rounds are reduced as above.
-At one rank the kernel then costs what its GEMM costs plus one barrier with itself and the earlier
-rounds' partials (M = 1024, 4096 x 4096: none); with no k split there, where no block waits for another, the
+At one rank the kernel then costs what its GEMM costs plus one barrier with itself, split around the block
+(its send first, its wait last), and the earlier rounds' partials (M = 1024, 4096 x 4096: none); with no k split there, where no block waits for another, the
 grid is one block per tile (``ONE_RANK_TILE_PER_BLOCK``), so there are no earlier rounds.
 
 Which form (``plan``; ``shot`` in ``config`` forces one): two-shot where the output is large enough for
@@ -69,7 +69,7 @@ from kraken import crossover, host
 from kraken._gemm_core import (  # noqa: F401 (OUT_DTYPES, SKINNY_M: this recipe's, used by tests)
     OUT_DTYPES, SKINNY_M, TILE_CONFIGS, check_inputs, mainloop, skinny_or_large_tiles, tile_coords, tma_operands,
 )
-from kraken._ptx_utils import epoch_sync, symm_mem_sync
+from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait, symm_mem_sync
 
 # Tiles: ``kraken._gemm_core.skinny_or_large_tiles`` (swept on 2x H200, ``probe`` runs of the recipe and its
 # twin, ``python -m benchmark.tune``), and for this recipe: ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of
@@ -158,6 +158,12 @@ def gemm_one_shot_all_reduce_kernel(
     in_slice = (split * SLICE_M + tl.arange(0, SLICE_M))[:, None] * BLOCK_N + cols[None, :]
 
     num_tiles = tiles_m * tiles_n
+    # A group of one that keeps its last tile in registers reads nothing through the barrier with itself: the
+    # barrier is split around the whole block, the send first, relaxed (nothing in this launch is written before
+    # it), the wait last, so neither stands between the GEMM and its loads or its store to ``out``.
+    ALONE: tl.constexpr = world_size == 1 and KEEP_LAST == 1
+    if ALONE:
+        epoch_send(signal_pad_ptrs, block, rank, world_size, epoch + 1, "relaxed")
     # Every block of a group runs every round, so the split barriers stay paired even in a last round
     # that has no tile for some groups (their GEMM is empty and their stores fall outside ``out``).
     rounds = tl.cdiv(num_tiles, num_groups)
@@ -204,7 +210,10 @@ def gemm_one_shot_all_reduce_kernel(
                 tl.store(tl.where(rank == 0, peers[1], peers[0]) + last_slots + rank * TILE + in_tile, mine)
             else:
                 tl.store(workspace_ptr + last_slots + in_tile, mine)
-        epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
+        if ALONE:
+            tl.debug_barrier()  # the earlier rounds' partials, read below, are written by every thread of the block
+        else:
+            epoch_sync(signal_pad_ptrs, block, rank, world_size, epoch + 1)
         # At most 2 ranks: a + b == b + a, so both ranks' sums are bitwise the same (mine rounded as theirs is).
         last_sum = mine.to(tl.float32)
         if world_size > 1:
@@ -256,6 +265,8 @@ def gemm_one_shot_all_reduce_kernel(
                     owner = peers[j % world_size]
                     summed = tl.load(owner + chunk + rnd * TILE + rows[:, None] * BLOCK_N + cols[None, :])
                     store_rows(out_ptr, m0 + rows, n0 + cols, summed, M, N)
+    if ALONE:
+        epoch_wait(signal_pad_ptrs, block, rank, world_size, epoch + 1)
     # The next launch writes the other half: no "done reading" barrier needed (host.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
     tl.store(epochs_ptr + block, epoch + (2 if SHARDS > 1 else 1))
