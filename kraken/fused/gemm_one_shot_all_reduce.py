@@ -36,8 +36,9 @@ its partial goes only to the peer (pushed, or left in the workspace for it to pu
 registers through the barrier, where the block adds the peer's to it and writes ``out`` (two partials
 sum the same in either order: still bitwise identical); then the earlier rounds are reduced as above.
 At one rank the kernel then costs what its GEMM costs plus one barrier with itself, split around the block
-(its send first, its wait last), and the earlier rounds' partials (M = 1024, 4096 x 4096: none); with no k split there, where no block waits for another, the
-grid is one block per tile (``ONE_RANK_TILE_PER_BLOCK``), so there are no earlier rounds.
+(its send first, its wait last), and the earlier rounds' partials (M = 1024, 4096 x 4096: none); with no k split
+there, where no block waits for another, the grid is one block per tile (``ONE_RANK_TILE_PER_BLOCK``), so there are
+no earlier rounds.
 
 Which form (``plan``; ``shot`` in ``config`` forces one): two-shot where the output is large enough for
 its bytes to matter at 4-8 ranks (``kraken.crossover``, the ``gemm_all_reduce`` row, by M x N);
