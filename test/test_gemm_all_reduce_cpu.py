@@ -63,7 +63,7 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size, config
     alone = world_size == 1 and recipe.keeps_last(cfg["split_k"], world_size, out_dtype, cfg["shot"])
     send = "st.global.relaxed.sys" if alone else "st.global.release.sys"
     epoch_ops = {f"{send}.u32": rounds, "ld.global.acquire.sys.u32": rounds}
-    if alone:  # the send before the GEMM, the wait after it, in both kernels
+    if alone:  # the send before the GEMM, its wait after it, in both kernels
         for ptx in (t["ptx"], h["ptx"]):
             assert ptx.index(send) < ptx.index("wgmma.mma_async") < ptx.rindex("ld.global.acquire.sys")
     assert {op: n for op, n in sm90.barrier_opcodes(t["ptx"]).items() if ".cas." not in op} == epoch_ops

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run, views
 from kraken import host
-from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT, SYMM_MEM_SYNC, THREAD_BARRIER
+from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT, SYMM_MEM_SYNC
 from kraken._gemm_core import tma_operands
 from kraken.fused.gemm_one_shot_all_reduce import (  # shared with the recipe
     PUSH, chunk_tile, keeps_last, plan, prepare, rounds_of, shards_of,
@@ -106,7 +106,7 @@ def gemm_one_shot_all_reduce_body(
         k_begin = split * k_per_split
         rounds = (num_tiles + num_groups - 1) // num_groups
         if keep_last:
-            if world_size == 1:  # a group of one: the barrier with itself split around the block (as the recipe)
+            if world_size == 1:  # a group of one: the barrier with itself split, the send first (as the recipe)
                 hl.inline_triton(EPOCH_SEND["relaxed"], args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
         for rnd in hl.grid(rounds - keep_last):
             tile = group + rnd * num_groups
@@ -156,7 +156,7 @@ def gemm_one_shot_all_reduce_body(
                     else:
                         workspace[half, block, last, 0, tile_m.index - last_m0, tile_n.index - last_n0] = mine
                 if world_size == 1:
-                    hl.inline_triton(THREAD_BARRIER, args={}, output_like=None)  # the earlier rounds' partials
+                    hl.inline_triton(EPOCH_WAIT, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)  # the send's wait (as the recipe)
                 else:
                     hl.inline_triton(EPOCH_SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
                 # At most 2 ranks: a + b == b + a, the same sum on both.
@@ -236,9 +236,6 @@ def gemm_one_shot_all_reduce_body(
                         summed = hl.load(flat_peers[j % world_size], [at])
                         inside = (rows < m)[:, None] & (gather_cols.index < n)[None, :]
                         hl.store(out, [rows, gather_cols], summed.to(out.dtype), extra_mask=inside)
-        if keep_last:
-            if world_size == 1:
-                hl.inline_triton(EPOCH_WAIT, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
         parity[block] = 1 - half
         epochs[block] = epoch + barriers
     return out
