@@ -12,8 +12,9 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
   workspace: the peers' workspaces arrive as one tuple walked with ``hl.static_range``, and the
   store into ``peers[r]`` runs for the ``r`` that is the owner;
 * phase 2, ``hl.grid(rounds)``: the own band's tiles; after the first GEMM the epoch barrier
-  (the kraken PTX through ``hl.inline_triton``; a group of one splits it around the band, as the recipe), then the peers' partials from the local
-  ``workspace`` added in slot order and the band's rows stored to ``out`` with a mask;
+  (the kraken PTX through ``hl.inline_triton``; a group of one splits it around the band, as the
+  recipe), then the peers' partials from the local ``workspace`` added in slot order and the band's
+  rows stored to ``out`` with a mask;
 * the block's parity flips and its epoch count advances at the end (``host.BlockWorkspace``: no
   trailing barrier).
 

@@ -16,8 +16,8 @@ of the others (``host.BlockWorkspace``: block ``b`` writes only chunk ``b``).
 2. Own band: GEMM each tile; after the first one, one epoch barrier with block ``b``
    of every peer ("my pushes are visible to you, yours to me"; ``epoch_sync``, the
    workspace's own pad, no compare-and-swap round trip), placed after a GEMM so that
-   the last pushes drain under it (a group of one splits it around its band: below). Then add the peers'
-   partials of the tile from local memory (slot ``q`` holds sender ``rank + 1 + q``:
+   the last pushes drain under it (a group of one splits it around its band: below).
+   Then add the peers' partials of the tile from local memory (slot ``q`` holds sender ``rank + 1 + q``:
    a fixed order, so results are deterministic), in fp32, to the tile still in
    registers and store the rows that lie in the band and in N.
 
