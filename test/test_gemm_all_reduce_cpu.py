@@ -165,13 +165,8 @@ def no_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, hasPrevio
             hasSubsequentMemAccess: tl.constexpr = False):
     pass
 
-@triton.jit
-def no_send(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch, sem: tl.constexpr = "release"):
-    pass
-
-recipe.epoch_sync, recipe.epoch_send, recipe.epoch_wait, recipe.symm_mem_sync = no_epoch, no_send, no_epoch, no_sync
-twin.EPOCH_SYNC = twin.SPLIT_SYNC = twin.EPOCH_WAIT = "tl.debug_barrier()"
-twin.EPOCH_SEND = dict.fromkeys(twin.EPOCH_SEND, "tl.debug_barrier()")
+recipe.epoch_sync, recipe.epoch_send, recipe.epoch_wait, recipe.symm_mem_sync = no_epoch, no_epoch, no_epoch, no_sync
+twin.EPOCH_SYNC = twin.EPOCH_SEND = twin.EPOCH_WAIT = twin.SPLIT_SYNC = "tl.debug_barrier()"
 
 def workspaces(chunk_bytes, dtype, tile, world_size):
     """Every rank's BlockWorkspace as ``host.BlockWorkspace.context`` views it (132 chunks), NaN-poisoned."""

@@ -107,7 +107,7 @@ def gemm_one_shot_all_reduce_body(
         rounds = (num_tiles + num_groups - 1) // num_groups
         if keep_last:
             if world_size == 1:  # a group of one: the barrier with itself split, the send first (as the recipe)
-                hl.inline_triton(EPOCH_SEND["relaxed"], args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+                hl.inline_triton(EPOCH_SEND, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
         for rnd in hl.grid(rounds - keep_last):
             tile = group + rnd * num_groups
             m0 = tile // tiles_n * block_m

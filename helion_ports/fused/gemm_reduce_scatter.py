@@ -106,7 +106,7 @@ def gemm_reduce_scatter_body(
                     if owner == r:
                         hl.store(peers[r], [half, block, rnd, slot, tile_m.index - m0, tile_n.index - n0], partial)
         if world_size == 1:  # a group of one: the barrier with itself split around its band (as the recipe)
-            hl.inline_triton(EPOCH_SEND["relaxed"], args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
+            hl.inline_triton(EPOCH_SEND, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank, "world_size": world_size, "epoch": epoch + 1}, output_like=None)
         for rnd in hl.grid(rounds):
             j = block + rnd * num_blocks
             first_m = j // width * group_m

@@ -61,11 +61,8 @@ SYMM_MEM_SYNC = {(p, s): _sync_source(p, s) for p in (False, True) for s in (Fal
 _EPOCH_OPERANDS = _SYNC_OPERANDS + ", (tl.zeros([], tl.int32) + {epoch}).to(tl.int32)"
 EPOCH_SYNC = "\n".join(
     ["tl.debug_barrier()", _asm(EPOCH_SYNC_PTX, EPOCH_CONSTRAINTS, _EPOCH_OPERANDS), "tl.debug_barrier()"])
-# Its halves, as ``epoch_send`` (keyed by its ``sem``) and ``epoch_wait``. Placeholders: those of EPOCH_SYNC.
-EPOCH_SEND = {
-    "release": "tl.debug_barrier()\n" + _asm(EPOCH_SEND_PTX["release"], EPOCH_CONSTRAINTS, _EPOCH_OPERANDS),
-    "relaxed": _asm(EPOCH_SEND_PTX["relaxed"], EPOCH_CONSTRAINTS, _EPOCH_OPERANDS),
-}
+# Its halves, as ``epoch_send`` (relaxed) and ``epoch_wait``. Placeholders: those of EPOCH_SYNC.
+EPOCH_SEND = _asm(EPOCH_SEND_PTX, EPOCH_CONSTRAINTS, _EPOCH_OPERANDS)
 EPOCH_WAIT = _asm(EPOCH_WAIT_PTX, EPOCH_CONSTRAINTS, _EPOCH_OPERANDS) + "\ntl.debug_barrier()"
 
 _FLAG_OPERANDS = "{flag}, (tl.zeros([], tl.int32) + {value}).to(tl.int32)"

@@ -105,16 +105,21 @@ def _sync_ptx(send: str, wait: str) -> str:
 # spins on an acquire load until our slot has reached the epoch. Compared as a difference, so it
 # survives the int32 wrap. A slot holds the last epoch its peer reached and is never reset, so this
 # barrier needs a signal pad no other kind of barrier uses (torch's kernels expect 0/1 slots there).
-_EPOCH_SEND = {sem: f"""
-    st.global.{sem}.sys.u32 [%rd_pad], $5;""" for sem in ("relaxed", "release")}
+
+
+def _epoch_send(sem: str) -> str:
+    return f"""
+    st.global.{sem}.sys.u32 [%rd_pad], $5;"""
+
+
 _EPOCH_WAIT = f"""{timeout.start_clock()}
     EPOCH_WAIT:
     ld.global.acquire.sys.u32 %r_old, [%rd_pad];
     sub.s32 %r_old, %r_old, $5;
     setp.lt.s32 %p_spin, %r_old, 0;{timeout.give_up("EPOCH_WAIT", 3, *_SYNC_WHO)}"""
-EPOCH_SYNC_PTX = _sync_ptx(_EPOCH_SEND["release"], _EPOCH_WAIT)
-# Its halves, for a block that has something to do between them (``epoch_send``, ``epoch_wait``).
-EPOCH_SEND_PTX = {sem: _sync_ptx(send, "") for sem, send in _EPOCH_SEND.items()}
+EPOCH_SYNC_PTX = _sync_ptx(_epoch_send("release"), _EPOCH_WAIT)
+# Its halves, for a block that has something to do between them (``epoch_send``, ``epoch_wait``); the send relaxed.
+EPOCH_SEND_PTX = _sync_ptx(_epoch_send("relaxed"), "")
 EPOCH_WAIT_PTX = _sync_ptx("", _EPOCH_WAIT)
 EPOCH_CONSTRAINTS = "=r,l,r,r,r,r"
 
@@ -152,8 +157,7 @@ _SYNC_ACQUIRE = tl.constexpr(SYMM_MEM_SYNC_PTX[(False, True)])
 _SYNC_ACQ_REL = tl.constexpr(SYMM_MEM_SYNC_PTX[(True, True)])
 _SYNC_CONSTRAINTS = tl.constexpr(SYNC_CONSTRAINTS)
 _EPOCH_SYNC = tl.constexpr(EPOCH_SYNC_PTX)
-_EPOCH_SEND_RELAXED = tl.constexpr(EPOCH_SEND_PTX["relaxed"])
-_EPOCH_SEND_RELEASE = tl.constexpr(EPOCH_SEND_PTX["release"])
+_EPOCH_SEND = tl.constexpr(EPOCH_SEND_PTX)
 _EPOCH_WAIT = tl.constexpr(EPOCH_WAIT_PTX)
 _EPOCH_CONSTRAINTS = tl.constexpr(EPOCH_CONSTRAINTS)
 _SIGNAL_CONSTRAINTS = tl.constexpr(SIGNAL_CONSTRAINTS)
@@ -264,21 +268,15 @@ def epoch_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch)
 
 
 @triton.jit
-def epoch_send(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch, sem: tl.constexpr = "release"):
+def epoch_send(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
     """The first half of ``epoch_sync``'s round ``epoch``: signal block ``block_id`` of every rank, and go on.
 
-    ``sem="release"``: every thread's earlier writes are visible to the peers once they see it. ``"relaxed"``
-    where the launch wrote nothing the peers read before it (a group of one: no peers), which spares the fence.
+    Relaxed (no fence): only for a launch that wrote nothing the peers read before it (a group of one: no peers).
     ``epoch_wait`` (the same round) completes the barrier; nothing may touch the pad in between.
     """
     pads, block, me, peers, round_ = _epoch_operands(signal_pad_ptrs, block_id, rank, world_size, epoch)
-    if sem == "release":
-        tl.debug_barrier()
-        tl.inline_asm_elementwise(_EPOCH_SEND_RELEASE, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(_EPOCH_SEND_RELAXED, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(_EPOCH_SEND, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

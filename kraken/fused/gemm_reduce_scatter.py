@@ -166,7 +166,7 @@ def gemm_reduce_scatter_kernel(
     ALONE: tl.constexpr = world_size == 1
     PEEL: tl.constexpr = FLATTEN and not ALONE
     if ALONE:
-        epoch_send(signal_pad_ptrs, block, rank, world_size, epoch + 1, "relaxed")
+        epoch_send(signal_pad_ptrs, block, rank, world_size, epoch + 1)
     if PEEL:
         own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block, 0,
                  num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
