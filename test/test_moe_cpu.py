@@ -9,6 +9,7 @@ of a step before its first multiply-add."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -352,13 +353,19 @@ def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches
             bound = launch_args(rounds[jit_calls - 1][i])
             for rnd in rounds[jit_calls:]:
                 fast = launch_args(rnd[i])
-                # A twin's warm calls replay its launches (host.Replay): its tensors go in as their addresses.
-                replayed = package == "helion_ports" and i >= 3
+                # A twin's warm calls replay its launches (host.Replay), as the combine's whole call does
+                # (host.replayed): their tensors go in as their addresses.
+                replayed = package == "helion_ports" and i >= 3 or i == 4
                 assert len(fast) >= len(bound) and all(same_kind(a, b, replayed) for a, b in zip(fast, bound)), i
         for r, rnd in enumerate(rounds):
             histogram, exchange, slots_launch = (launch_args(entry) for entry in rnd[:3])
             assert histogram[1] is launch_args(rounds[0][0])[1], "the routing scratch is made once per signature"
             assert slots_launch[3] is handles[r].slots and exchange[5] is handles[r].recv_counts
+            if rnd[4][0] == "fast":  # the combine's replay: this call's output and slots, the prepared call's recv
+                combined = [v for value in launch_args(rnd[4]) for v in (value if type(value) is tuple else (value,))]
+                assert outs[r].data_ptr() in combined and handles[r].slots.data_ptr() in combined
+                assert handles[r].recv.data_ptr() in combined and weights.data_ptr() in combined  # recv: a peer
+                assert all(type(value) is not torch.Tensor for value in combined), "a replay passes addresses"
         assert len({id(h.slots) for h in handles}) == WARM_CALLS and len({id(o) for o in outs}) == WARM_CALLS
         assert handles[0].slots.shape == (37, 2) and handles[0].status.shape == (2,)
         assert handles[0].recv_counts.shape == handles[0].recv_offsets.shape == (2,)
@@ -370,6 +377,19 @@ def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches
         assert world.exchanges == 4
         combine(recv, handle, weights, max_blocks=3)
         assert len(combine_plans) == 3 and world.exchanges == 5  # the bad config raised in its plan
+        # Another receive buffer of the same shape is another prepared call: the replay above, whose peers are
+        # constants, never launches on this one's.
+        other = torch.zeros_like(recv)
+        ctx = handle.recv_context
+        peers = tuple(other if r == ctx.rank else peer for r, peer in enumerate(ctx.peers))
+        moved = dataclasses.replace(handle, recv=other, recv_context=dataclasses.replace(ctx, peers=peers))
+        for _ in range(2):
+            combine(other, moved, weights)
+        assert len(combine_plans) == 4  # (the ranks agreed on these arguments before: no exchange)
+        for entry in launches[-2:]:
+            values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for value in launch_args(entry)
+                      for v in (value if type(value) is tuple else (value,))]
+            assert other.data_ptr() in values and recv.data_ptr() not in values, "launched on the old buffer's peers"
     finally:
         host.forget_prepared_calls()  # nothing prepared in this fake world serves another test
 

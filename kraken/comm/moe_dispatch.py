@@ -354,10 +354,11 @@ def new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity) -> MoE
     ``status`` (padded to 16 bytes), then ``slots``, ``recv_counts``, ``recv_offsets``."""
     per_rank = num_experts // recv_ctx.world_size
     num_pairs = expert_ids.numel()
-    status, slots, recv_counts, recv_offsets = torch.empty(
+    # One split makes every piece but the slots' 2-D view (a view costs a microsecond of host time).
+    status, _, slots, recv_counts, recv_offsets = torch.empty(
         4 + num_pairs + 2 * per_rank, dtype=torch.int32, device=tokens.device).split_with_sizes(
-        (4, num_pairs, per_rank, per_rank))
-    return MoEHandle(slots.view(expert_ids.shape), recv_counts, recv_offsets, status[:2], recv, recv_ctx,
+        (2, 2, num_pairs, per_rank, per_rank))
+    return MoEHandle(slots.view(expert_ids.shape), recv_counts, recv_offsets, status, recv, recv_ctx,
                      num_experts, capacity, recv_ctx.group_name)
 
 
