@@ -140,14 +140,14 @@ def check_inputs(expert_out, handle, weights, op: str) -> None:
 
 
 def combine_key(expert_out, handle, weights, op: str, config: dict) -> tuple:
-    """``prepare``'s cache key: everything it reads (the handle's group, its slots' shape, dtype, device and
-    alignment), and the receive buffer's address: a prepared call serves one buffer (its peers and signal pads,
-    which ``combine``'s replay keeps as constants). A handle of another type is not cached (``prepare`` says what
-    is wrong)."""
+    """``prepare``'s cache key: everything it reads (the handle's group, its slots' shape: their dtype, layout and
+    alignment are ``new_handle``'s), and the receive buffer's address: a prepared call serves one buffer (its peers
+    and signal pads, which ``combine``'s replay keeps as constants). A handle of another type is not cached
+    (``prepare`` says what is wrong)."""
     if not isinstance(handle, MoEHandle):
         raise TypeError("not a MoEHandle")  # host.per_signature: skip the cache
-    return (op, handle.group_name, host.tensor_key(expert_out), host.tensor_key(weights),
-            host.tensor_key(handle.slots), host.tensor_key(handle.recv, address=True), host.config_key(config))
+    return (op, handle.group_name, host.tensor_key(expert_out), host.tensor_key(weights), handle.pairs,
+            host.tensor_key(handle.recv, address=True), host.config_key(config))
 
 
 @host.per_signature(combine_key)
@@ -169,13 +169,14 @@ def combine(launch, op: str, expert_out: torch.Tensor, handle: MoEHandle, weight
     """``moe_combine`` with a given ``launch`` (the recipe's or its twin's) under the name ``op``: the prepared
     call (a dictionary lookup once warm), the copy into ``recv`` when ``expert_out`` is not it, a new output, and
     the launch, replayed from the prepared call's second call on (``host.replayed``: this call's output, weights
-    and slots; the receive buffer's peers and pads, which the prepared call's key fixes, as constants)."""
+    and routing tensor, where the slots lie; the receive buffer's peers and pads, which the prepared call's key
+    fixes, as constants)."""
     cfg = prepare(expert_out, handle, weights, op, config)
-    recv, ctx, slots = handle.recv, handle.recv_context, handle.slots
+    recv, ctx = handle.recv, handle.recv_context
     if expert_out.data_ptr() != recv.data_ptr():
         recv.copy_(expert_out)
     out = expert_out.new_empty((weights.shape[0], expert_out.shape[1]))
-    return host.replayed(cfg["launcher"], launch, (out, weights, slots),
+    return host.replayed(cfg["launcher"], launch, (out, weights, handle.routing),  # the slots lie in routing
                          lambda: launch(out, weights, handle, ctx.rank, **cfg), (ctx,))
 
 

@@ -51,6 +51,7 @@ symmetric ``counts`` and ``recv`` of the shape are shared by its calls.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -226,19 +227,40 @@ class MoEHandle:
 
     ``slots[t, j]``: where pair (token t, its j-th expert) went, ``owner * capacity + row``, or -1 (dropped
     past capacity, or no expert). ``status``: int32 [pairs this rank dropped past capacity, bad expert ids on
-    this rank], on the device; ``check(handle)`` reads it (on every rank). ``recv``: this rank's receive
+    this rank], on the device; ``check(handle)`` reads it (on every rank). ``recv_counts`` / ``recv_offsets``:
+    this rank's rows per local expert and where each expert's start in ``recv``. ``recv``: this rank's receive
     buffer (symmetric), whose peers ``recv_context`` holds.
+
+    The four per-call tensors are views of one allocation, ``routing`` (int32: ``status`` padded to 16 bytes,
+    then ``slots``, ``recv_counts``, ``recv_offsets``), each made on first use: a view costs a microsecond or two
+    of host time, and a warm dispatch, replayed from a CUDA graph, uses none of them.
     """
 
-    slots: torch.Tensor
-    recv_counts: torch.Tensor
-    recv_offsets: torch.Tensor
-    status: torch.Tensor
+    routing: torch.Tensor
+    pairs: tuple[int, int]  # (tokens, top-k): the dispatch's expert_ids' shape, and ``slots``'s
     recv: torch.Tensor
     recv_context: host.SymmContext
     num_experts: int
     capacity: int
     group_name: str
+
+    @functools.cached_property
+    def status(self) -> torch.Tensor:
+        return self.routing[:2]
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        return self.routing[4:4 + self.pairs[0] * self.pairs[1]].view(self.pairs)
+
+    @functools.cached_property
+    def recv_counts(self) -> torch.Tensor:
+        start = 4 + self.pairs[0] * self.pairs[1]
+        return self.routing[start:start + self.num_experts // self.recv_context.world_size]
+
+    @functools.cached_property
+    def recv_offsets(self) -> torch.Tensor:
+        per_rank = self.num_experts // self.recv_context.world_size
+        return self.routing[4 + self.pairs[0] * self.pairs[1] + per_rank:]
 
 
 def default_capacity(num_tokens: int, top_k: int) -> int:
@@ -350,16 +372,11 @@ def prepare(tokens, expert_ids, num_experts, group, capacity, op: str, config: d
 
 
 def new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity) -> MoEHandle:
-    """A handle with fresh (uninitialised) per-call tensors: two dispatches never share one. One allocation:
-    ``status`` (padded to 16 bytes), then ``slots``, ``recv_counts``, ``recv_offsets``."""
-    per_rank = num_experts // recv_ctx.world_size
-    num_pairs = expert_ids.numel()
-    # One split makes every piece but the slots' 2-D view (a view costs a microsecond of host time).
-    status, _, slots, recv_counts, recv_offsets = torch.empty(
-        4 + num_pairs + 2 * per_rank, dtype=torch.int32, device=tokens.device).split_with_sizes(
-        (2, 2, num_pairs, per_rank, per_rank))
-    return MoEHandle(slots.view(expert_ids.shape), recv_counts, recv_offsets, status, recv, recv_ctx,
-                     num_experts, capacity, recv_ctx.group_name)
+    """A handle with fresh (uninitialised) per-call tensors: two dispatches never share one. One allocation
+    (``MoEHandle.routing``), no view yet."""
+    routing = torch.empty(4 + expert_ids.numel() + 2 * (num_experts // recv_ctx.world_size), dtype=torch.int32,
+                          device=tokens.device)
+    return MoEHandle(routing, tuple(expert_ids.shape), recv, recv_ctx, num_experts, capacity, recv_ctx.group_name)
 
 
 def route(expert_ids: torch.Tensor, handle: MoEHandle, counts_ctx: host.SymmContext, rank: int, num_chunks: int,
@@ -419,7 +436,7 @@ def dispatch(launch, op: str, tokens, expert_ids, num_experts, group, capacity, 
     call = prepare(tokens, expert_ids, num_experts, group, capacity, op, config)
     handle = new_handle(tokens, expert_ids, num_experts, call.recv, call.recv_context, call.capacity)
     # Four launches per call: replayed from one CUDA graph per pointer set (the handle's tensors are one allocation).
-    host.graphed((call.launch_cfg["launcher"], tokens.data_ptr(), expert_ids.data_ptr(), handle.status.data_ptr()),
+    host.graphed((call.launch_cfg["launcher"], tokens.data_ptr(), expert_ids.data_ptr(), handle.routing.data_ptr()),
                  lambda: launch(tokens, expert_ids, handle, call.counts_context, call.recv_context.rank,
                                 **call.launch_cfg), tokens.device)
     if check_status:
