@@ -14,7 +14,7 @@ import torch
 from benchmark import sm90
 from benchmark.ops import all_gather_matmul as op
 from kraken import host
-from kraken._gemm_core import flattens
+from kraken._gemm_core import balanced_grid, flattens
 from kraken._ptx_utils import inline_source
 from kraken._ptx_utils.gmem_barrier import FENCE_PROXY_ASYNC_PTX, GMEM_WAIT_PTX
 
@@ -170,6 +170,22 @@ def test_skinny_tiles_where_large_ones_leave_sms_idle(module):
         cfg = plan(m, n, k, world_size, {}, sm90.H200_NUM_SMS)
         assert (cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["num_warps"]) == tiles, (m, n, k, cfg)
         assert cfg["num_blocks"] <= sm90.H200_NUM_SMS - recipe.RESERVED_SMS
+
+
+def test_the_persistent_grid_is_balanced():
+    """``balanced_grid``: the fewest rounds (``max_blocks`` tiles at once), on the fewest blocks that take them, so
+    every round runs as many tiles. Both GEMM recipes' plans use it: 208 tiles of 128x256 (1024 x 6656) on an H200
+    run on 104 blocks, two tiles each, not 131 or 132 and a short second round."""
+    for tiles in range(1, 1500):
+        for most in (1, 7, 104, 131, 132):
+            blocks = balanced_grid(tiles, most)
+            rounds = host.cdiv(tiles, most)
+            assert blocks <= most and host.cdiv(tiles, blocks) == rounds, (tiles, most, blocks)
+            assert blocks == 1 or host.cdiv(tiles, blocks - 1) > rounds, (tiles, most, blocks)
+    grs = importlib.import_module("kraken.fused.gemm_reduce_scatter")
+    assert recipe.plan(1024, 6656, 5120, 1, {}, sm90.H200_NUM_SMS)["num_blocks"] == 104
+    assert grs.plan(1024, 6656, 2560, 1, {}, sm90.H200_NUM_SMS)["num_blocks"] == 104
+    assert grs.plan(8192, 14336, 4096, 1, {}, sm90.H200_NUM_SMS)["num_blocks"] == 128  # 3584 tiles: 28 rounds
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))

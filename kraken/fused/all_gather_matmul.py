@@ -55,8 +55,8 @@ import triton.language as tl
 from kraken import host
 from kraken._ptx_utils import wait_async
 from kraken._gemm_core import (
-    INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, flattens, mainloop, skinny_or_large_tiles,
-    tile_coords, tma_operands,
+    INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, balanced_grid, flattens, mainloop,
+    skinny_or_large_tiles, tile_coords, tma_operands,
 )
 from kraken.comm.all_gather_with_progress import start as start_gather
 
@@ -257,7 +257,7 @@ def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: in
     that fill a wave: ``skinny_or_large_tiles``, ``operand_bytes`` 1 for fp8), else the smallest; under the ``config``;
     tile sizes powers of two (at least 16, ``block_k`` at least ``least_block_k``); and the grid: at most one block per
     SM but ``RESERVED_SMS`` (the GEMM waits on flags in local memory and uses no signal pad), never more blocks than
-    tiles. (cfg, num_blocks)."""
+    tiles, balanced (``balanced_grid``). (cfg, num_blocks)."""
     def fills(cfg: dict) -> bool:
         return world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
 
@@ -274,7 +274,7 @@ def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: in
     num_tiles = world_size * host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
     sms = max(1, num_sms - RESERVED_SMS)
     max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
-    return cfg, min(num_tiles, max_blocks)
+    return cfg, balanced_grid(num_tiles, max_blocks)
 
 
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:

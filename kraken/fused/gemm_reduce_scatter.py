@@ -41,8 +41,8 @@ import triton.language as tl
 
 from kraken import host
 from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too)
-    SKINNY_M, check_inputs, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles, tile_coords,
-    tma_operands,
+    SKINNY_M, balanced_grid, check_inputs, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles,
+    tile_coords, tma_operands,
 )
 from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait
 
@@ -242,10 +242,11 @@ LAUNCH_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_sta
 
 def with_grid(cfg: dict, m: int, n: int, world_size: int, num_sms: int, keys=LAUNCH_KEYS) -> dict:
     """``cfg``'s ``keys`` and a persistent grid of at most one block per band tile, per SM and per the signal
-    pad's budget."""
+    pad's budget, balanced (``balanced_grid``: every round of a band as many tiles)."""
     band_tiles = host.cdiv(max(m // world_size, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
     max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
-    return {**{key: cfg[key] for key in keys}, "num_blocks": host.persistent_grid(band_tiles, max_blocks, world_size)}
+    num_blocks = balanced_grid(band_tiles, host.persistent_grid(band_tiles, max_blocks, world_size))
+    return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
 
 
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
