@@ -228,12 +228,12 @@ class MoEHandle:
     ``slots[t, j]``: where pair (token t, its j-th expert) went, ``owner * capacity + row``, or -1 (dropped
     past capacity, or no expert). ``status``: int32 [pairs this rank dropped past capacity, bad expert ids on
     this rank], on the device; ``check(handle)`` reads it (on every rank). ``recv_counts`` / ``recv_offsets``:
-    this rank's rows per local expert and where each expert's start in ``recv``. ``recv``: this rank's receive
-    buffer (symmetric), whose peers ``recv_context`` holds.
+    this rank's rows per local expert, and where each expert's rows start in ``recv``. ``recv``: this rank's
+    receive buffer (symmetric), whose peers ``recv_context`` holds.
 
     The four per-call tensors are views of one allocation, ``routing`` (int32: ``status`` padded to 16 bytes,
     then ``slots``, ``recv_counts``, ``recv_offsets``), each made on first use: a view costs a microsecond or two
-    of host time, and a warm dispatch, replayed from a CUDA graph, uses none of them.
+    of host time, and a warm dispatch, replayed from a CUDA graph, makes only the one it returns (the counts).
     """
 
     routing: torch.Tensor
