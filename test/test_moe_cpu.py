@@ -355,7 +355,7 @@ def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches
                 fast = launch_args(rnd[i])
                 # A twin's warm calls replay its launches (host.Replay), as the combine's whole call does
                 # (host.replayed): their tensors go in as their addresses.
-                replayed = package == "helion_ports" and i >= 3 or i == 4
+                replayed = (package == "helion_ports" and i >= 3) or i == 4
                 assert len(fast) >= len(bound) and all(same_kind(a, b, replayed) for a, b in zip(fast, bound)), i
         for r, rnd in enumerate(rounds):
             histogram, exchange, slots_launch = (launch_args(entry) for entry in rnd[:3])
