@@ -241,14 +241,16 @@ def symm_mem_sync(
 
 
 @triton.jit
-def _epoch_operands(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
-    # Scalars may arrive as constexprs or tensors of any int type: normalise.
+def _epoch_asm(PTX: tl.constexpr, signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
+    # ``PTX`` (``EPOCH_SYNC_PTX`` or one of its halves) on its operands. Scalars may arrive as constexprs or tensors
+    # of any int type: normalise.
     pads = tl.zeros([], tl.int64) + signal_pad_ptrs
     block = (tl.zeros([], tl.int32) + block_id).to(tl.int32)
     me = (tl.zeros([], tl.int32) + rank).to(tl.int32)
     peers = tl.zeros([], tl.int32) + world_size
     round_ = (tl.zeros([], tl.int32) + epoch).to(tl.int32)
-    return pads, block, me, peers, round_
+    tl.inline_asm_elementwise(PTX, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -260,10 +262,8 @@ def epoch_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch)
     to every thread after it. Only for pads no other barrier uses (see ``EPOCH_SYNC_PTX``);
     ``host.BlockWorkspace`` keeps the count per block.
     """
-    pads, block, me, peers, round_ = _epoch_operands(signal_pad_ptrs, block_id, rank, world_size, epoch)
     tl.debug_barrier()
-    tl.inline_asm_elementwise(_EPOCH_SYNC, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    _epoch_asm(_EPOCH_SYNC, signal_pad_ptrs, block_id, rank, world_size, epoch)
     tl.debug_barrier()
 
 
@@ -274,16 +274,12 @@ def epoch_send(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch)
     Relaxed (no fence): only for a launch that wrote nothing the peers read before it (a group of one: no peers).
     ``epoch_wait`` (the same round) completes the barrier; nothing may touch the pad in between.
     """
-    pads, block, me, peers, round_ = _epoch_operands(signal_pad_ptrs, block_id, rank, world_size, epoch)
-    tl.inline_asm_elementwise(_EPOCH_SEND, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    _epoch_asm(_EPOCH_SEND, signal_pad_ptrs, block_id, rank, world_size, epoch)
 
 
 @triton.jit
 def epoch_wait(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
     """The second half of ``epoch_sync``'s round ``epoch`` (after ``epoch_send``'s): wait until block ``block_id``
     of every rank has sent it; their writes before their send are visible to every thread after it."""
-    pads, block, me, peers, round_ = _epoch_operands(signal_pad_ptrs, block_id, rank, world_size, epoch)
-    tl.inline_asm_elementwise(_EPOCH_WAIT, _EPOCH_CONSTRAINTS, [pads, block, me, peers, round_], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    _epoch_asm(_EPOCH_WAIT, signal_pad_ptrs, block_id, rank, world_size, epoch)
     tl.debug_barrier()
