@@ -904,8 +904,8 @@ class Replay:
     workspaces), and sizes, strides and scalars. Under one prepared call everything but the arguments' addresses is
     fixed (its key holds every tensor's shape, strides and dtype, and every scalar), so ``record_replay`` runs the
     host code once, watching what it launches, and keeps each launch argument as a constant (a kept tensor as its
-    address) or as (argument, byte offset into it). A replay launches the same compiled kernels
-    (``Launcher.launch_compiled``) with each tensor as its address (the C launch function takes an int where it
+    address) or as (argument, byte offset into it). Its ``function()`` launches the same compiled kernels
+    (as ``Launcher.launch_compiled`` does) with each tensor as its address (the C launch function takes an int where it
     takes a tensor, and then skips the tensor's ``data_ptr()`` and the driver's pointer check) and each descriptor
     as a ``TmaOperand`` on an ``Address``: no host code, no views, no descriptor objects. With ``checked``, a call
     whose scalars or top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``, and the caller runs
@@ -924,23 +924,64 @@ class Replay:
     result: int | tuple | None  # the argument(s) the host code returned, by position
     keep: tuple  # the prepared call's tensors whose addresses are constants here: alive as long as the replay
 
-    def __call__(self, args: tuple):
-        if self.checked and ([args[i] for i in self.scalar_positions] != self.scalar_values or [
-                args[i].shape for i in self.tensor_positions] != self.shapes):
-            return NOT_REPLAYED
-        global last_op
-        last_op = self.launcher.op
-        compiled = self.launcher.compiled
-        for key, grid, grid_y, grid_z, constants, pointers, others in self.launches:
-            values = list(constants)
-            for position, i, j, offset in pointers:
-                values[position] = (args[i] if j is None else args[i][j]).data_ptr() + offset
-            for position, get in others:
-                values[position] = get(args)
-            Launcher.launch_compiled(compiled[key], grid, grid_y, grid_z, values)
-        if self.result is None or isinstance(self.result, int):
-            return None if self.result is None else args[self.result]
-        return tuple(args[i] for i in self.result)
+    def function(self) -> Callable[[tuple], object]:
+        """The replay as one Python function of a call's arguments (``replayed`` and ``helion_ports.run`` keep and call
+        it): its source is generated here, straight-line, one C launch call per kernel with every constant bound by
+        name and each address an ``args[i].data_ptr() + offset``, because a loop over the plan read each launch's
+        description again on every call (half the replay's Python; see ``replay_source``). It launches what the
+        launcher had compiled for each kernel when the replay was made."""
+        source, names = replay_source(self)
+        namespace: dict = {}
+        exec(compile(source, f"<replay of {self.launcher.op}>", "exec"), globals(), namespace)
+        replay = namespace["bind"](**names)
+        replay.source, replay.plan = source, self
+        return replay
+
+
+def replay_source(replay: Replay) -> tuple[str, dict]:
+    """``Replay.function``'s source (a function ``bind(**names)`` that returns ``replay(args)``) and its names: the
+    checks of a ``checked`` replay (``NOT_REPLAYED`` where a scalar or a top-level shape differs), then per launch
+    ``run(grid x, y, z, the current stream, *head, *the kernel's arguments, *tail)`` as ``Launcher.launch_compiled``
+    calls it, the arguments' addresses read from ``args``, and the arguments the host code returned."""
+    names: dict = {}
+
+    def name(value, prefix: str) -> str:
+        if value is None or type(value) in (bool, int):  # literals that read back exactly
+            return repr(value)
+        names[f"{prefix}{len(names)}"] = value
+        return f"{prefix}{len(names) - 1}"
+
+    def address(i: int, j: int | None, offset: int) -> str:
+        return f"args[{i}]{'' if j is None else f'[{j}]'}.data_ptr(){f' + {offset}' if offset else ''}"
+
+    lines = []
+    if replay.checked:
+        checks = [f"args[{i}] != {name(v, 'scalar')}" for i, v in zip(replay.scalar_positions, replay.scalar_values)]
+        checks += [f"args[{i}].shape != {name(tuple(s), 'shape')}" for i, s in zip(replay.tensor_positions,
+                                                                                   replay.shapes)]
+        if checks:
+            lines.append(f"if {' or '.join(checks)}: return NOT_REPLAYED")
+    lines += ["global last_op", f"last_op = {name(replay.launcher.op, 'op')}",
+              "stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())"]
+    for key, grid, grid_y, grid_z, constants, pointers, others in replay.launches:
+        run, head, descriptors, _, tail = replay.launcher.compiled[key]
+        values = [name(value, "const") for value in constants]
+        for position, i, j, offset in pointers:
+            values[position] = address(i, j, offset)
+        for position, get in others:
+            values[position] = f"{name(get, 'get')}(args)"
+        arguments = ", ".join(values)
+        if descriptors:  # each descriptor's fields in place of it
+            arguments = f"*tensor_maps([{arguments}], {name(descriptors, 'descriptors')})"
+        arguments = ", ".join([*(name(value, "head") for value in head), arguments, *(name(v, "tail") for v in tail)])
+        lines.append(f"{name(run, 'run')}({grid[0]}, {grid_y}, {grid_z}, stream, {arguments})")
+    result = replay.result
+    if result is None or isinstance(result, int):
+        lines.append(f"return {'None' if result is None else f'args[{result}]'}")
+    else:
+        lines.append(f"return ({''.join(f'args[{i}], ' for i in result)})")
+    body = "\n".join(f"        {line}" for line in lines)
+    return f"def bind({', '.join(names)}):\n    def replay(args):\n{body}\n    return replay\n", names
 
 
 class Recording:
@@ -972,9 +1013,9 @@ _recording_lock = threading.Lock()
 
 
 def record_replay(launcher: Launcher, host_code: Callable[[], object], args: tuple, viewed: bool = False,
-                  keep: tuple = (), checked: bool = True) -> tuple[Replay | None | object, object]:
+                  keep: tuple = (), checked: bool = True) -> tuple[Callable | None | object, object]:
     """Run ``host_code()``, which launches through ``launcher`` on ``args`` (or, ``viewed``, on views of them), and
-    return (its ``Replay`` as a function of ``args``, what it returned). The replay is None where it cannot be made:
+    return (its ``Replay``'s function of ``args``, what it returned). The replay is None where it cannot be made:
     the host code ran an ATen op other than a view (it would not be repeated), launched nothing, launched a kernel
     that did not compile to a kept launch (a CPU capture), passed a tensor derived neither from ``args`` nor from
     ``keep`` (the prepared call's own tensors: tensors, tuples, dicts and dataclasses of them), or returned something
@@ -1029,6 +1070,9 @@ def prepared_launch(launch: Callable, inputs: tuple, ctx: SymmContext, launch_cf
     """``launch(*inputs, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)``: a
     fused recipe's (or twin's) ``launch`` on its prepared call (``ctx``, ``launch_cfg``) with this call's ``inputs``
     and new ``out``, replayed from the prepared call's second call on (``replayed``). Returns ``out``."""
+    replay = launch_cfg["launcher"].replays.get(launch)
+    if replay is not None and not launch_hooked():  # (``replayed``'s first step, without its frame and closure)
+        return replay((out, *inputs))
 
     def host_code() -> torch.Tensor:
         launch(*inputs, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name)
@@ -1053,7 +1097,8 @@ def held_tensors(value: object, depth: int = 3) -> list[torch.Tensor]:
     return []
 
 
-def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, keep: tuple, checked: bool) -> Replay:
+def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, keep: tuple, checked: bool
+               ) -> Callable[[tuple], object]:
     sources = []  # (top-level position, position in a tuple or None, tensor)
     for i, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
@@ -1153,7 +1198,7 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, 
     scalars = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple))]
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     return Replay(launcher, tuple(planned), checked, scalars, [args[i] for i in scalars], tensors,
-                  [args[i].shape for i in tensors], returned, tuple(kept))
+                  [args[i].shape for i in tensors], returned, tuple(kept)).function()
 
 
 def _extent_bytes(tensor: torch.Tensor) -> int:

@@ -189,8 +189,13 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
     # (about 2 us a call); the launch paths use host.next_power_of_2.
     real_next_power_of_2, pow2_calls = triton.next_power_of_2, []
     monkeypatch.setattr(triton, "next_power_of_2", lambda n: pow2_calls.append(n) or real_next_power_of_2(n))
+    # A collective's warm call finds its prepared call with the keys ``staging.prepares`` spells out: were they not
+    # the keys ``prepare`` and ``prepare_staged`` keep it under, the call would go on to those (and ``tensor_key``).
+    real_tensor_key, keyed = host.tensor_key, []
+    monkeypatch.setattr(host, "tensor_key", lambda *a, **k: keyed.append(a) or real_tensor_key(*a, **k))
     outputs += [fn(*args) for _ in range(WARM_CALLS - jit_calls)]
     assert not pow2_calls, "a warm call went through triton.next_power_of_2"
+    assert not keyed or ".fused." in module, "a collective's warm call missed its prepared call's key"
     world = counts["world"]
     assert world.exchanges == 1, "the ranks agreed on the signature more than once"
     assert counts["plan"] == 1 and counts["symm_context"] == 1, counts
@@ -313,7 +318,7 @@ def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool,
     assert replayed == len(calls) - (2 if twin else 1) and len(launches) == len(calls), [l[0] for l in launches]
     launcher = next(value["launcher"] for cache in host._prepared_caches for prepared in cache.values()
                     for value in prepared if isinstance(value, dict) and "launcher" in value)
-    assert isinstance(launcher.replays.get(launch), host.Replay)
+    assert isinstance(getattr(launcher.replays.get(launch), "plan", None), host.Replay)
 
     def names(args, out) -> dict:
         found = {out.data_ptr(): "out"}
@@ -348,7 +353,7 @@ def test_a_whole_call_replay_is_kept_per_launch_function(launches):
     for launch in (one, two, one, two, one, two):
         out = torch.zeros(8)
         assert host.replayed(launcher, launch, (out,), lambda: launch(out), (peers,)) is out
-    assert {launcher.replays[one].launches[0][0], launcher.replays[two].launches[0][0]} == {
+    assert {launcher.replays[one].plan.launches[0][0], launcher.replays[two].plan.launches[0][0]} == {
         id(kernels["one"]), id(kernels["two"])}
     assert [kind for kind, *_ in launches] == ["jit", "jit", "fast", "fast", "fast", "fast"]
 
@@ -383,12 +388,40 @@ def test_a_recording_takes_only_its_own_threads_launches(launches):
     replay, result = host.record_replay(launcher, host_code, (mine,), keep=(peers,), checked=False)
     assert result is mine and nested == [host.NOT_YET]
     assert len(launches) == 3, "every launch was made"
-    assert isinstance(replay, host.Replay) and len(replay.launches) == 1, "only this thread's own launch is replayed"
+    assert isinstance(replay.plan, host.Replay) and len(replay.plan.launches) == 1, (
+        "only this thread's own launch is replayed")
     launches.clear()
     again = torch.zeros(8)
     assert replay((again,)) is again
     (kind, args), = launches
     assert kind == "fast" and args[10] == again.data_ptr() and args[9] == (peers[0].data_ptr(),)
+
+
+def test_a_checked_replay_refuses_other_scalars_and_shapes_and_launches_its_own_constants(launches):
+    """A twin's kernel replay (``checked``) is one generated function: a call with another scalar or another
+    top-level shape gets ``NOT_REPLAYED`` and launches nothing; a call that matches launches the recorded kernel with
+    its own tensors' addresses, the kept peers' addresses and the recorded ints, floats and grid."""
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    launcher, peers = host.Launcher("op"), (torch.zeros(8), torch.zeros(8))
+
+    def host_code(out, numel, scale):
+        launcher(kernel, (3, 2), peers, out, peers[0], out[2:], numel, scale, 1024, 0, 2, BLOCK_SIZE=1024,
+                 STAGED=False, num_warps=4)
+        return out
+
+    out = torch.zeros(8)
+    for _ in range(2):  # the first binds through the JIT, the second is recorded
+        replay, result = host.record_replay(launcher, lambda: host_code(out, 8, 0.5), (out, 8, 0.5), keep=(peers,))
+    assert result is out and "def replay(args)" in replay.source
+    launches.clear()
+    other = torch.zeros(8)
+    assert replay((other, 9, 0.5)) is host.NOT_REPLAYED and replay((other, 8, 0.25)) is host.NOT_REPLAYED
+    assert replay((torch.zeros(6), 8, 0.5)) is host.NOT_REPLAYED and not launches
+    assert replay((other, 8, 0.5)) is other
+    (kind, args), = launches
+    assert kind == "fast" and args[:4] == (3, 2, 1, 1234)
+    assert args[9:] == ((peers[0].data_ptr(), peers[1].data_ptr()), other.data_ptr(), peers[0].data_ptr(),
+                        other.data_ptr() + 2 * other.element_size(), 8, 0.5, 1024, 0, 2, 1024, False)
 
 
 def named(value, names: dict):
@@ -591,7 +624,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
             runs[replaying].append([next((i for i, arg in enumerate(variant) if arg is result), "other")
                                     if result is not None else None for result, variant in zip(results, variants)])
             if replaying:
-                assert isinstance(launcher.replays[id(kernel)], host.Replay), f"{module_name}: not replayed"
+                assert isinstance(launcher.replays[id(kernel)].plan, host.Replay), f"{module_name}: not replayed"
         monkeypatch.setattr(host, "record_replay", real_record)
         assert [kind for kind, _ in runs[True][:-1]] == ["jit", "jit", "fast", "fast", "fast"], runs[True]
         assert "other" not in runs[True][-1], "a call returned something other than one of its arguments"

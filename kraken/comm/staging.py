@@ -49,15 +49,23 @@ def prepares(check: Callable[[torch.Tensor, object, str, dict, bool], dict]) -> 
         workspace = host.symm_workspace(max(tensor.numel(), 1), tensor.dtype, tensor.device, group, op)
         return host.symm_context(workspace, group, op, name="workspace"), {**launch_cfg, "launcher": host.Launcher(op)}
 
-    symmetric_calls = prepare.cache
+    symmetric_calls, staged_calls = prepare.cache, prepare_staged.cache
 
     def prepare_call(tensor: torch.Tensor, group, op: str, config: dict) -> tuple[host.SymmContext, dict, bool]:
+        # Both caches' keys from one read of the tensor (``symmetric_key`` and ``staged_key``, spelled out): a warm
+        # call is two lookups and ``is_symmetric`` here, with no call of ``prepare`` or ``prepare_staged``.
         try:
-            hit = symmetric_calls.get(host.symmetric_key(tensor, group, op, config))
-        except TypeError:  # unhashable: a bad argument, or a list in the config (prepare skips its cache)
-            hit = None
-        if hit is not None:
-            return hit[0], hit[1], False
+            ptr, config_key = tensor.data_ptr(), host.config_key(config)
+            shape, strides, dtype, device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+            hit = symmetric_calls.get((op, group, (shape, strides, dtype, device, ptr), config_key))
+            if hit is not None:
+                return hit[0], hit[1], False
+            if not host.is_symmetric(tensor):
+                hit = staged_calls.get((op, group, (shape, strides, dtype, device, ptr % 16 == 0), config_key))
+                if hit is not None:
+                    return hit[0], hit[1], True
+        except (AttributeError, TypeError):  # not a tensor (prepare says so), or unhashable: a list in the config
+            pass
         if host.is_symmetric(tensor):
             return (*prepare(tensor, group, op, config), False)
         return (*prepare_staged(tensor, group, op, config), True)
@@ -71,8 +79,11 @@ def launched(launch: Callable, ctx: host.SymmContext, launch_cfg: dict, staged: 
     one call of its prepared call (``prepare_call``'s three results), replayed from the second call of the prepared
     call on (``host.replayed``: its launches from ``tensor``'s and ``out``'s addresses, with no host code). Returns
     ``out`` (one new tensor), or ``tensor`` where the sum is in place (no ``out``, or None)."""
-    x = tensor if staged else None
     result = out[0] if out and out[0] is not None else tensor
+    replay = launch_cfg["launcher"].replays.get(launch)
+    if replay is not None and not host.launch_hooked():  # (``host.replayed``'s first step, without its frame)
+        return replay((result, tensor))
+    x = tensor if staged else None
 
     def host_code() -> torch.Tensor:
         launch(ctx.peers, *out, ctx.signal_pad_ptrs, ctx.rank, **launch_cfg, group_name=ctx.group_name, x=x)
