@@ -103,10 +103,8 @@ def one_shot_all_reduce_bias_kernel(
 
 def _check_not_aliased(x: torch.Tensor, workspace: torch.Tensor, op: str) -> None:
     """Staging ``x`` into the workspace is safe in place, never into a shifted overlap."""
-    x_start, w_start = x.data_ptr(), workspace.data_ptr()
-    x_end = x_start + x.numel() * x.element_size()
-    w_end = w_start + workspace.numel() * workspace.element_size()
-    if x_start != w_start and x_start < w_end and w_start < x_end:
+    x_start, w_start = x.data_ptr(), workspace.data_ptr()  # (both contiguous: checked)
+    if x_start != w_start and x_start < w_start + workspace.nbytes and w_start < x_start + x.nbytes:
         raise ValueError(
             f"{op}: x overlaps kraken's shared symmetric workspace at another offset, which the kernel "
             "overwrites while staging; pass a separate tensor (or the workspace view itself)"
