@@ -91,5 +91,5 @@ def launch(
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """Every rank's ``tensor`` stacked along the first dimension in rank order (see the kraken recipe)."""
     ctx, launch_cfg, staged = prepare_call(tensor, group, "helion all_gather", config)
-    out = tensor.new_empty((ctx.world_size * tensor.shape[0], *tensor.shape[1:]))
+    out = staging.new_rows(tensor, ctx.world_size * tensor.shape[0])
     return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)

@@ -112,5 +112,5 @@ def shard_views(peers: tuple[torch.Tensor, ...], rank: int, shard: int) -> tuple
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
     """This rank's ``[M / world_size, ...]`` rows of the sum over the group (see the kraken recipe)."""
     ctx, launch_cfg, staged = prepare_call(tensor, group, "helion reduce_scatter", config)
-    out = tensor.new_empty((tensor.shape[0] // ctx.world_size, *tensor.shape[1:]))
+    out = staging.new_rows(tensor, tensor.shape[0] // ctx.world_size)
     return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)

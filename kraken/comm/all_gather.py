@@ -149,5 +149,5 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = Non
     unchanged. ``config`` overrides ``DEFAULT_CONFIG``.
     """
     ctx, launch_cfg, staged = prepare_call(tensor, group, "all_gather", config)
-    out = tensor.new_empty((ctx.world_size * tensor.shape[0], *tensor.shape[1:]))
+    out = staging.new_rows(tensor, ctx.world_size * tensor.shape[0])
     return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)

@@ -173,5 +173,5 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None =
     ``DEFAULT_CONFIG``.
     """
     ctx, launch_cfg, staged = prepare_call(tensor, group, "reduce_scatter", config)
-    out = tensor.new_empty((tensor.shape[0] // ctx.world_size, *tensor.shape[1:]))
+    out = staging.new_rows(tensor, tensor.shape[0] // ctx.world_size)
     return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)
