@@ -262,14 +262,14 @@ def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torc
     (``shard_context``), and ``out`` and ``progress``, allocated where not given (checked where given)."""
     ctx = shard_context(shard, group)
     shape = (ctx.world_size * shard.shape[0], *shard.shape[1:])
-    if out is None:
-        out = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+    if out is None:  # (``new_empty``: half the host time of ``torch.empty`` with a dtype and a device)
+        out = shard.new_empty(shape)
     else:
         host.check_tensor(out, "out", OP, (shard.dtype,))
         if tuple(out.shape) != shape or out.device != shard.device:
             raise ValueError(f"{OP}: out must be {shape} on {shard.device}, got {tuple(out.shape)} on {out.device}")
     if progress is None:
-        progress = torch.empty(ctx.world_size, dtype=torch.int32, device=shard.device)
+        progress = shard.new_empty(ctx.world_size, dtype=torch.int32)
     else:
         check_progress(progress, ctx.world_size, shard.device, OP)
     return ctx, out, progress
