@@ -12,6 +12,7 @@ import functools
 import warnings
 
 import helion
+import helion.language as hl
 import torch
 
 from kraken import host
@@ -33,6 +34,33 @@ def flat_kernel(body, block_sizes: tuple[int, ...], num_warps: int, num_stages: 
         block_sizes=list(block_sizes), num_warps=num_warps, num_stages=num_stages, pid_type="flat", **settings
     )
     return helion.kernel(body, config=config, static_shapes=False)
+
+
+def copy_body(dst: torch.Tensor, src: torch.Tensor, group_name: hl.ProcessGroupName) -> None:
+    """``dst[:n] = src`` for flat tensors of one dtype, ``n = src.size(0)``. One of them lies in symmetric memory,
+    which makes it a distributed kernel to Helion: it takes the group's name, as the twins do."""
+    for tile in hl.tile(src.size(0)):
+        dst[tile] = src[tile]
+
+
+COPY_CONFIG = ((4096,), 4)  # (block sizes, warps) of ``copy_into``'s kernel: one 4096-element tile per program
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, group_name: str, launcher=host.jit_launch) -> None:
+    """``dst``'s first ``src.numel()`` elements = ``src`` (contiguous tensors of one dtype), as a Helion kernel
+    launched through ``launcher`` (``run``). The twins stage an ordinary input into their workspace with it, and
+    the two-shot twin copies its sum back, so a staged twin's whole call replays (``host.replayed``: its launches
+    from the call's addresses). An ATen ``copy_`` there was an op a replay would not repeat: such a call ran its
+    host code every time (one H200: the one-shot twin on an ordinary tensor 38 us a call, its recipe 15)."""
+    run(flat_kernel(copy_body, *COPY_CONFIG), (flat_view(dst), flat_view(src), group_name), launcher)
+
+
+def stage(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor, group_name: str, launcher=host.jit_launch
+          ) -> None:
+    """A twin's staging: ``x`` copied into this rank's workspace (``peers[rank]``) by a copy launch before the
+    twin's kernel, whose first barrier needs no release then (the copy finished before it started, as any input
+    written earlier on the stream)."""
+    copy_into(peers[rank], x, group_name, launcher)
 
 
 def own_storage(local: torch.Tensor) -> torch.Tensor:

@@ -200,19 +200,23 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
     assert world.exchanges == 1, "the ranks agreed on the signature more than once"
     assert counts["plan"] == 1 and counts["symm_context"] == 1, counts
     kinds = [entry[0] for entry in launches]
-    # A Triton recipe binds once through the JIT; a Helion twin compiles with its plain call, then binds
-    # once more through the prepared call's launcher.
-    assert kinds == ["jit"] * jit_calls + ["fast"] * (WARM_CALLS - jit_calls), kinds
-    _, _, jit_args, _, _ = launches[jit_calls - 1]
-    # The inputs here are ordinary tensors: staged. A twin stages by a copy launch, which a whole call's replay
-    # (``host.replayed``) would not repeat, so the call after its binding one runs its host code, and records its
-    # kernel's replay (``helion_ports.run``).
-    recorded = jit_calls + 1 if module.startswith("helion_ports") else jit_calls  # (bias twins need not: harmless)
-    for _, run_args in launches[recorded:]:
+    # A collective's twin stages its ordinary input by a copy launch of its own (``helion_ports.stage``): two
+    # launches a call. A Triton recipe binds once through the JIT; a Helion twin compiles with its plain call, then
+    # binds once more through the prepared call's launcher.
+    per_call = 2 if module.startswith("helion_ports.comm") else 1
+    assert kinds == ["jit"] * jit_calls * per_call + ["fast"] * (WARM_CALLS - jit_calls) * per_call, kinds
+    bound = [entry[2] for entry in launches[(jit_calls - 1) * per_call:jit_calls * per_call]]
+    # The inputs here are ordinary tensors: staged. Warm calls replay their launches (``host.Replay``: the whole
+    # call, ``host.replayed``, or a twin's kernel): their tensors go in as their addresses.
+    recorded = jit_calls + 1 if module.startswith("helion_ports") else jit_calls  # (twins replay one call earlier)
+    for i, (_, run_args) in enumerate(launches[recorded * per_call:]):
+        jit_args = bound[i % per_call]
         assert len(run_args) - 9 >= len(jit_args)
-        # Warm calls replay their launches (``host.Replay``: a twin's kernel, or the whole call, ``host.replayed``):
-        # their tensors go in as their addresses.
         assert all(same_kind(a, b, True) for a, b in zip(run_args[9:], jit_args))
+    if per_call == 2:  # the staging copy is a launch like the others: the twin's whole call replays
+        twin = importlib.import_module(module)
+        _, launch_cfg, staged = twin.prepare_call(args[0], None, f"helion {name}", {})
+        assert staged and launch_cfg["launcher"].replays.get(twin.launch) is not None, "not replayed whole"
     assert all(out is not outputs[0] for out in outputs[1:]), "every call returns a new tensor"
 
     with pytest.raises(TypeError, match="unknown config keys"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_utils import heartbeat, needs_gpus, run_on_gpus
+from gpu_utils import assert_close, heartbeat, needs_gpus, run_on_gpus
 
 pytestmark = needs_gpus
 
@@ -37,6 +37,47 @@ def same_bits_worker() -> None:
 
 def test_warm_calls_give_the_first_calls_bits():
     run_on_gpus(same_bits_worker, name="fast path bits")
+
+
+COLLECTIVES = ("comm.one_shot_all_reduce", "comm.two_shot_all_reduce", "comm.reduce_scatter", "comm.all_gather")
+
+
+def staged_worker() -> None:
+    """Ordinary (staged) inputs, recipes and twins: warm calls replay the whole call (a twin's staging copy is one
+    of its launches), each on new values, some at a new address, against a float64 reference of every rank's."""
+    import importlib
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    rows = 1003  # odd: tails
+    for path in COLLECTIVES:
+        for package in ("kraken", "helion_ports"):
+            fn = getattr(importlib.import_module(f"{package}.{path}"), path.rsplit(".", 1)[1])
+            numel = rows * world_size if "reduce_scatter" in path else rows
+            buffers = [torch.empty(numel, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+            for call in range(8):
+                heartbeat(f"{package}.{path} call {call}")
+                values = [torch.randn(numel, generator=torch.Generator().manual_seed(100 * call + r)).to(torch.bfloat16)
+                          for r in range(world_size)]
+                x = buffers[call % 3 == 2]  # mostly the same address (the replay), now and then another
+                x.copy_(values[rank])
+                out = fn(x)
+                everyone = torch.stack([v.double() for v in values])
+                if "all_gather" in path:
+                    ref = everyone.flatten()
+                elif "reduce_scatter" in path:
+                    ref = everyone.sum(0)[rank * rows:(rank + 1) * rows]
+                else:
+                    ref = everyone.sum(0)
+                assert_close(out.cpu(), ref, f"{package}.{path} call {call}")
+                if "two_shot" in path:
+                    assert out is x, "two-shot sums in place"
+                else:
+                    assert torch.equal(x.cpu(), values[rank]), f"{package}.{path}: the input changed"
+    torch.cuda.synchronize()
+
+
+def test_staged_inputs_replay_the_whole_call():
+    run_on_gpus(staged_worker, name="staged calls")
 
 
 def bad_after_warm_worker() -> None:

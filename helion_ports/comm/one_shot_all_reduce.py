@@ -21,12 +21,11 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, flat_view, run, views
+from helion_ports import flat_kernel, flat_view, run, stage, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm import staging
 from kraken.comm.one_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
-from kraken.comm.staging import stage_by_copy
 
 # The barriers: "peers' inputs are ready" (acquire) and "done reading peers" (release).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -83,9 +82,9 @@ def launch(
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.one_shot_all_reduce.launch`` (an ordinary
-    ``x`` is staged by a copy launch: ``staging.stage_by_copy``)."""
+    ``x`` is staged by a copy launch: ``helion_ports.stage``)."""
     if x is not None:
-        stage_by_copy(peers, rank, x)
+        stage(peers, rank, x, group_name, launcher)
     flat_peers = views(peers, -1)
     args = (flat_peers, flat_view(out), signal_pad_ptrs, num_blocks, chunk, rank, len(peers), group_name)
     run(compiled(block_size, num_warps), args, launcher)

@@ -15,12 +15,11 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run, views
+from helion_ports import copy_into, flat_kernel, run, stage, views
 from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm import staging
 from kraken.comm.two_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
-from kraken.comm.staging import stage_by_copy
 
 # "Peers' inputs are ready" (acquire), then "my pushes are visible / yours are" (release + acquire).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -81,9 +80,9 @@ def launch(
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch`` (an ordinary
-    ``x`` is staged by a copy launch, ``staging.stage_by_copy``, and the sum copied back into it)."""
+    ``x`` is staged by a copy launch, ``helion_ports.stage``, and the sum copied back into it)."""
     if x is not None:
-        stage_by_copy(peers, rank, x)
+        stage(peers, rank, x, group_name, launcher)
     flat_peers = views(peers, -1)
     args = (
         flat_peers[rank], flat_peers, signal_pad_ptrs, num_blocks, shard, chunk, rank, len(peers), group_name,
@@ -91,7 +90,8 @@ def launch(
     run(compiled(block_size, num_warps), args, launcher)
     if x is None:
         return peers[rank]
-    return x.copy_(peers[rank].view(x.shape))
+    copy_into(x, peers[rank][:x.numel()], group_name, launcher)
+    return x
 
 
 def two_shot_all_reduce(

@@ -97,12 +97,3 @@ def launched(launch: Callable, ctx: host.SymmContext, launch_cfg: dict, staged: 
         return result
 
     return host.replayed(launch_cfg["launcher"], launch, (result, tensor), host_code, (ctx, launch_cfg))
-
-
-def stage_by_copy(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor) -> torch.Tensor:
-    """The Helion twins' staging: ``x`` copied into this rank's workspace (``peers[rank]``) by a copy launch
-    before the twin's kernel, whose first barrier needs no release then (the copy finished before it
-    started, as any input written earlier on the stream). Returns the workspace, flat."""
-    local = peers[rank].view(-1)
-    local.copy_(x.view(-1))
-    return local
