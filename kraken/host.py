@@ -973,7 +973,8 @@ def replay_source(replay: Replay) -> tuple[str, dict]:
         arguments = ", ".join(values)
         if descriptors:  # each descriptor's fields in place of it
             arguments = f"*tensor_maps([{arguments}], {name(descriptors, 'descriptors')})"
-        arguments = ", ".join([*(name(value, "head") for value in head), arguments, *(name(v, "tail") for v in tail)])
+        arguments = ", ".join([*(name(value, "head") for value in head), *([arguments] if arguments else []),
+                               *(name(value, "tail") for value in tail)])
         lines.append(f"{name(run, 'run')}({grid[0]}, {grid_y}, {grid_z}, stream, {arguments})")
     result = replay.result
     if result is None or isinstance(result, int):
