@@ -890,7 +890,7 @@ class NotReplayable(Exception):
     """A launch argument that a replay cannot derive from the call's arguments or the prepared call's tensors."""
 
 
-NOT_REPLAYED = object()  # what ``Replay.__call__`` returns for arguments it was not made for
+NOT_REPLAYED = object()  # what a checked replay (``Replay.function``) returns for arguments it was not made for
 NOT_YET = object()  # what ``record_replay`` returns where a launch went past the launcher (a kernel's first call)
 
 

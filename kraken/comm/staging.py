@@ -8,7 +8,8 @@ collective therefore has two prepared calls per signature:
 * staged: the peers are kraken's shared symmetric workspace (``host.symm_workspace``), and the kernel
   first copies, block by block, the part of the input that the peers' same block will read into it,
   before its first barrier (which then releases those writes), as torch's ``one_shot_all_reduce_copy``
-  does: no separate copy launch. Keyed without the address, so a model's fresh activations hit it.
+  does: no separate copy launch (the Helion twins stage by a copy kernel of their own, ``helion_ports.stage``).
+  Keyed without the address, so a model's fresh activations hit it.
 
 Ranks must agree on which: the choice is part of the signature agreed on its first call, so a rank that
 passes a symmetric tensor where another passes an ordinary one raises on every rank.
