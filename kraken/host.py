@@ -836,36 +836,96 @@ def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None
     captured (the caller's graph takes the launches), while a Triton launch hook is set (a profiler sees every
     launch), and for a key whose capture failed. Keys past ``MAX_PREPARED`` start the cache over (after a device
     synchronisation: a graph's pool must not go back to the allocator while a replay still uses it)."""
+    graph = _kept_graph(key, run, device, lambda: _captured(run))
+    if graph is not None:
+        graph.replay()
+
+
+def _captured(run: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``run()``'s work on the current (capture) stream, which does not run it."""
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(capture_error_mode="thread_local")
+    try:
+        run()
+    finally:
+        graph.capture_end()
+    return graph
+
+
+def _kept_graph(key: tuple, run: Callable[[], object], device: torch.device, capture: Callable[[], object]):
+    """What ``capture()`` made of ``run``'s work under ``key`` on a capture stream of the device (``graphed``'s
+    rules), or None after running ``run()`` plainly instead."""
     if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing() or launch_hooked():
         run()
-        return
+        return None
     entry = _graphs.get(key, 0)
-    if isinstance(entry, int):
-        if entry < PLAIN_RUNS:  # NEVER included
-            run()
-            if entry != NEVER:
-                _graphs[key] = entry + 1
-            return
-        if len(_graphs) >= MAX_PREPARED:  # start over, once every replay has finished with its graph's memory
-            torch.cuda.synchronize(device)
-            _graphs.clear()
-        entry = torch.cuda.CUDAGraph()
-        stream = _capture_streams.get(device.index)
-        if stream is None:  # a capture needs a stream of its own: never the legacy default one
-            stream = _capture_streams[device.index] = torch.cuda.Stream(device=device)
-        try:
-            with torch.cuda.stream(stream):
-                entry.capture_begin(capture_error_mode="thread_local")
-                try:
-                    run()
-                finally:
-                    entry.capture_end()
-        except Exception:  # not capturable (or a real error, which the plain run raises again)
-            _graphs[key] = NEVER
-            run()
-            return
-        _graphs[key] = entry
-    entry.replay()
+    if not isinstance(entry, int):
+        return entry
+    if entry < PLAIN_RUNS:  # NEVER included
+        run()
+        if entry != NEVER:
+            _graphs[key] = entry + 1
+        return None
+    if len(_graphs) >= MAX_PREPARED:  # start over, once every replay has finished with its graph's memory
+        torch.cuda.synchronize(device)
+        _graphs.clear()
+    stream = _capture_streams.get(device.index)
+    if stream is None:  # a capture needs a stream of its own: never the legacy default one
+        stream = _capture_streams[device.index] = torch.cuda.Stream(device=device)
+    try:
+        with torch.cuda.stream(stream):
+            entry = capture()
+    except Exception:  # not capturable (or a real error, which the plain run raises again)
+        _graphs[key] = NEVER
+        run()
+        return None
+    _graphs[key] = entry
+    return entry
+
+
+class ForkedGraph:
+    """``head`` on the current stream, then ``tail`` on a side stream that follows it, captured as two CUDA graphs
+    and launched with one driver call each (``launch``); the side stream's graph ends by recording an event that
+    ``join`` makes the current stream wait for. The same work done plainly is a fork (an event recorded, and waited
+    for), a switch to the side stream and back, and a join (another event), each a host call: here the fork and
+    the join's record are event nodes of the graphs (``torch.cuda.Event(external=True)``)."""
+
+    def __init__(self, head: Callable[[], object], tail: Callable[[], object]):
+        from cuda.bindings import runtime as cudart  # torch's own dependency
+
+        stream = torch.cuda.current_stream()  # the capture stream
+        self.forked, self.joined = torch.cuda.Event(external=True), torch.cuda.Event(external=True)
+        self.head = _captured(lambda: (head(), self.forked.record(stream)))
+        self.tail = _captured(lambda: (self.forked.wait(stream), tail(), self.joined.record(stream)))
+        self.head_exec, self.tail_exec = self.head.raw_cuda_graph_exec(), self.tail.raw_cuda_graph_exec()
+        self.joined_event = self.joined.cuda_event
+        self.graph_launch, self.stream_wait_event = cudart.cudaGraphLaunch, cudart.cudaStreamWaitEvent
+
+    def launch(self, current: int, side: int) -> None:
+        """Launch the head on the raw stream ``current`` and the tail on ``side``."""
+        (error,) = self.graph_launch(self.head_exec, current)
+        if not error:
+            (error,) = self.graph_launch(self.tail_exec, side)
+        if error:
+            raise RuntimeError(f"kraken: cudaGraphLaunch failed: {error!r}")
+
+    def join(self, device_index: int) -> None:
+        """The device's current stream waits for the tail's last launch."""
+        (error,) = self.stream_wait_event(torch._C._cuda_getCurrentRawStream(device_index), self.joined_event, 0)
+        if error:
+            raise RuntimeError(f"kraken: cudaStreamWaitEvent failed: {error!r}")
+
+
+def forked(key: tuple, head: Callable[[], object], tail: Callable[[], object], plain: Callable[[], object],
+           side: torch.cuda.Stream) -> ForkedGraph | None:
+    """``head()``'s work on the current stream and ``tail()``'s on ``side`` after it, from a ``ForkedGraph`` kept
+    under ``key`` (``graphed``'s rules) and launched; returns it (its ``join`` is the caller's), or None after
+    running ``plain()`` instead (the same work, forked to ``side`` plainly; the caller joins it plainly too)."""
+    device = side.device
+    graph = _kept_graph(key, plain, device, lambda: ForkedGraph(head, tail))
+    if graph is not None:
+        graph.launch(torch._C._cuda_getCurrentRawStream(device.index), side.cuda_stream)
+    return graph
 
 
 # ---------------------------------------------------------------------------

@@ -125,8 +125,10 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
                 check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k}, {shapes[k]})")
                 outs[k].fill_(POISON)
     # Those launches ran the in-place gather's exchange from its CUDA graph after the first call of each shape.
-    graphs = importlib.import_module("kraken.host")._graphs.values()
-    assert any(isinstance(e, torch.cuda.CUDAGraph) for e in graphs), f"{backend}: nothing replayed from a graph"
+    # (two graphs forked and joined where nothing is staged: a group of one; the exchange after the staging beyond)
+    host = importlib.import_module("kraken.host")
+    assert any(isinstance(e, (torch.cuda.CUDAGraph, host.ForkedGraph)) for e in host._graphs.values()), (
+        f"{backend}: nothing replayed from a graph")
 
     slots = range(0, 6, 2)  # the graph replays one shape
     eager = {k: fn(*inputs[k]) for k in slots}
@@ -228,6 +230,28 @@ def gather_worker() -> None:
             assert torch.equal(out, torch.cat(expected)), f"gather {rows}x{cols} launch {launch}: rows differ"
             assert started.progress.tolist() == [1] * world_size, f"flags after the gather: {started.progress.tolist()}"
             assert started.order[0] == rank and sorted(started.order) == list(range(world_size))
+    # Calls on the same buffers run from two graphs (``host.ForkedGraph``) from the second on: each gathers what the
+    # shards hold after the current stream's slow write, and writes every flag again.
+    from kraken import host
+    from kraken.comm.all_gather_with_progress import OP
+
+    shard = kraken.symm_empty((64, 256), BF16)
+    out = torch.empty((world_size * 64, 256), dtype=BF16, device="cuda")
+    progress = torch.empty(world_size, dtype=torch.int32, device="cuda")
+    for launch in range(8):
+        out.fill_(POISON)
+        progress.fill_(-5)
+        torch.cuda._sleep(1_000_000)  # (about half a millisecond) before the shard's new values
+        shard.copy_(torch.randn(64, 256, device="cuda").to(BF16) + 100 * rank + launch)
+        started = all_gather_with_progress(shard, out=out, progress=progress)
+        started.wait()
+        torch.cuda.synchronize()
+        expected = [torch.empty_like(shard) for _ in range(world_size)]
+        dist.all_gather(expected, shard)
+        assert torch.equal(out, torch.cat(expected)), f"repeated gather {launch}: rows differ"
+        assert progress.tolist() == [1] * world_size, f"repeated gather {launch}: flags {progress.tolist()}"
+    assert any(key[0] == OP and isinstance(e, host.ForkedGraph) for key, e in host._graphs.items()), (
+        "the repeated gathers did not run from their graphs")
     heartbeat("gather done")
 
 

@@ -685,3 +685,94 @@ def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
         host.graphed(("failing",), failing, gpu)
     assert events == ["run", ("on", "capture stream"), "begin", "run", "end", "run", "run", "run"]
     assert host._graphs[("failing",)] == host.NEVER
+
+
+def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_on_their_streams(monkeypatch):
+    """``host.forked``: the first call runs the plain fork; the second captures the head (then the fork's event
+    record) and the tail (the fork's event wait first, the join's event record last) as two graphs on the capture
+    stream; every call from then on launches the head on the current stream and the tail on the side stream, one
+    ``cudaGraphLaunch`` each, and ``join`` makes the current stream wait for the join's event. A failed launch
+    raises; a capture that fails runs plainly from then on."""
+    from cuda.bindings import runtime as cudart
+
+    events: list = []
+
+    class Graph:
+        count = 0
+
+        def __init__(self):
+            Graph.count += 1
+            self.exec = 100 + Graph.count
+
+        def capture_begin(self, capture_error_mode):
+            assert capture_error_mode == "thread_local"
+            events.append("begin")
+
+        def capture_end(self):
+            events.append("end")
+
+        def raw_cuda_graph_exec(self):
+            return self.exec
+
+    class Event:
+        def __init__(self, external):
+            assert external
+            self.cuda_event = 200 + len(events)
+
+        def record(self, stream):
+            events.append(("record", self.cuda_event, stream))
+
+        def wait(self, stream):
+            events.append(("wait", self.cuda_event, stream))
+
+    class Side:
+        device, cuda_stream = torch.device("cuda", 0), 77
+
+    errors = [0]
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "capture stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "capture stream")
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 55)
+    monkeypatch.setattr(cudart, "cudaGraphLaunch", lambda graph, stream: events.append(("launch", graph, stream))
+                        or (errors[0],))
+    monkeypatch.setattr(cudart, "cudaStreamWaitEvent", lambda stream, event, flags: events.append(
+        ("stream waits", stream, event, flags)) or (0,))
+    monkeypatch.setattr(host, "_graphs", {})
+    monkeypatch.setattr(host, "_capture_streams", {})
+    head, tail = (lambda: events.append("head")), (lambda: events.append("tail"))
+    plain = lambda: events.append("plain")  # noqa: E731
+    assert host.forked(("key",), head, tail, plain, Side()) is None
+    assert events == ["plain"]
+    events.clear()
+    graphs = host.forked(("key",), head, tail, plain, Side())
+    forked, joined = graphs.forked.cuda_event, graphs.joined.cuda_event
+    head_exec, tail_exec = graphs.head.exec, graphs.tail.exec
+    assert head_exec != tail_exec
+    assert events == ["begin", "head", ("record", forked, "capture stream"), "end",
+                      "begin", ("wait", forked, "capture stream"), "tail", ("record", joined, "capture stream"), "end",
+                      ("launch", head_exec, 55), ("launch", tail_exec, 77)]
+    events.clear()
+    assert host.forked(("key",), head, tail, plain, Side()) is graphs
+    graphs.join(0)
+    assert events == [("launch", head_exec, 55), ("launch", tail_exec, 77), ("stream waits", 55, joined, 0)]
+
+    events.clear()
+    errors[0] = cudart.cudaError_t.cudaErrorInvalidValue
+    with pytest.raises(RuntimeError, match="cudaGraphLaunch failed"):
+        host.forked(("key",), head, tail, plain, Side())
+    assert events == [("launch", head_exec, 55)]  # the tail is never launched after a failed head
+    errors[0] = 0
+
+    events.clear()
+
+    def failing():
+        events.append("tail")
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    for _ in range(3):
+        assert host.forked(("failing",), head, failing, plain, Side()) is None
+    assert events[0] == "plain" and events[-2:] == ["plain", "plain"] and "tail" in events
+    assert host._graphs[("failing",)] == host.NEVER

@@ -31,9 +31,13 @@ The protocol (CUDA-graph safe, no host round trip):
   its copies of my shard; the caller's next write to the shard comes after
   ``GatherInProgress.wait()``, which joins the side stream behind that barrier.
   (The GEMM consumer is far longer than the copies, so the join costs nothing.)
-* a gather in place (my shard my own chunk of a symmetric ``out``, as the GEMM consumers' prepared buffers)
-  replays its exchange (the barriers, copies and flag writes above) from a CUDA graph captured on its second
-  call (``host.graphed``): the same operations, one host call;
+* replays: from its second call with the same pointers (a gather in place, my shard my own chunk of a
+  symmetric ``out``, as the GEMM consumers' prepared buffers; a standalone gather whose fresh ``out`` and
+  ``progress`` come back at the same addresses), a call with nothing to stage is two CUDA graphs
+  (``host.ForkedGraph``): the reset and the fork's event on the current stream, and on the side stream the
+  fork's wait, the exchange (the barriers, copies and flag writes above) and the join's event, two host calls
+  where there were a dozen; ``wait()`` is one. A call that stages replays its exchange after the staging
+  (``host.graphed``). The same operations either way;
 * my own rows: copied locally to ``out`` after the peers' chunks (those are what a
   consumer waits for; it can read its own rows from ``shard`` without waiting) and
   flagged like the others, unless the consumer reads them from its own copy (``start``'s
@@ -198,13 +202,17 @@ class GatherInProgress:
     progress: torch.Tensor  # int32[world_size] (then one per staged piece, for all_gather_matmul)
     stream: torch.cuda.Stream  # the side stream the copies run on
     order: tuple[int, ...]  # the ranks in the order their chunks are copied (own first)
+    graphs: host.ForkedGraph | None = None  # what launched the call, if its graphs did: the join is theirs
 
     def wait(self) -> torch.Tensor:
         """Make the current stream wait for every copy and the closing barrier; returns ``out``.
 
         Call it after launching the consumer and before anything else uses ``out`` or writes the shard
         (and before a CUDA-graph capture ends: the side stream must rejoin)."""
-        join(self.stream)
+        if self.graphs is None:
+            join(self.stream)
+        else:
+            self.graphs.join(self.stream.device_index)
         return self.out
 
 
@@ -300,9 +308,10 @@ def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, o
 # The exchange of a gather in place (my shard my own chunk of a symmetric ``out``: the GEMM consumers' prepared
 # gather buffers) touches the same buffers, flags and signal pads on every call of a prepared call: its launches,
 # copies and flag writes (two barriers, and one write unless ``flag_own`` is off, at world size 1; 2 (world_size - 1)
-# more operations beyond) are replayed from a CUDA graph (``host.graphed``), one graph launch where each was a host
-# call. So is a standalone gather's (its own rows' copy too) whenever its ``out`` and ``progress`` come back at
-# addresses seen before. Key: the launcher, the pads, the rank and every pointer touched.
+# more operations beyond) are replayed from CUDA graphs, one graph launch where each was a host call (with the reset,
+# the fork and the join's record, when nothing is staged: ``host.ForkedGraph``). So is a standalone gather's (its own
+# rows' copy too) whenever its ``out`` and ``progress`` come back at addresses seen before. Key: the launcher, the
+# pads, the rank and every pointer touched.
 
 
 def start(
@@ -338,19 +347,40 @@ def start(
     side = copy_stream(shard.device)
     has_reader = world_size > 1 or snapshot is not None  # of my shard: a peer, or the snapshot
     copy_in = stage_from is not None and has_reader
+    stage = stage_launch is not None and has_reader
     in_place = out.data_ptr() + rank * shard.nbytes == shard.data_ptr()  # my shard is my chunk of out
-    if world_size > 1 or flag_own:  # some flag is written: none of the previous call survives into this one
+    reset = world_size > 1 or flag_own  # some flag is written: none of the previous call survives into this one
+    order = tuple((rank + step) % world_size for step in range(world_size))
+    if snapshot is None and not copy_in and not stage:
+        # The whole call from a pair of graphs kept per pointer set (a gather in place touches only a prepared
+        # call's buffers; a fresh ``out`` and ``progress`` mostly come back at the same addresses from torch's
+        # allocator): the reset on the current stream, the exchange on the side stream, the fork and the join's
+        # record in them (``host.ForkedGraph``).
+        def exchange_() -> None:
+            exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher, in_place, flag_own)
+
+        def reset_() -> None:
+            if reset:
+                reset_flags(progress)
+
+        def plain() -> None:
+            reset_()
+            fork(side)
+            with on_stream(side):
+                exchange_()
+
+        key = (OP, id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(), flag_own,
+               *(peer.data_ptr() for peer in peers))
+        return GatherInProgress(out, progress, side, order, host.forked(key, reset_, exchange_, plain, side))
+    if reset:
         reset_flags(progress)
     fork(side)
-    order = tuple((rank + step) % world_size for step in range(world_size))
     with on_stream(side):
         if copy_in:
             shard.copy_(stage_from)
-        if stage_launch is not None and has_reader:
+        if stage:
             stage_launch()
-        # An exchange with no snapshot is replayed from a graph kept per pointer set (a gather in place touches only
-        # a prepared call's buffers; a fresh ``out`` and ``progress`` mostly come back at the same addresses from
-        # torch's allocator).
+        # After the staging, the exchange is replayed from a graph kept per pointer set, as above.
         if snapshot is None:
             key = (id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(), flag_own,
                    *(peer.data_ptr() for peer in peers))
