@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -260,13 +261,25 @@ def test_gather_flags_only_what_a_consumer_reads(monkeypatch, world_size, flag_o
     import contextlib
 
     events: list = []
-    monkeypatch.setattr(gather, "copy_stream", lambda device: "side")
+
+    class Graphs:  # what host.forked launches: the head on the current stream, the tail on the side stream
+        def join(self, device_index):
+            events.append("join")
+
+    def forked(key, head, tail, plain, side):
+        head()
+        events.append("fork")
+        tail()
+        return Graphs()
+
+    monkeypatch.setattr(gather, "copy_stream", lambda device: SimpleNamespace(device_index=0))
     monkeypatch.setattr(gather, "fork", lambda stream: events.append("fork"))
     monkeypatch.setattr(gather, "join", lambda stream: events.append("join"))
     monkeypatch.setattr(gather, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(gather, "reset_flags", lambda progress: events.append("reset"))
     monkeypatch.setattr(gather, "set_flag", lambda progress, index, value=1: events.append(("flag", index)))
     monkeypatch.setattr(host, "graphed", lambda key, run, device: run())  # the graph of the exchange: run it plainly
+    monkeypatch.setattr(host, "forked", forked)  # (nothing to stage: a group of one)
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
     rows, rank = 3, world_size - 1
     out = torch.full((world_size * rows, 5), float("nan"))

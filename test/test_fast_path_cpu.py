@@ -691,8 +691,9 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
     """``host.forked``: the first call runs the plain fork; the second captures the head (then the fork's event
     record) and the tail (the fork's event wait first, the join's event record last) as two graphs on the capture
     stream; every call from then on launches the head on the current stream and the tail on the side stream, one
-    ``cudaGraphLaunch`` each, and ``join`` makes the current stream wait for the join's event. A failed launch
-    raises; a capture that fails runs plainly from then on."""
+    ``cudaGraphLaunch`` each, and ``join`` makes the current stream wait for the join's event. While the current
+    stream is being captured the work is plain. A failed launch raises; a capture that fails runs plainly from then
+    on."""
     from cuda.bindings import runtime as cudart
 
     events: list = []
@@ -726,15 +727,15 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
             events.append(("wait", self.cuda_event, stream))
 
     class Side:
-        device, cuda_stream = torch.device("cuda", 0), 77
+        device, device_index, cuda_stream = torch.device("cuda", 0), 0, 77
 
-    errors = [0]
+    errors, capturing = [0], [False]
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "capture stream")
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: "capture stream")
-    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 55)
     monkeypatch.setattr(cudart, "cudaGraphLaunch", lambda graph, stream: events.append(("launch", graph, stream))
                         or (errors[0],))
@@ -758,6 +759,11 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
     assert host.forked(("key",), head, tail, plain, Side()) is graphs
     graphs.join(0)
     assert events == [("launch", head_exec, 55), ("launch", tail_exec, 77), ("stream waits", 55, joined, 0)]
+    events.clear()
+    capturing[0] = True  # the caller's capture takes the plain work, even where a graph is kept
+    assert host.forked(("key",), head, tail, plain, Side()) is None
+    assert events == ["plain"]
+    capturing[0] = False
 
     events.clear()
     errors[0] = cudart.cudaError_t.cudaErrorInvalidValue

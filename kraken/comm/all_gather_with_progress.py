@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+import functools
 from typing import Callable
 
 import torch
@@ -283,6 +284,13 @@ def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torc
     return ctx, out, progress
 
 
+@functools.cache
+def copy_order(rank: int, world_size: int) -> tuple[int, ...]:
+    """The ranks in the order ``rank`` copies their chunks: its own first, then from rank + 1 on (so no two ranks
+    read the same peer at once)."""
+    return tuple((rank + step) % world_size for step in range(world_size))
+
+
 def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, out: torch.Tensor,
              progress: torch.Tensor, snapshot: torch.Tensor | None, order: tuple[int, ...], launcher,
              in_place: bool, flag_own: bool = True) -> None:
@@ -350,7 +358,7 @@ def start(
     stage = stage_launch is not None and has_reader
     in_place = out.data_ptr() + rank * shard.nbytes == shard.data_ptr()  # my shard is my chunk of out
     reset = world_size > 1 or flag_own  # some flag is written: none of the previous call survives into this one
-    order = tuple((rank + step) % world_size for step in range(world_size))
+    order = copy_order(rank, world_size)
     if snapshot is None and not copy_in and not stage:
         # The whole call from a pair of graphs kept per pointer set (a gather in place touches only a prepared
         # call's buffers; a fresh ``out`` and ``progress`` mostly come back at the same addresses from torch's
