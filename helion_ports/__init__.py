@@ -37,9 +37,15 @@ def flat_kernel(body, block_sizes: tuple[int, ...], num_warps: int, num_stages: 
 
 
 def copy_body(dst: torch.Tensor, src: torch.Tensor, group_name: hl.ProcessGroupName) -> None:
-    """``dst[:n] = src`` for flat tensors of one dtype, ``n = src.size(0)``. One of them lies in symmetric memory,
-    which makes it a distributed kernel to Helion: it takes the group's name, as the twins do."""
-    for tile in hl.tile(src.size(0)):
+    """``dst = src[:n]`` for flat tensors of one dtype, ``n = dst.size(0)``. One of them lies in symmetric memory,
+    which makes it a distributed kernel to Helion: it takes the group's name, as the twins do.
+
+    The loop runs over ``dst``'s own size: Helion 1.5.0 specialises a size of 1 and treats such a tensor, indexed
+    by a tile of another extent, as broadcast, so a one-element ``dst`` under a loop over ``src.size(0)`` got a store
+    from every lane of the block with no mask (the masked-off lanes' zeros racing the element: a one-element
+    collective on an ordinary tensor returned 0). A broadcast load of a one-element ``src`` is harmless (docs/helion-
+    notes.md)."""
+    for tile in hl.tile(dst.size(0)):
         dst[tile] = src[tile]
 
 
@@ -52,7 +58,10 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, group_name: str, launcher=ho
     the two-shot twin copies its sum back, so a staged twin's whole call replays (``host.replayed``: its launches
     from the call's addresses). An ATen ``copy_`` there was an op a replay would not repeat: such a call ran its
     host code every time (one H200: the one-shot twin on an ordinary tensor 38 us a call, its recipe 15)."""
-    run(flat_kernel(copy_body, *COPY_CONFIG), (flat_view(dst), flat_view(src), group_name), launcher)
+    dst = flat_view(dst)
+    if dst.size(0) != src.numel():
+        dst = dst[:src.numel()]
+    run(flat_kernel(copy_body, *COPY_CONFIG), (dst, flat_view(src), group_name), launcher)
 
 
 def stage(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor, group_name: str, launcher=host.jit_launch

@@ -281,3 +281,35 @@ def test_registry_entries():
         assert entry.floor_us((32 << 20,), torch.bfloat16, 2) == pytest.approx((32 << 20) / 361e3 + 2.0)
         with pytest.raises(ValueError, match="not divisible by the world size 3"):
             op.example(None, 3, shape=(10,))
+
+
+@pytest.mark.parametrize("dst_numel,src_numel", [(1, 1), (1, 9), (4, 4), (5, 4097)])
+def test_copy_kernel_masks_its_store_at_every_size(dst_numel, src_numel):
+    """The twins' staging copy (``helion_ports.copy_body``) at a one-element tensor: Helion 1.5.0 treats a size-1
+    tensor indexed by another extent's tile as broadcast, and a store to it then comes from every lane with no mask
+    (a one-element collective on an ordinary tensor returned 0; docs/helion-notes.md). The loop runs over the stored
+    tensor's own size, so its one store is masked by that size at every length."""
+    import helion_ports
+
+    kernel = helion_ports.flat_kernel(helion_ports.copy_body, *helion_ports.COPY_CONFIG)
+    args = (torch.empty(dst_numel, dtype=torch.bfloat16), torch.empty(src_numel, dtype=torch.bfloat16), "")
+    code = kernel.bind(args).to_triton_code(kernel.configs[0])
+    stores = [line.strip() for line in code.splitlines() if "tl.store(" in line]
+    assert len(stores) == 1, code
+    assert re.fullmatch(r"tl\.store\(dst \+ indices_0 \* dst_stride_0, \w+, mask_0\)", stores[0]), stores[0]
+    assert "mask_0 = indices_0 < dst_size_0" in code, code
+
+
+def test_copy_into_copies_only_the_source_length(monkeypatch):
+    """``copy_into(dst, src)`` hands the kernel ``dst`` cut to ``src``'s length (flat), so the loop over ``dst``'s
+    size copies exactly ``src``: the staging into a longer workspace, and the two-shot twin's copy back."""
+    import helion_ports
+
+    calls = []
+    monkeypatch.setattr(helion_ports, "run", lambda kernel, args, launcher: calls.append(args))
+    workspace, x = torch.empty(10), torch.empty(2, 3)
+    helion_ports.copy_into(workspace, x, "group")
+    helion_ports.copy_into(x, workspace[:6], "group")
+    (dst, src, name), (back, back_src, _) = calls
+    assert dst.shape == (6,) and dst.data_ptr() == workspace.data_ptr() and src.shape == (6,) and name == "group"
+    assert back.shape == (6,) and back.data_ptr() == x.data_ptr() and back_src.shape == (6,)
