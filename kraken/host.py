@@ -921,15 +921,9 @@ def forked(key: tuple, head: Callable[[], object], tail: Callable[[], object], p
     """``head()``'s work on the current stream and ``tail()``'s on ``side`` after it, from a ``ForkedGraph`` kept
     under ``key`` (``graphed``'s rules) and launched; returns it (its ``join`` is the caller's), or None after
     running ``plain()`` instead (the same work, forked to ``side`` plainly; the caller joins it plainly too)."""
-    graph = _graphs.get(key)
-    if graph is None or isinstance(graph, int):  # not captured yet (or never)
-        graph = _kept_graph(key, plain, side.device, lambda: ForkedGraph(head, tail))
-        if graph is None:
-            return None
-    elif torch._C._cuda_isCurrentStreamCapturing() or launch_hooked():
-        plain()
-        return None
-    graph.launch(torch._C._cuda_getCurrentRawStream(side.device_index), side.cuda_stream)
+    graph = _kept_graph(key, plain, side.device, lambda: ForkedGraph(head, tail))
+    if graph is not None:
+        graph.launch(torch._C._cuda_getCurrentRawStream(side.device_index), side.cuda_stream)
     return graph
 
 

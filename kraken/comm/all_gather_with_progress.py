@@ -53,9 +53,9 @@ stream operations see the same bytes as uint32.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
-import functools
 from typing import Callable
 
 import torch
@@ -359,41 +359,38 @@ def start(
     in_place = out.data_ptr() + rank * shard.nbytes == shard.data_ptr()  # my shard is my chunk of out
     reset = world_size > 1 or flag_own  # some flag is written: none of the previous call survives into this one
     order = copy_order(rank, world_size)
+    # The graphs' key: every pointer the call touches, and whether it stages (a pair of graphs if not, one after).
+    key = (OP, id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(), flag_own,
+           copy_in or stage, *(peer.data_ptr() for peer in peers))
+
+    def reset_() -> None:
+        if reset:
+            reset_flags(progress)
+
+    def exchange_() -> None:
+        exchange(peers, signal_pad_ptrs, rank, out, progress, snapshot, order, launcher, in_place, flag_own)
+
     if snapshot is None and not copy_in and not stage:
         # The whole call from a pair of graphs kept per pointer set (a gather in place touches only a prepared
         # call's buffers; a fresh ``out`` and ``progress`` mostly come back at the same addresses from torch's
         # allocator): the reset on the current stream, the exchange on the side stream, the fork and the join's
         # record in them (``host.ForkedGraph``).
-        def exchange_() -> None:
-            exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher, in_place, flag_own)
-
-        def reset_() -> None:
-            if reset:
-                reset_flags(progress)
-
         def plain() -> None:
             reset_()
             fork(side)
             with on_stream(side):
                 exchange_()
 
-        key = (OP, id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(), flag_own,
-               *(peer.data_ptr() for peer in peers))
         return GatherInProgress(out, progress, side, order, host.forked(key, reset_, exchange_, plain, side))
-    if reset:
-        reset_flags(progress)
+    reset_()
     fork(side)
     with on_stream(side):
         if copy_in:
             shard.copy_(stage_from)
         if stage:
             stage_launch()
-        # After the staging, the exchange is replayed from a graph kept per pointer set, as above.
-        if snapshot is None:
-            key = (id(launcher), signal_pad_ptrs, rank, out.data_ptr(), out.shape, progress.data_ptr(), flag_own,
-                   *(peer.data_ptr() for peer in peers))
-            host.graphed(key, lambda: exchange(peers, signal_pad_ptrs, rank, out, progress, None, order, launcher,
-                                               in_place, flag_own), shard.device)
+        if snapshot is None:  # after the staging, the exchange from a graph kept per pointer set, as above
+            host.graphed(key, exchange_, shard.device)
         else:
-            exchange(peers, signal_pad_ptrs, rank, out, progress, snapshot, order, launcher, in_place, flag_own)
+            exchange_()
     return GatherInProgress(out, progress, side, order)
