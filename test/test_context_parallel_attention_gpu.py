@@ -160,6 +160,7 @@ def stress_and_cuda_graph(backend: str, module) -> None:
                 assert_close(outs[s], refs[s], f"{backend} after {i + 1} launches (slot {s}, {shapes[s]})")
                 outs[s].fill_(POISON)
 
+    replayed_calls(backend, module, shapes, inputs)
     for causal, slots in ((True, [0, 3]), (False, [1, 4])):  # slots of one shape each (STRESS[0], STRESS[1])
         eager = {s: fn(*inputs[s], causal=causal) for s in slots}
         static = [t.clone() for t in inputs[slots[0]]]
@@ -177,6 +178,37 @@ def stress_and_cuda_graph(backend: str, module) -> None:
             torch.cuda.synchronize()
             assert torch.equal(static_out, eager[s]), f"{backend} causal={causal}: graph replay {i} differs from eager"
     heartbeat(f"{backend} graph replays done")
+
+
+def replayed_calls(backend: str, module, shapes, inputs) -> None:
+    """The public calls (``context_parallel_attention``, ``attention_on_gathered``) on the same addresses with new
+    values, eight each per shape (two seeds in turn): from the second call on, replays of a CUDA graph kept for those
+    pointers (``host.graphed``), bitwise equal to a plain ``launch`` of the same inputs; and both graphs are kept."""
+    host = importlib.import_module("kraken.host")
+    rank = dist.get_rank()
+    for slots in ([0, 3], [1, 4], [2, 5]):  # slots of one shape each
+        causal = shapes[slots[0]][5] == CAUSAL
+        plain = {s: launch_into(module, *inputs[s], torch.full_like(inputs[s][0], POISON), causal) for s in slots}
+        kv = {s: op.gather_kv(*inputs[s][1:]) for s in slots}
+        for s in slots:
+            kv[s][rank].fill_(POISON)  # (my own K/V come from k and v)
+        static = [t.clone() for t in inputs[slots[0]]]
+        gathered = torch.empty_like(kv[slots[0]])
+        for i in range(8):
+            s = slots[i % 2]
+            for dst, src in zip((*static, gathered), (*inputs[s], kv[s])):
+                dst.copy_(src)
+            public = module.context_parallel_attention(*static, causal=causal)
+            local = module.attention_on_gathered(*static, gathered, rank, causal=causal)
+            torch.cuda.synchronize()
+            what = f"{backend} {shapes[s]} call {i}"
+            assert torch.equal(public, plain[s]), f"{what}: the public call differs from a plain launch"
+            assert torch.equal(local, plain[s]), f"{what}: attention_on_gathered differs from a plain launch"
+            del public, local  # (their memory comes back at the same addresses: the next call's pointers are these)
+        kept = [key for key, entry in host._graphs.items()
+                if isinstance(entry, torch.cuda.CUDAGraph) and key[1:4] == tuple(t.data_ptr() for t in static)]
+        assert len(kept) == 2, f"{backend} {shapes[slots[0]]}: {len(kept)} graphs kept for these pointers, not 2"
+    heartbeat(f"{backend} replayed calls done")
 
 
 def bad_input(backend: str, module) -> None:

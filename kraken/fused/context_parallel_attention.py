@@ -883,10 +883,14 @@ def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple
 def attend_to_sequence(q, k, v, group, causal: bool, scale, config: dict, op: str = OP,
                        attention=None) -> torch.Tensor:
     """``context_parallel_attention`` of the recipe (``attention`` None) or of the Helion twin (its op name and its
-    ``launch_attention``): the prepared call, a new output, the launch."""
+    ``launch_attention``): the prepared call, a new output, the launch: the flags' reset, the fork, the exchange, the
+    attention kernels and the join, replayed from one CUDA graph per pointer set (``host.graphed``)."""
     ctx, cfg = prepare(q, k, v, group, op, causal, scale, config)
-    return launch(q, k, v, out=torch.empty_like(q), signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
-                  scale=scale, **cfg, group_name=ctx.group_name, attention=attention)
+    out = torch.empty_like(q)
+    host.graphed((cfg["launcher"], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()),
+                 lambda: launch(q, k, v, out=out, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
+                                scale=scale, **cfg, group_name=ctx.group_name, attention=attention), q.device)
+    return out
 
 
 def context_parallel_attention(
@@ -942,13 +946,21 @@ def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, sca
 
 def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict, op: str = OP,
                 attention=None) -> torch.Tensor:
-    """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin."""
+    """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin: the flags' reset, my K/V
+    staged, the attention kernels, replayed from one CUDA graph per pointer set (``host.graphed``)."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config)
-    reset_flags(progress)  # no flag is read here, but the causal kernels' count of tiles taken starts at 0
-    if gathered.shape[0] > 1:  # the warp-specialized kernels read my K/V there (at one rank from ``k`` and ``v``)
-        stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
-    return (attention or launch_attention)(q, k, v, gathered, torch.empty_like(q), progress, rank, gathered.shape[0],
-                                           causal, scale, False, **cfg, launcher=launcher)
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        reset_flags(progress)  # no flag is read here, but the causal kernels' count of tiles taken starts at 0
+        if gathered.shape[0] > 1:  # the warp-specialized kernels read my K/V there (at one rank from ``k`` and ``v``)
+            stage_own(k, v, gathered[rank, 0], gathered[rank, 1])
+        (attention or launch_attention)(q, k, v, gathered, out, progress, rank, gathered.shape[0], causal, scale, False,
+                                        **cfg, launcher=launcher)
+
+    host.graphed((launcher, q.data_ptr(), k.data_ptr(), v.data_ptr(), gathered.data_ptr(), out.data_ptr()), run,
+                 q.device)
+    return out
 
 
 def attention_on_gathered(
