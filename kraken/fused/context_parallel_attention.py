@@ -50,7 +50,8 @@ first chunk or both. Without ``causal``, rank r holds the r-th contiguous ``1 / 
 
 Host: ``prepare`` (checks, agreement across ranks, plan, the gather buffer's context and flags, a ``host.Launcher``)
 is kept per call signature (``host.per_signature``; docs/design.md, "The host fast path"); a warm call allocates
-its output, queues the exchange and launches the barrier kernels and the attention kernel through the launcher.
+its output and queues the exchange and the attention kernels through the launcher: from the second call with the
+same pointers, as one CUDA graph launch (``host.graphed``; ``attention_on_gathered`` alike).
 
 GQA: ``k``, ``v`` may have fewer heads than ``q`` (a divisor); query head ``h`` reads kv head
 ``h // (heads // kv_heads)``. ``attention_on_gathered`` runs the same kernel on K/V that are all
