@@ -866,9 +866,8 @@ def _kept_graph(key: tuple, run: Callable[[], object], device: torch.device, cap
         if entry != NEVER:
             _graphs[key] = entry + 1
         return None
-    if len(_graphs) >= MAX_PREPARED:  # start over, once every replay has finished with its graph's memory
-        torch.cuda.synchronize(device)
-        _graphs.clear()
+    if len(_graphs) >= MAX_PREPARED:  # start over
+        drop_graphs()
     stream = _capture_streams.get(device.index)
     if stream is None:  # a capture needs a stream of its own: never the legacy default one
         stream = _capture_streams[device.index] = torch.cuda.Stream(device=device)
@@ -881,6 +880,17 @@ def _kept_graph(key: tuple, run: Callable[[], object], device: torch.device, cap
         return None
     _graphs[key] = entry
     return entry
+
+
+def drop_graphs() -> None:
+    """Forget every kept graph (``graphed``, ``forked``) once the devices that captured them are idle: when their
+    cache starts over (a graph's pool must not go back to the allocator while a replay still uses it), and before a
+    cache of tensors that a kept graph may read drops them (a launch's tile order or scratch buffer: a graph holds
+    their addresses, not the tensors, and would read or write their memory after the allocator gave it away)."""
+    if _graphs:
+        for index in _capture_streams:
+            torch.cuda.synchronize(index)
+        _graphs.clear()
 
 
 class ForkedGraph:

@@ -687,6 +687,34 @@ def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
     assert host._graphs[("failing",)] == host.NEVER
 
 
+def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypatch):
+    """A cache of tensors that a kept graph may read or write (context-parallel attention's lse buffers and tile
+    orders, its twin's span tables: a graph holds their addresses, not the tensors) keeps them up to ``MAX_PREPARED``
+    keys; past that it starts over only after ``host.drop_graphs`` has waited for every device that captured a graph
+    and forgotten every kept graph."""
+    cp = importlib.import_module("kraken.fused.context_parallel_attention")
+    twin = importlib.import_module("helion_ports.fused.context_parallel_attention")
+    synced: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: synced.append(index))
+    monkeypatch.setattr(host, "_capture_streams", {0: "capture stream"})
+    monkeypatch.setattr(host, "MAX_PREPARED", 3)
+    cpu = torch.device("cpu")
+    makers = {
+        "_lse": (cp, lambda n: cp.lse_buffer(n + 1, cpu)),
+        "_orders": (cp, lambda n: cp.tile_order(4, 2, 32 * (n + 1), True, 16, 1, cpu)),
+        "_spans": (twin, lambda n: twin.spans(n + 1, 16, 64, 0, 2, 1, cpu)),
+    }
+    for name, (module, make) in makers.items():
+        monkeypatch.setattr(module, name, {})
+        monkeypatch.setattr(host, "_graphs", {("key",): "a kept graph"})
+        synced.clear()
+        first = [make(n) for n in range(3)]
+        assert make(0) is first[0] and host._graphs and not synced, f"{name}: under the bound, everything is kept"
+        make(3)
+        assert not host._graphs and synced == [0], f"{name}: started over with a graph still kept"
+        assert len(getattr(module, name)) == 1
+
+
 def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_on_their_streams(monkeypatch):
     """``host.forked``: the first call runs the plain fork; the second captures the head (then the fork's event
     record) and the tail (the fork's event wait first, the join's event record last) as two graphs on the capture

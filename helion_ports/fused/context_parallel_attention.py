@@ -466,6 +466,7 @@ def spans(chunk: int, block_n: int, kv_block: int, rank: int, world_size: int, p
         rows += [(src % world_size * 2 * kv_block, src // world_size, src % world_size * pieces)
                  for src in range(rank + 1, rank + world_size)]
         if len(_spans) >= host.MAX_PREPARED:
+            host.drop_graphs()  # (a kept graph may read the tables dropped here)
             _spans.clear()
         table = _spans[key] = torch.tensor(rows, dtype=torch.int32).to(device)
     return table

@@ -720,6 +720,7 @@ def lse_buffer(rows: int, device) -> torch.Tensor:
     key = (rows, device)
     if key not in _lse:
         if len(_lse) >= host.MAX_PREPARED:
+            host.drop_graphs()  # (a kept graph may write the buffers dropped here)
             _lse.clear()
         _lse[key] = torch.empty(rows, dtype=torch.float32, device=device)
     return _lse[key]
@@ -756,6 +757,7 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
             stacked = torch.stack(fields, -1)  # [position, head, field]: position-major under causal, else head-major
             tiles.append((stacked if causal else stacked.transpose(0, 1)).reshape(-1, 5))
         if len(_orders) >= host.MAX_PREPARED:
+            host.drop_graphs()  # (a kept graph may read the orders dropped here)
             _orders.clear()
         order = torch.cat(tiles)
         if blocks:
