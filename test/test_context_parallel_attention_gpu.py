@@ -5,7 +5,8 @@ sequence, every rank's K/V rebuilt from their seeds, the causal mask from the la
 per-rank lengths (tails in every chunk, one row per rank), causal and not, GQA and MQA, head_dim 64 and 128,
 bf16 and fp16, a custom scale, several flag pieces, into NaN-poisoned outputs with a NaN-poisoned gather
 buffer; ``attention_on_gathered`` (the no-communication kernel) alike; 200 back-to-back launches
-alternating shapes; CUDA-graph replays equal to eager; bad input raising on every rank. A third spawn checks
+alternating shapes; both public calls replayed from their own graphs (new values at the same addresses) equal to
+plain launches; CUDA-graph replays equal to eager; bad input raising on every rank. A third spawn checks
 the benchmark's baselines (NCCL + SDPA and SDPA on gathered K/V, each on cuDNN and on flash) against the same
 reference, so the harness's comparisons stand on a checked baseline.
 """
@@ -183,7 +184,8 @@ def stress_and_cuda_graph(backend: str, module) -> None:
 def replayed_calls(backend: str, module, shapes, inputs) -> None:
     """The public calls (``context_parallel_attention``, ``attention_on_gathered``) on the same addresses with new
     values, eight each per shape (two seeds in turn): from the second call on, replays of a CUDA graph kept for those
-    pointers (``host.graphed``), bitwise equal to a plain ``launch`` of the same inputs; and both graphs are kept."""
+    pointers (``host.graphed``), bitwise equal to a plain ``launch`` of the same inputs; and each call's prepared
+    launcher kept a graph for those q, k, v."""
     host = importlib.import_module("kraken.host")
     cp = importlib.import_module(MODULES["triton"])  # the prepared calls of both (the twin's under its op name)
     rank = dist.get_rank()
