@@ -637,13 +637,18 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
         assert addresses[0] != addresses[1], "the moved arguments launched at the same addresses"
 
 
-def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
-    """``host.graphed``: a key's first run is plain, its second is captured (on a stream of its own) and replayed,
-    later ones only replay; a capture that fails runs plainly and is never tried again; while the current stream is
-    being captured, or on a CPU, every run is plain."""
-    events: list = []
+def fake_capture(monkeypatch, events: list, capturing: list) -> None:
+    """``host``'s graph capture on a CPU: ``torch.cuda.CUDAGraph`` a fake that notes its capture's begin and end and
+    its replays in ``events`` (each graph with an exec handle of its own, 101, 102, ...), a capture stream by name,
+    the current stream being captured while ``capturing[0]``, and no graph kept yet."""
 
     class Graph:
+        count = 0
+
+        def __init__(self):
+            Graph.count += 1
+            self.exec = 100 + Graph.count
+
         def capture_begin(self, capture_error_mode):
             assert capture_error_mode == "thread_local"
             events.append("begin")
@@ -654,13 +659,23 @@ def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
         def replay(self):
             events.append("replay")
 
-    capturing = [False]
+        def raw_cuda_graph_exec(self):
+            return self.exec
+
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "capture stream")
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: events.append(("on", stream)) or contextlib.nullcontext())
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
     monkeypatch.setattr(host, "_graphs", {})
     monkeypatch.setattr(host, "_capture_streams", {})
+
+
+def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
+    """``host.graphed``: a key's first run is plain, its second is captured (on a stream of its own) and replayed,
+    later ones only replay; a capture that fails runs plainly and is never tried again; while the current stream is
+    being captured, or on a CPU, every run is plain."""
+    events, capturing = [], [False]
+    fake_capture(monkeypatch, events, capturing)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: events.append(("on", stream)) or contextlib.nullcontext())
     gpu = torch.device("cuda", 0)
     run = lambda: events.append("run")  # noqa: E731
     for _ in range(4):
@@ -724,24 +739,8 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
     on."""
     from cuda.bindings import runtime as cudart
 
-    events: list = []
-
-    class Graph:
-        count = 0
-
-        def __init__(self):
-            Graph.count += 1
-            self.exec = 100 + Graph.count
-
-        def capture_begin(self, capture_error_mode):
-            assert capture_error_mode == "thread_local"
-            events.append("begin")
-
-        def capture_end(self):
-            events.append("end")
-
-        def raw_cuda_graph_exec(self):
-            return self.exec
+    events, capturing = [], [False]
+    fake_capture(monkeypatch, events, capturing)
 
     class Event:
         def __init__(self, external):
@@ -757,20 +756,15 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
     class Side:
         device, device_index, cuda_stream = torch.device("cuda", 0), 0, 77
 
-    errors, capturing = [0], [False]
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    errors = [0]
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "capture stream")
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: "capture stream")
-    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 55)
     monkeypatch.setattr(cudart, "cudaGraphLaunch", lambda graph, stream: events.append(("launch", graph, stream))
                         or (errors[0],))
     monkeypatch.setattr(cudart, "cudaStreamWaitEvent", lambda stream, event, flags: events.append(
         ("stream waits", stream, event, flags)) or (0,))
-    monkeypatch.setattr(host, "_graphs", {})
-    monkeypatch.setattr(host, "_capture_streams", {})
     head, tail = (lambda: events.append("head")), (lambda: events.append("tail"))
     plain = lambda: events.append("plain")  # noqa: E731
     assert host.forked(("key",), head, tail, plain, Side()) is None
