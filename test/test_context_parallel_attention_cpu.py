@@ -143,6 +143,27 @@ def test_twin_spans_name_each_peer_steps_rows_wrap_and_flag(world_size):
             assert table[1 + step].tolist() == [src * 2 * kv_block, int(src < rank), src * pieces]
 
 
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_exchange_plan_copies_each_peer_piece_major_from_rank_plus_one(world_size):
+    # The recipe's copy-engine exchange: the kernels wait on the flags of rank + 1, rank + 2, ... (wrapping) piece by
+    # piece, so the plan copies in that order, each piece's K and V rows of each peer into that peer's chunk of the
+    # gather buffer, and flags it at src * pieces + piece; my own K/V are the rest of the plan.
+    kv_rows, piece_rows, pieces = 10, 4, 3  # the last piece is the 2-row tail
+    peers = [torch.randn(2, kv_rows, 5) for _ in range(world_size)]
+    gathered = torch.zeros(world_size, 2, kv_rows, 5)
+    for rank in range(world_size):
+        order, my_k, my_v, copies = recipe.exchange_plan(peers, gathered, rank, piece_rows, pieces)
+        assert order == tuple((rank + step) % world_size for step in range(world_size))
+        assert my_k.data_ptr() == peers[rank][0].data_ptr() and my_v.data_ptr() == peers[rank][1].data_ptr()
+        expected = [(src * pieces + p, src, p) for p in range(pieces) for src in order[1:]]
+        assert [flag for flag, _ in copies] == [flag for flag, _, _ in expected]
+        for (_, pairs), (_, src, p) in zip(copies, expected):
+            begin, end = p * piece_rows, min((p + 1) * piece_rows, kv_rows)
+            for kv, (dst, source) in enumerate(pairs):
+                assert torch.equal(source, peers[src][kv, begin:end])
+                assert dst.data_ptr() == gathered[src, kv, begin:end].data_ptr() and dst.shape == source.shape
+
 def test_plan_refuses_bad_config():
     with pytest.raises(TypeError, match="unknown config keys"):
         recipe.plan(1, 4, 4, 64, 64, 2, False, {"blockm": 64}, 132)

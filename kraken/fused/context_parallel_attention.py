@@ -76,7 +76,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kraken import host
 from kraken._ptx_utils import wait_async, wait_each_thread
 from kraken.comm.all_gather_with_progress import (
-    LANDED, GatherInProgress, barrier, copy_stream, fork, on_stream, reset_flags, set_flag,
+    LANDED, GatherInProgress, barrier, copy_order, copy_stream, fork, on_stream, reset_flags, set_flag,
 )
 
 OP = "context_parallel_attention"
@@ -789,7 +789,7 @@ def exchange_plan(peers, gathered, rank: int, piece_rows: int, pieces: int) -> t
     hit = _exchange_plans.get(key)
     if hit is None or hit[0] is not peers or hit[1] is not gathered:
         world_size, kv_rows = len(peers), peers[rank].shape[1]
-        order = tuple((rank + step) % world_size for step in range(world_size))
+        order = copy_order(rank, world_size)
         rows = [(p * piece_rows, min((p + 1) * piece_rows, kv_rows)) for p in range(pieces)]
         copies = tuple((src * pieces + p, tuple((gathered[src, kv, begin:end], peers[src][kv, begin:end])
                                                 for kv in (0, 1)))
