@@ -20,8 +20,8 @@ What an operator schema cannot say, and what the operator takes instead:
   traced as its ``group_name``, its size as a constant. The fakes read the size from that argument, never
   from the live group: inductor and AOTAutograd cache compiled graphs on disk, keyed by the graph and its
   inputs' shapes, and a rank's shapes and the default group's name are the same at every world size, so
-  a size outside the graph let a graph compiled at world size 1 run at 2 (issues 29 and 30: inductor's
-  output-size assert). The implementation checks the size against the group's.
+  a size outside the graph let a graph compiled at world size 1 run at 2 (where inductor's
+  output-size assert refused the real output). The implementation checks the size against the group's.
 * ``**config``: the operator takes it as one string, ``repr`` of its sorted items (``""`` when
   empty), which the implementation reads back with ``ast.literal_eval``: ints, floats, bools,
   strings and None, which is what every recipe's config holds.

@@ -192,7 +192,7 @@ dist.destroy_process_group()
 
 
 def test_a_graph_compiled_at_one_world_size_is_not_reused_at_another(tmp_path):
-    """Issues 29 and 30: inductor and AOTAutograd cache compiled graphs on disk, keyed by the graph and its
+    """Inductor and AOTAutograd cache compiled graphs on disk, keyed by the graph and its
     inputs' shapes. The per-rank shapes and the default group's name are the same at every world size, so the
     operator takes the group's size, and a graph compiled at world size 1 (its all_gather_matmul output sized
     for one rank) is not handed to a world of two, where inductor's size assert refused the real output."""

@@ -221,8 +221,8 @@ def loop_body(sass: list[str]) -> list[str]:
 def test_reduce_scatter_issues_every_peer_load_before_adding(path, ws, dtype):
     """No load waits behind an add in any step: one NVLink round trip per step. (Indexing whole buffers at
     ``rank * shard + tile`` in the twin once put its last load after adds: two round trips.) Known gaps,
-    not measured: at 4 ranks in fp32 the twin issues 3 of its 4 loads first, at 8 ranks in bf16 the
-    recipe 7 of 8."""
+    not measured: at 4 ranks in fp32 the twin issues three of its four loads first, at 8 ranks in bf16
+    the recipe seven of eight."""
     for rank in (0, 1):  # rank 1 is specialised by Triton
         launch, _ = capture(path, "rs", ws, ws * 65536, rank, dtype)
         body = loop_body(sm90.sass_instructions(launch))
