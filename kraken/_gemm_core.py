@@ -40,49 +40,41 @@ TILE_CONFIGS = [
 ]
 FP8_MAX_BLOCK_K = 128  # fp8 bytes per TMA box row: one 128-byte swizzle row
 
-# Tile choice for the reduce recipes (see ``skinny_or_large_tiles``), swept on 2x H200 (``probe`` runs of the
-# all-reduce recipe and its twin, ``python -m benchmark.tune``). Up to ``SKINNY_M`` rows the GEMM is bound by
-# streaming ``b`` from HBM: one warpgroup per tile, 128-deep k steps (fewer, larger TMA loads), and the
-# narrowest tile (32 wide, 64 when pushing 64-row tiles) that still fits all tiles in one wave of the SMs.
-# Larger M is bound by the tensor cores and takes the largest of ``TILE_CONFIGS`` that still gives
-# ``MIN_TILES_PER_SM`` of the SMs a tile.
+# Tile choice for the reduce recipes (see ``skinny_or_large_tiles``; ``python -m benchmark.tune`` sweeps it). Up to
+# ``SKINNY_M`` rows the GEMM is bound by streaming ``b`` from HBM: one warpgroup per tile, 128-deep k steps (fewer,
+# larger TMA loads), and the narrowest tile (32 wide, 64 when pushing 64-row tiles) that still fits all tiles in one
+# wave of the SMs, so that every SM streams its own columns of ``b``. Larger M is bound by the tensor cores and takes
+# the largest of ``TILE_CONFIGS`` that still gives ``MIN_TILES_PER_SM`` of the SMs a tile.
 SKINNY_M = 256
 SKINNY_BLOCK_K = 128
 SKINNY_STAGE_BYTES = 192 * 1024  # shared memory for the pipeline stages (of the 227 KiB an SM offers)
 SKINNY_MAX_STAGES = 5
 # Skinny tiles at least this wide (block_m + block_n: 128x64, 128x128, 64x128) take 64-deep k steps, as many stages as
-# ``SKINNY_STAGE_BYTES`` hold up to ``SKINNY_MAX_STAGES_64``: 128-deep ones left them 3-4 stages, too few loads in
-# flight (one H200, world size 1, gemm_all_reduce x cuBLAS, CUDA graphs, two passes, 128-deep -> 64-deep: 256x4096x4096
-# on 128x64 tiles 1.320-1.331 -> 1.270-1.271 (8 stages), 128x8192x8192 1.113-1.119 -> 1.088-1.095, 256x8192x8192 on
-# 128x128 tiles 1.194-1.201 -> 1.103-1.105 (6 stages); the narrower 64x32 and 128x32 tiles lose: 1.20 -> 1.55 and
-# 1.07 -> 1.17; gemm_reduce_scatter 256x8192x4096 on 128x128 tiles: 26.9 us against 31.3). cuBLAS runs 128x64 tiles 64
-# deep, 8 stages, at 256x4096x4096, and 128x128 64 x 6 at 256x8192x4096.
+# ``SKINNY_STAGE_BYTES`` hold up to ``SKINNY_MAX_STAGES_64``: a stage of a wide tile 128 deep is so large that the
+# budget holds only 3-4 of them, too few loads in flight to hide HBM's latency; halving the step doubles the stages.
+# Narrower tiles (64x32, 128x32) already hold enough 128-deep stages and keep the fewer, larger loads. cuBLAS makes the
+# same choice at these shapes: 128x64 tiles 64 deep with 8 stages, 128x128 64 deep with 6 (docs/history.md, the GEMM
+# core).
 SKINNY_WIDE = 192
 SKINNY_MAX_STAGES_64 = 8
 MIN_TILES_PER_SM = 0.55
 # A persistent tile loop over tiles of at least ``FLATTEN_MIN_TILE`` elements runs as ``tl.range(..., flatten=True)``
 # (``flattens``): Triton fuses it with the k loop into one pipelined loop, so the next tile's first loads are in flight
-# during this tile's epilogue. One H200, world size 1, CUDA graphs, x cuBLAS, the core's kernel on each recipe's 128x256
-# tiles (3 stages, 8 warps), two passes: 1024x6656x5120 1.038-1.040 -> 1.026-1.027; 1024x6656x2560 1.049 -> 1.023-1.025;
-# 8192x14336x4096 1.029-1.031 -> 1.018-1.019; 2048x14336x8192 1.011-1.012 -> 1.011; 512x8192x4096 1.006 -> 1.001-1.002.
-# Smaller tiles lose: 256x8192x8192 on 128x128 tiles 6 stages deep 1.007-1.011 -> 1.132-1.139 (and the skinny tiles of M
-# <= 256, 1.24-1.35 against 1.22-1.26, docs/history.md). In the recipes (the whole op against HEAD in one process):
-# all_gather_matmul 1024x6656x5120 1.079-1.080 -> 1.066-1.069, 2048 and 8192 rows 0.1-0.3% faster; its fp8 sibling
-# 1024x6656x5120 1.010-1.014 -> 0.972-0.975 x ``_scaled_mm``, 2048x14336x8192 0.953-0.957 -> 0.937-0.941. Only a loop
-# with no barrier or flag wait in it is flattened: Triton copies the loop body's wait into the flattened loop's peeled
-# iterations (two acquire spins in the PTX of all_gather_matmul's peer loop), so that loop and
-# gemm_one_shot_all_reduce's stay as they are, and gemm_reduce_scatter runs its band's first tile, the one with the
-# barrier, before its flattened loop (1024x6656x2560 1.084 -> 1.069, 8192x14336x4096 1.042 -> 1.028; its fp8 sibling
-# stays unflattened: 888 bytes of spill at 2 ranks).
+# during this tile's epilogue. That pays where a tile's epilogue is long (128x256 tiles, 3 stages: a few percent of the
+# GEMM); on smaller tiles with deep pipelines (128x128 six stages deep, the skinny tiles) the fused loop is slower
+# (docs/history.md, the GEMM core). Only a loop with no barrier or flag wait in it is flattened: Triton copies the loop
+# body's wait into the flattened loop's peeled iterations (two acquire spins in the PTX of all_gather_matmul's peer
+# loop), so that loop and gemm_one_shot_all_reduce's stay as they are, and gemm_reduce_scatter runs its band's first
+# tile, the one with the barrier, before its flattened loop (its fp8 sibling stays unflattened: flattened, it spills at
+# 2 ranks).
 FLATTEN_MIN_TILE = 128 * 256
 
 
 def balanced_grid(num_tiles: int, max_blocks: int) -> int:
     """A persistent GEMM's blocks: as few as still take its tiles in the fewest rounds (``max_blocks`` at once), so
-    that every round runs as many tiles, not full rounds and a short last one. The tiles' operands come through L2;
-    on a round of fewer concurrent tiles each runs faster. One H200, world size 1, 208 tiles of 128x256 on 132 SMs,
-    x cuBLAS: gemm_reduce_scatter 1024x6656x2560 1.043-1.047 on 132 blocks, 1.016-1.019 on 104; all_gather_matmul
-    1024x6656x5120 (131 blocks) 1.033-1.035, 0.993-0.996 on 104."""
+    that every round runs as many tiles, not full rounds and a short last one. A short last round costs as much as a
+    full one, and the tiles' operands come through L2, which fewer concurrent tiles share: 208 tiles of 128x256 on 132
+    SMs run faster as two rounds of 104 than as a round of 132 and one of 76 (docs/history.md, the GEMM core)."""
     rounds = host.cdiv(num_tiles, max(1, max_blocks))
     return max(1, host.cdiv(num_tiles, rounds))
 
@@ -151,9 +143,9 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor, block_m: int = 1) -> tuple[to
     (k and n rounded up; the zeros add nothing to the product, and the output keeps the true N). With
     ``block_m``, up to ``SKINNY_M`` rows, ``a``'s rows too are zero-padded to a multiple of it, for kernels whose
     output keeps the true M (``out``'s) and that never read ``a``'s row count: a TMA box that reaches past the
-    tensor's last row is slow (one H200, gemm_one_shot_all_reduce at world size 1, 4096 x 4096: 32 rows on
-    64-row tiles 19.9 us, padded 12.3; 160 rows on 128-row tiles 36.9 us, padded 21.5). Above, one partial
-    row of tiles among several costs less than the copy (1000 x 6656 x 2560: 61.9 us as is, 79.5 padded)."""
+    tensor's last row is slow (on a small GEMM a row of half-empty boxes costs about as much as all its useful
+    loads), so for few rows the zero-padded copy pays for itself. Above ``SKINNY_M``, one partial row of tiles among
+    several costs less than the copy of ``a`` (docs/history.md, the GEMM core)."""
     (m, k), n = a.shape, b.shape[1]
     step = TMA_ALIGN // a.element_size()
     rows = tma_rows(m, block_m)
@@ -224,7 +216,7 @@ def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool, oper
         block_n = 64 if block_m == 64 and push else 32
         while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
             block_n *= 2
-        wide = block_m + block_n >= SKINNY_WIDE and operand_bytes == 2  # (fp8 not measured: it keeps 128-deep steps)
+        wide = block_m + block_n >= SKINNY_WIDE and operand_bytes == 2  # (fp8: 128-deep steps, one 128-byte TMA row)
         block_k = 64 if wide or k < SKINNY_BLOCK_K else SKINNY_BLOCK_K
         stages = SKINNY_STAGE_BYTES // ((block_m + block_n) * block_k * 2)  # bf16/fp16 operands
         return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
