@@ -495,7 +495,8 @@ def local_scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 
 # ---------------------------------------------------------------------------
-# Opt-in barrier timeout (KRAKEN_BARRIER_TIMEOUT_S): the host half of kraken._ptx_utils.timeout
+# Barrier timeout, on by default (KRAKEN_BARRIER_TIMEOUT_S: unset 300 s, 0 or "off" off): the host half of
+# kraken._ptx_utils.timeout. The first recipe call of a process (``agreed``, ``symm_context``) arms it on a GPU.
 # ---------------------------------------------------------------------------
 
 TIMEOUT_EXIT_CODE = 75
@@ -512,26 +513,32 @@ def _map_report_page() -> None:
     prot, flags = 0x1 | 0x2, 0x02 | 0x20 | 0x100000  # read|write; private|anonymous|fixed, no replace
     address = libc.mmap(timeout.REPORT_ADDRESS, timeout.REPORT_BYTES, prot, flags, -1, 0)
     if address != timeout.REPORT_ADDRESS:
-        raise RuntimeError(f"{timeout.ENV}: could not map the report page at {timeout.REPORT_ADDRESS:#x} "
-                           f"(got {address}, errno {ctypes.get_errno()})")
+        raise RuntimeError(f"{timeout.ENV}: could not map the barrier timeout's report page at "
+                           f"{timeout.REPORT_ADDRESS:#x} (got {address}, errno {ctypes.get_errno()}); set "
+                           f"{timeout.ENV}=0 to run without the barrier timeout")
     ctypes.memset(address, 0, timeout.REPORT_BYTES)
     (err,) = cudart.cudaHostRegister(address, timeout.REPORT_BYTES, cudart.cudaHostRegisterMapped)
     err2, device_address = cudart.cudaHostGetDevicePointer(address, 0)
     if err != cudart.cudaError_t.cudaSuccess or err2 != cudart.cudaError_t.cudaSuccess or device_address != address:
-        raise RuntimeError(f"{timeout.ENV}: the GPU cannot write the report page at its host address "
-                           f"({err}, {err2}, device address {device_address})")
+        raise RuntimeError(f"{timeout.ENV}: the GPU cannot write the barrier timeout's report page at its host "
+                           f"address ({err}, {err2}, device address {device_address}); set {timeout.ENV}=0 to run "
+                           "without the barrier timeout")
 
 
 def barrier_timeout_report(words: list[int]) -> str | None:
-    """The message for a report page's first five words, or None if no barrier gave up."""
+    """The message for a report page's first five words, or None if no barrier gave up: the op last checked on
+    this rank (``last_op``), the barrier, the block, and for a signal the rank and the peer that did not arrive
+    (ranks in the op's group); this process's global rank; and how to turn the timeout off."""
     magic, barrier, block, rank, peer = words[:5]
     if magic != timeout.REPORT_MAGIC:
         return None
     who = "" if rank == timeout.NONE else f" on rank {rank}, waiting for rank {peer}"
+    process = f" (global rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
     return (f"kraken: a barrier gave up after {timeout.TIMEOUT_S:g} s ({timeout.ENV}) in block {block}{who}: "
             f"{timeout.BARRIERS.get(barrier, f'barrier {barrier}')}. The last op checked on this rank was "
             f"{last_op!r}; a peer that never made the matching call (or crashed) is the usual cause. The kernel "
-            "trapped, so this process's CUDA context is unusable: exiting.")
+            f"trapped, so this process's CUDA context is unusable: exiting{process}. The timeout is on by default: "
+            f"set {timeout.ENV}=0 to turn it off, or to more seconds to wait longer.")
 
 
 _reported = threading.Lock()
@@ -552,8 +559,9 @@ def _watch_report_page() -> None:
 
 
 def arm_barrier_timeout() -> None:
-    """With the timeout on, map the report page and start the watchdog thread that prints a barrier's report
-    and exits the process (once per process, before the first launch). Without it, nothing."""
+    """With the timeout on (the default), map the report page and start the watchdog thread that prints a
+    barrier's report and exits the process (once per process, before the first launch). Off, or without a GPU,
+    nothing."""
     global _armed
     if _armed or not timeout.TIMEOUT_S or not torch.cuda.is_available():
         return

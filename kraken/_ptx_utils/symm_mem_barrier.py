@@ -23,7 +23,8 @@ both are relaxed, which is cheaper.
 The PTX below is the only copy of these barriers in the project: the
 ``@triton.jit`` helpers here wrap it, and ``inline_source.py`` embeds the very
 same strings in the inline-Triton snippets that Helion ports paste in with
-``hl.inline_triton``. With ``KRAKEN_BARRIER_TIMEOUT_S`` set, every spin loop
+``hl.inline_triton``. With the barrier timeout on (the default: 300 s;
+``KRAKEN_BARRIER_TIMEOUT_S`` sets the seconds, ``0`` turns it off), every spin loop
 here gives up after that long, reports and traps (``timeout.py``).
 """
 
@@ -41,8 +42,8 @@ from . import timeout
 
 
 def _cas_spin(label: str, addr: str, sem: str, expected: int, desired: int, barrier: int, who: tuple[str, str]) -> str:
-    """Spin on ``CAS(addr, expected -> desired)`` at system scope until it succeeds (or, with the opt-in
-    timeout, until ``timeout.TIMEOUT_S`` has passed: then report ``barrier`` and ``who`` (rank, peer) and trap)."""
+    """Spin on ``CAS(addr, expected -> desired)`` at system scope until it succeeds (or, with the barrier
+    timeout on, until ``timeout.TIMEOUT_S`` has passed: then report ``barrier`` and ``who`` (rank, peer) and trap)."""
     return f"""{timeout.start_clock()}
     {label}:
     atom.global.{sem}.sys.cas.b32 %r_old, [{addr}], {expected}, {desired};

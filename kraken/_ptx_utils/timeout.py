@@ -1,9 +1,13 @@
-"""Opt-in barrier timeout: a barrier that never completes becomes an error, not a hang.
+"""Barrier timeout, on by default: a barrier that never completes becomes an error, not a hang.
 
-Set ``KRAKEN_BARRIER_TIMEOUT_S`` (seconds, read when ``kraken`` is imported) and every spin loop of
-``kraken._ptx_utils`` (the CAS send and wait, the epoch wait, the flag wait) reads ``%globaltimer``
-before it spins and, once it has spun for that long, writes what it was waiting for into a report
-page and executes ``trap``. Unset or 0, the PTX is exactly the loop without any of this: no cost.
+``KRAKEN_BARRIER_TIMEOUT_S`` (read when ``kraken`` is imported) sets it: unset, every spin loop of
+``kraken._ptx_utils`` (the CAS send and wait, the epoch wait, the flag wait) gives up after
+``DEFAULT_S`` (300) seconds; a positive number of seconds, after that long; ``0`` or ``off`` (any
+case) turns it off. On, each loop reads ``%globaltimer`` before it spins and, once it has spun for
+that long, writes what it was waiting for into a report page and executes ``trap``. Off, the PTX is
+exactly the loop without any of this: no cost at all. On, a loop costs a timer read before it
+spins and a timer read and compare per failed attempt (``python -m benchmark.timeout_cost`` measures
+what that does to the recipes' time per call).
 
 The report page is host memory mapped for the GPU at the fixed virtual address ``REPORT_ADDRESS``
 (``kraken.host.arm_barrier_timeout`` maps it and starts a watchdog thread that prints the report and
@@ -21,6 +25,8 @@ from __future__ import annotations
 import os
 
 ENV = "KRAKEN_BARRIER_TIMEOUT_S"
+DEFAULT_S = 300.0  # unset: on, with this many seconds
+MAX_S = 1e9  # (31 years) the nanoseconds must fit the PTX's 64-bit compare
 REPORT_ADDRESS = 0x6F00_0000_0000
 REPORT_BYTES = 4096
 REPORT_MAGIC = 0x4B52_4B4E  # "KRKN"
@@ -34,13 +40,20 @@ BARRIERS = {
 
 
 def _seconds() -> float:
+    """The timeout in seconds from ``ENV``: unset (or blank) -> ``DEFAULT_S``; ``0`` or ``off`` -> 0.0 (off);
+    a positive number -> that; anything else raises, naming the variable and what it accepts."""
     text = os.environ.get(ENV, "").strip()
+    if not text:
+        return DEFAULT_S
+    if text.lower() == "off":
+        return 0.0
     try:
-        value = float(text) if text else 0.0
+        value = float(text)
     except ValueError:
-        raise ValueError(f"{ENV}={text!r}: expected a number of seconds (0 or unset: no timeout)") from None
-    if value < 0 or value != value:
-        raise ValueError(f"{ENV}={text!r}: expected a number of seconds >= 0")
+        value = float("nan")
+    if not 0 <= value <= MAX_S:  # NaN, negative, not a number at all, or past what the PTX's u64 nanoseconds hold
+        raise ValueError(f"{ENV}={text!r}: expected a number of seconds > 0 (at most {MAX_S:g}), or 0 or "
+                         f"'off' to turn the barrier timeout off (unset: {DEFAULT_S:g} s)")
     return value
 
 
