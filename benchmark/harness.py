@@ -27,11 +27,18 @@ For each op, shape and backend, on every rank:
    in front, what a user's Python loop sees: where the host's launch path is
    slower than the GPU work, this is slower than step 3. The median of
    ``loop_repeats`` such loops, beside the median GPU time of the same loops.
+
+A row budget (``Settings.row_budget_s``) bounds what one backend's row may cost: its warm-up tells the time of one
+call (the slowest rank's, so every rank decides alike and launches the same calls), and a backend whose row would
+take longer is timed in shorter bursts without the eager loop, or, if even one call per burst is too much, skipped
+with a row that says so (``row_plan``). After each shape, rank 0 prints how long it took and an estimate of the
+time left (``Progress``).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+import math
 import statistics
 import sys
 import time
@@ -63,6 +70,8 @@ class Settings:
     # Each eager loop is run this many times (each after its own rest) and the median kept: one loop of a 5-us op
     # lasts a few milliseconds, and one host hiccup in it moved its per-call figure by 5 us.
     loop_repeats: int = 3
+    # What one backend's row (host cost, timed bursts, eager loops) may cost on the GPU, in seconds; None: no limit.
+    row_budget_s: float | None = None
 
 
 @dataclass
@@ -85,6 +94,130 @@ class Row:
     mode: str = "eager"
     checked: bool = True  # False for the op's reference_free backends (timed, not compared)
     meta: dict = field(default_factory=dict)  # where it was measured (benchmark.provenance.FIELDS)
+    note: str = ""  # how the row budget shortened its measurement (``row_plan``), if it did
+
+
+# ---------------------------------------------------------------------------
+# Planning a run (pure: tested on CPU)
+# ---------------------------------------------------------------------------
+
+QUICK_SHAPES = 3  # shapes per op of a quick look: the smallest, the middle and the largest by work
+
+
+def work_of(op: Op, shape: Shape, dtype: torch.dtype) -> float:
+    """What one call does (``op.work``: flop or bytes), or the product of the shape's dimensions without it."""
+    return op.work(shape, dtype)[0] if op.work is not None else float(math.prod(shape))
+
+
+def by_work(op: Op, shapes: list[Shape], dtype: torch.dtype) -> list[Shape]:
+    """``shapes`` from the least work per call to the most (ties by the shape itself)."""
+    return sorted(shapes, key=lambda shape: (work_of(op, shape, dtype), shape))
+
+
+def texts_by_work(op: Op, texts: list[str], dtype: str) -> list[str]:
+    """Rows' shape texts (``128x4096x4096``) of a ``dtype`` (``bfloat16``) in ``by_work``'s order."""
+    shapes = {tuple(int(d) for d in text.split("x")): text for text in texts}
+    return [shapes[shape] for shape in by_work(op, list(shapes), getattr(torch, dtype))]
+
+
+def quick_shapes(op: Op, dtype: torch.dtype, count: int = QUICK_SHAPES) -> list[Shape]:
+    """A quick look's shapes: ``count`` of the op's default shapes spread evenly over them ordered by work (the
+    smallest, the middle and the largest for three), in that order; all of them if there are no more."""
+    ordered = by_work(op, op.default_shapes, dtype)
+    if len(ordered) <= count:
+        return ordered
+    if count == 1:
+        return [ordered[len(ordered) // 2]]
+    picks = dict.fromkeys(round(i * (len(ordered) - 1) / (count - 1)) for i in range(count))
+    return [ordered[i] for i in picks]
+
+
+def eta_s(elapsed_s: float, done: int, total: int) -> float | None:
+    """The time left if every unit still to come takes the mean time of those done; None before the first."""
+    if done <= 0:
+        return None
+    return elapsed_s / done * max(total - done, 0)
+
+
+def duration(seconds: float | None) -> str:
+    """``42 s``, ``3m05s``, ``1h02m``; ``?`` for None."""
+    if seconds is None:
+        return "?"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Progress:
+    """The progress line of a run: its units are (op, shape, backend) rows, ``total`` of them; ``advance`` after
+    each shape says how long that shape took, how many rows are done, the time so far and an estimate of the
+    time left (``eta_s``: the mean time per row so far, times the rows left)."""
+
+    def __init__(self, total: int, clock: Callable[[], float] = time.monotonic):
+        self.total, self.done, self.clock = total, 0, clock
+        self.start = self.last = clock()
+
+    def advance(self, units: int, label: str) -> str:
+        now = self.clock()
+        took, self.last = now - self.last, now
+        self.done += units
+        elapsed = now - self.start
+        return (f"  [{label}] done in {duration(took)}: {self.done}/{self.total} rows, {duration(elapsed)} elapsed, "
+                f"about {duration(eta_s(elapsed, self.done, self.total))} left")
+
+
+SKIPPED = "skipped:"  # the status of a row over the row budget even at one call per burst
+# The warm-up may take this share of the row budget (at least one call after the first, to time a warm call).
+WARMUP_SHARE = 0.25
+
+
+def warmup_calls(first_us: float, settings: Settings) -> int:
+    """Warm-up calls after the first one, which took ``first_us`` (the slowest rank's: the same count on every
+    rank): ``settings.warmup``, or fewer where they would take more than ``WARMUP_SHARE`` of the row budget."""
+    if settings.row_budget_s is None or settings.warmup == 0:
+        return settings.warmup
+    fits = int(WARMUP_SHARE * settings.row_budget_s * 1e6 // max(first_us, 1e-3))
+    return min(settings.warmup, max(1, fits))
+
+
+@dataclass
+class RowPlan:
+    """How one backend's row is measured: calls per timed burst, host-cost calls, whether the eager loop runs;
+    or ``skip``, the row's status, when it is not timed at all. ``note`` says what was shortened, if anything."""
+
+    burst: int
+    host_calls: int
+    eager_loop: bool
+    skip: str | None = None
+    note: str = ""
+
+
+def row_plan(call_us: float, settings: Settings) -> RowPlan:
+    """The plan of a backend's row whose call takes ``call_us`` (the slowest rank's warm-up: every rank plans
+    alike, so barrier kernels always pair up). The whole row, its host-cost calls, its ``timing_bursts`` (one
+    more burst to replay a captured CUDA graph) and its eager loops (``loop_repeats`` x 2 x ``loop_calls``),
+    within ``settings.row_budget_s``: as asked. Over it: one host-cost call, no eager loop (at seconds a call the
+    host's launch path is out of sight) and as many calls per burst as fit, down to one; if even that is over,
+    the row is skipped and says why."""
+    burst, bursts = timing_bursts(settings)
+    bursts += 1 if settings.cuda_graph else 0
+    loop = 0 if settings.cuda_graph else 2 * settings.loop_repeats * loop_calls(call_us, settings)
+    asked = RowPlan(burst, settings.host_calls, not settings.cuda_graph)
+    if settings.row_budget_s is None:
+        return asked
+    calls = settings.row_budget_s * 1e6 / max(call_us, 1e-3)  # how many calls the budget holds
+    if settings.host_calls + bursts * burst + loop <= calls:
+        return asked
+    why = f"{call_us / 1e6:.2g} s/call over the {settings.row_budget_s:g} s row budget"
+    fitted = min(burst, int((calls - 1) // bursts))
+    if fitted < 1:
+        return RowPlan(0, 0, False, skip=f"{SKIPPED} {why}")
+    shorter = [f"bursts of {fitted}"] if fitted < burst else []
+    shorter += [] if settings.cuda_graph else ["no eager loop"]
+    return RowPlan(fitted, 1, False, note=f"{', '.join(shorter or ['one host-cost call'])}: {why}")
 
 
 # ---------------------------------------------------------------------------
@@ -168,23 +301,31 @@ def device_time_us(fn: Callable[[], object], settings: Settings, host_us: float,
     return device_times_us([fn], settings, [host_us], [host_us if gpu_us is None else gpu_us])[0]
 
 
+def timing_bursts(settings: Settings) -> tuple[int, int]:
+    """(calls per burst, bursts per function) of ``device_times_us``: the bursts asked for (``iters`` / ``burst``,
+    at least 5), rounded up to whole pairs of rounds. A flush belongs before every call: bursts of one with it."""
+    burst = settings.burst if not settings.l2_flush else 1
+    return burst, 2 * ((max(settings.iters // burst, 5) + 1) // 2)
+
+
 def device_times_us(fns: list[Callable[[], object]], settings: Settings, host_us: list[float],
-                    gpu_us: list[float]) -> list[float]:
+                    gpu_us: list[float], bursts: list[int] | None = None) -> list[float]:
     """Median GPU time per call of each of ``fns`` on this rank, their bursts interleaved: every round times one
     burst of every function, in turn, in the given order and then reversed in the next round. A pair of rounds
     gives each function the same average place in them; the time is the median over pairs of the pair's mean.
 
     Each burst is queued behind a GPU sleep that covers the host enqueueing it (twice its ``host_us`` per call)
     and rests the GPU ``REST`` times the burst's GPU time (``gpu_us`` per call, an estimate), so that every burst
-    starts at the clocks a rested GPU runs (see ``REST``), whatever ran before it. The same number of bursts, in
-    the same order, on every rank."""
+    starts at the clocks a rested GPU runs (see ``REST``), whatever ran before it. ``bursts`` gives each function
+    its own calls per burst (a backend shortened by the row budget: ``row_plan``), else ``timing_bursts``'s. The
+    same number of bursts, of the same sizes, in the same order, on every rank."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if settings.l2_flush else None
-    burst = settings.burst if not settings.l2_flush else 1  # a flush belongs before every call
-    steps = [_burst_step(fn, burst, settings.cuda_graph) for fn in fns]
-    sleeps = [min(MAX_SLEEP_US, burst * max(2.0 * h, REST * g)) + 10.0 for h, g in zip(host_us, gpu_us)]
-    pairs = (max(settings.iters // burst, 5) + 1) // 2  # the bursts asked for, rounded up to whole pairs
+    burst, rounds = timing_bursts(settings)
+    sizes = bursts or [burst] * len(fns)
+    steps = [_burst_step(fn, n, settings.cuda_graph) for fn, n in zip(fns, sizes)]
+    sleeps = [min(MAX_SLEEP_US, n * max(2.0 * h, REST * g)) + 10.0 for n, h, g in zip(sizes, host_us, gpu_us)]
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
-              for _ in range(2 * pairs)]
+              for _ in range(rounds)]
     torch.cuda.synchronize()
     dist.barrier()
     for i, per_round in enumerate(events):
@@ -197,15 +338,15 @@ def device_times_us(fns: list[Callable[[], object]], settings: Settings, host_us
             step()
             end.record()
     torch.cuda.synchronize()
-    us = [[start.elapsed_time(end) * 1e3 / burst for start, end in per_round] for per_round in events]
+    us = [[start.elapsed_time(end) * 1e3 / n for (start, end), n in zip(per_round, sizes)] for per_round in events]
+    pairs = rounds // 2
     return [statistics.median((us[2 * p][j] + us[2 * p + 1][j]) / 2 for p in range(pairs)) for j in range(len(fns))]
 
 
-def warm_up(fn: Callable[[], object], calls: int) -> float:
-    """Run ``fn`` ``calls`` times (compiles, caches, first-touch allocations); returns the GPU time per call seen
-    (host gaps included, so at least the call's own GPU time): ``device_times_us``'s estimate."""
+def timed_calls(fn: Callable[[], object], calls: int) -> float:
+    """GPU time per call of ``calls`` back-to-back calls of ``fn`` (host gaps included, so at least the call's own
+    GPU time): the warm-up, and ``device_times_us``'s estimate."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()  # the first call may compile: not timed
     start.record()
     for _ in range(calls):
         fn()
@@ -256,11 +397,13 @@ EAGER_ONLY = "not timed (eager only: it cannot be captured in a CUDA graph)"
 
 
 def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype, settings: Settings,
-           meta: dict | None = None) -> list[Row]:
+           meta: dict | None = None, progress: Progress | None = None) -> list[Row]:
+    """Check, warm up and time each of ``backends`` at each of ``shapes`` (module docstring); after each shape,
+    rank 0 prints ``progress``'s line."""
     world_size = dist.get_world_size()
     rows = []
     for shape in shapes:
-        timed = []  # (row, call, warm-up us per call) of the shape's backends that passed their check
+        timed = []  # (row, call, warm-up us per call, plan) of the shape's backends that passed their check
         shape_text = "x".join(map(str, shape))
         floor = op.floor_us(shape, dtype, world_size)
         nbytes = op.nvlink_bytes(shape, dtype, world_size)
@@ -271,30 +414,42 @@ def run_op(op: Op, shapes: list[Shape], backends: list[str], dtype: torch.dtype,
             row = Row(op.name, shape_text, str(dtype).removeprefix("torch."), world_size, name, "ok",
                       floor_us=floor, mode="cuda-graph" if settings.cuda_graph else "eager",
                       checked=name not in op.reference_free, meta=dict(meta or {}))
+            rows.append(row)
             if settings.cuda_graph and name in op.eager_only:  # the same on every rank: no collective skipped alone
                 row.status = EAGER_ONLY
-                rows.append(row)
                 continue
             row.status = check_backend(op, name, shape, dtype, settings.seed, ref)
-            if row.status == "ok":
-                call = _bound(op.backends[name], op.make_inputs(shape, dtype, settings.seed + 1))
-                warm_us = _slowest(warm_up(call, settings.warmup))
-                row.host_us = _slowest(host_cost_us(call, settings.host_calls))
-                timed.append((row, call, warm_us))
-            rows.append(row)
+            if row.status != "ok":
+                continue
+            call = _bound(op.backends[name], op.make_inputs(shape, dtype, settings.seed + 1))
+            # The first call on these inputs (compiled by the check) caps the warm-up; the warm-up's time per call,
+            # the slowest rank's, plans the row: the same plan on every rank.
+            first_us = _slowest(timed_calls(call, 1))
+            warm = warmup_calls(first_us, settings)
+            warm_us = _slowest(timed_calls(call, warm)) if warm else first_us
+            plan = row_plan(warm_us, settings)
+            if plan.skip:
+                row.status = plan.skip
+                continue
+            row.note = plan.note
+            row.host_us = _slowest(host_cost_us(call, plan.host_calls))
+            timed.append((row, call, warm_us, plan))
         if timed:  # the same backends on every rank: each one's status is agreed
             print_rank0(f"  [{op.name} {shape_text}] timing {len(timed)} backends, interleaved ...", file=sys.stderr)
             heartbeat(f"{op.name} {shape_text} timing")
-            times = device_times_us([call for _, call, _ in timed], settings, [row.host_us for row, _, _ in timed],
-                                    [warm_us for _, _, warm_us in timed])
-            for (row, call, _), us in zip(timed, times):
+            times = device_times_us([call for _, call, _, _ in timed], settings,
+                                    [row.host_us for row, _, _, _ in timed], [warm_us for _, _, warm_us, _ in timed],
+                                    [plan.burst for _, _, _, plan in timed])
+            for (row, call, _, plan), us in zip(timed, times):
                 row.us = _slowest(us)
                 row.gbps = nbytes / (row.us * 1e3)
-                if not settings.cuda_graph:
+                if plan.eager_loop:
                     heartbeat(f"{op.name} {shape_text} {row.backend} eager loop")
                     loop_us, loop_gpu_us = eager_loop_us(call, loop_calls(row.us, settings), row.us,
                                                           settings.loop_repeats)
                     row.loop_us, row.loop_gpu_us = _slowest(loop_us), _slowest(loop_gpu_us)
+        if progress is not None:
+            print_rank0(progress.advance(len(backends), f"{op.name} {shape_text}"), file=sys.stderr)
     return rows
 
 
@@ -326,6 +481,11 @@ def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def status_cell(status: str) -> str:
+    """A row that was not timed, in its table cell: the first word (FAIL, error), or a skip with its reason."""
+    return status if status.startswith(SKIPPED) else status.split(" ")[0]
+
+
 def table_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str], list[list[str]]]:
     """Header and body of the main table: one row per shape."""
     pairs = [p for p in op.pairs if p.triton in backends and p.helion in backends]
@@ -343,7 +503,7 @@ def table_rows(op: Op, rows: list[Row], backends: list[str]) -> tuple[list[str],
         line = [shape]
         for b in backends:
             r = by_backend.get(b)
-            line.append(_fmt(us[b]) if r is None or r.status == "ok" else r.status.split(" ")[0])
+            line.append(_fmt(us[b]) if r is None or r.status == "ok" else status_cell(r.status))
         if baseline:
             line += [_fmt(speedup(us[baseline], us[b]), 2, "x") for b in others]
         line += [_fmt(ratio(us[p.helion], us[p.triton]), 3) for p in pairs]
@@ -454,6 +614,11 @@ def tables_markdown(op: Op, rows: list[Row], backends: list[str]) -> str:
 
 def failures(rows: list[Row]) -> list[str]:
     return [f"{r.shape} {r.backend}: {r.status}" for r in rows if r.status != "ok"]
+
+
+def shortened(rows: list[Row]) -> list[str]:
+    """The rows the row budget measured with fewer calls (``row_plan``), and how."""
+    return [f"{r.shape} {r.backend}: {r.note}" for r in rows if r.note]
 
 
 def records(rows: list[Row]) -> list[dict]:

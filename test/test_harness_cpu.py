@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from benchmark import harness, registry
+from benchmark import cli, harness, registry
 from benchmark.cli import parse_args
 
 
@@ -459,3 +459,147 @@ def test_run_op_times_a_shapes_backends_together(monkeypatch):
     # per shape: the reference and 2 checks, 2 x 2 warm-ups (one untimed), 2 host calls, 40 timed, 3 repeats of
     # 6 + 6 in the loops
     assert len(clock.log) == 2 * (1 + 2 + 4 + 2 + 40 + 3 * (6 + 6))
+
+
+def work_op(shapes, work=None):
+    """An op whose work per call is the first dimension (or ``work``'s), for the shape-order tests."""
+    return registry.Op("demo", "demo", None, {"nccl": None}, shapes, "MxN", lambda *a: 1.0, lambda *a: 1.0,
+                       work=work or (lambda shape, dtype: (float(shape[0]), "flop")))
+
+
+def test_quick_shapes_are_the_smallest_the_middle_and_the_largest_by_work():
+    op = work_op([(8, 1), (1, 1), (64, 1), (2, 1), (16, 1), (4, 1), (32, 1)])
+    assert harness.by_work(op, op.default_shapes, torch.bfloat16)[:3] == [(1, 1), (2, 1), (4, 1)]
+    assert harness.quick_shapes(op, torch.bfloat16) == [(1, 1), (8, 1), (64, 1)]
+    assert harness.quick_shapes(op, torch.bfloat16, count=2) == [(1, 1), (64, 1)]
+    assert harness.quick_shapes(op, torch.bfloat16, count=1) == [(8, 1)]
+    assert harness.quick_shapes(work_op([(4, 1), (2, 1)]), torch.bfloat16) == [(2, 1), (4, 1)]  # all, by work
+    # Ties by the shape; without ``work``, the product of the dimensions.
+    plain = registry.Op("demo", "demo", None, {}, [(4, 4), (2, 8), (1, 2)], "MxN", None, None)
+    assert harness.by_work(plain, plain.default_shapes, torch.bfloat16) == [(1, 2), (2, 8), (4, 4)]
+    assert harness.texts_by_work(op, ["64x1", "2x1", "16x1"], "bfloat16") == ["2x1", "16x1", "64x1"]
+    for entry in registry.load_all().values():
+        quick = harness.quick_shapes(entry, torch.bfloat16)
+        ordered = harness.by_work(entry, entry.default_shapes, torch.bfloat16)
+        assert len(quick) == min(3, len(ordered)) and set(quick) <= set(entry.default_shapes), entry.name
+        assert quick[0] == ordered[0] and quick[-1] == ordered[-1], entry.name
+
+
+def test_no_op_is_a_quick_look_and_full_or_an_op_is_the_sweep():
+    quick = parse_args([])
+    assert quick.quick and (quick.iters, quick.warmup, quick.row_budget_s) == (20, 3, 20.0)
+    full = parse_args(["--full"])
+    assert not full.quick and (full.iters, full.warmup, full.row_budget_s) == (200, 20, 120.0)
+    assert full.ops == quick.ops == list(registry.load_all())
+    named = parse_args(["all_reduce"])
+    assert not named.quick and named.iters == 200
+    assert parse_args(["all_reduce", "--quick"]).quick
+    explicit = parse_args(["--iters", "7", "--warmup", "0", "--row-budget-s", "0"])  # given values win
+    assert explicit.quick and (explicit.iters, explicit.warmup, explicit.row_budget_s) == (7, 0, None)
+    op = registry.get("all_reduce")
+    assert cli.shapes_of(quick, op) == harness.quick_shapes(op, torch.bfloat16)
+    assert cli.shapes_of(named, op) == op.default_shapes
+    assert cli.shapes_of(parse_args(["all_reduce", "--quick", "--shapes", "4096"]), op) == [(4096,)]
+    for argv in (["--quick", "--full"], ["--row-budget-s", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+
+
+def test_progress_estimates_the_time_left_from_the_rows_done():
+    assert harness.eta_s(30.0, 10, 40) == 90.0 and harness.eta_s(30.0, 0, 40) is None
+    assert harness.eta_s(30.0, 40, 40) == 0.0
+    assert [harness.duration(s) for s in (None, 4.4, 65, 3725)] == ["?", "4 s", "1m05s", "1h02m"]
+    now = [100.0]
+    progress = harness.Progress(12, clock=lambda: now[0])
+    now[0] += 60.0
+    assert progress.advance(3, "all_reduce 4096") == (
+        "  [all_reduce 4096] done in 1m00s: 3/12 rows, 1m00s elapsed, about 3m00s left")
+    now[0] += 30.0
+    assert progress.advance(3, "all_reduce 8192").endswith("done in 30 s: 6/12 rows, 1m30s elapsed, about 1m30s left")
+
+
+def test_the_row_budget_shortens_or_skips_a_slow_backend():
+    settings = harness.Settings(iters=20, burst=10, host_calls=20, loop_calls=20, loop_repeats=3, row_budget_s=20)
+    assert harness.timing_bursts(settings) == (10, 6)
+    # 10 ms a call: 20 host + 60 timed + 2 x 3 x 20 loop calls = 2 s, within 20 s: as asked
+    assert harness.row_plan(10e3, settings) == harness.RowPlan(10, 20, True)
+    # 200 ms a call: 40 s asked; 100 calls fit: one host call, no eager loop, bursts of 10 still fit (61 calls)
+    plan = harness.row_plan(200e3, settings)
+    assert (plan.burst, plan.host_calls, plan.eager_loop, plan.skip) == (10, 1, False, None)
+    assert plan.note == "no eager loop: 0.2 s/call over the 20 s row budget"
+    # 1 s a call: 20 calls fit: bursts of 3 (6 x 3 + 1 = 19)
+    plan = harness.row_plan(1e6, settings)
+    assert (plan.burst, plan.host_calls, plan.eager_loop) == (3, 1, False)
+    assert plan.note == "bursts of 3, no eager loop: 1 s/call over the 20 s row budget"
+    # 3.2 s a call: not even 6 bursts of one call fit
+    assert harness.row_plan(3.2e6, settings).skip == "skipped: 3.2 s/call over the 20 s row budget"
+    assert harness.row_plan(3.2e6, harness.Settings(row_budget_s=None)) == harness.RowPlan(10, 20, True)
+    graph = harness.Settings(iters=20, burst=10, cuda_graph=True, row_budget_s=20)  # + one replay after capture
+    assert harness.row_plan(200e3, graph) == harness.RowPlan(10, 20, False)  # 20 + 70 calls fit
+    assert harness.row_plan(300e3, graph).note == "bursts of 9: 0.3 s/call over the 20 s row budget"  # 1 + 7 x 9
+    # The warm-up: at most a quarter of the budget, at least one call after the first
+    assert harness.warmup_calls(10e3, settings) == 20
+    assert harness.warmup_calls(1e6, harness.Settings(warmup=20, row_budget_s=20)) == 5
+    assert harness.warmup_calls(9e6, harness.Settings(warmup=20, row_budget_s=20)) == 1
+    assert harness.warmup_calls(9e6, harness.Settings(warmup=0, row_budget_s=20)) == 0
+    assert harness.warmup_calls(9e6, harness.Settings(warmup=20)) == 20
+
+
+def test_device_times_take_each_backends_own_burst(monkeypatch):
+    clock, sleeps = FakeClock(), []
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(harness.dist, "barrier", lambda: None)
+    monkeypatch.setattr(harness, "_sleep_us", sleeps.append)
+    fast, slow = clock.fn("fast", 10.0), clock.fn("slow", 1000.0)
+    times = harness.device_times_us([fast, slow], harness.Settings(iters=20, burst=4), [1.0, 1.0], [10.0, 1000.0],
+                                    [4, 1])
+    assert times == [10.0, 1000.0]
+    assert clock.log == (["fast"] * 4 + ["slow"] + ["slow"] + ["fast"] * 4) * 3  # 6 bursts of each, own sizes
+    assert sleeps[:2] == [4 * 3 * 10.0 + 10.0, 1 * 3 * 1000.0 + 10.0]
+
+
+def test_run_op_agrees_on_the_row_budget_with_the_slowest_rank(monkeypatch):
+    """The row plan follows the slowest rank's warm-up (here another rank, 1 s a call, while this one takes 1 ms):
+    this rank times that backend in bursts of 3 with no eager loop, launching what the other rank launches; a
+    backend at 5 s a call on the other rank is skipped, its cell says why; the progress line follows each shape."""
+    clock = FakeClock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(harness.dist, "barrier", lambda: None)
+    monkeypatch.setattr(harness.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(harness, "_sleep_us", lambda us: None)
+    other_rank = {"slow": 1e6, "slower": 5e6}
+    current = []
+    # The other rank's time per call of the backend that ran last (checks agree: 0 is a pass)
+    monkeypatch.setattr(harness, "_slowest", lambda value: value and max(value, other_rank.get(current[-1], 0.0)))
+    printed = []
+    monkeypatch.setattr(harness, "print_rank0", lambda *args, **kwargs: printed.append(args[0]))
+    calls = {name: clock.fn(name, 1000.0) for name in ("nccl", "slow", "slower")}
+
+    def backend(name):
+        def run(inputs):
+            current.append(name)
+            calls[name]()
+            return torch.ones(2)
+        return run
+
+    op = registry.Op("demo", "demo", lambda *a: {}, {n: backend(n) for n in calls}, [(1,)], "NUMEL",
+                     lambda *a: 100.0, lambda *a: 1.0)
+    settings = harness.Settings(iters=20, burst=10, warmup=3, host_calls=20, loop_calls=20, loop_repeats=3,
+                                row_budget_s=20)
+    now = [0.0]
+    progress = harness.Progress(3, clock=lambda: now[0])
+    rows = harness.run_op(op, [(1,)], list(calls), torch.float32, settings, progress=progress)
+    nccl, slow, slower = rows
+    assert nccl.status == slow.status == "ok" and nccl.note == "" and nccl.loop_us == nccl.us == 1000.0
+    assert slow.note == "bursts of 3, no eager loop: 1 s/call over the 20 s row budget" and slow.loop_us is None
+    assert slower.status == "skipped: 5 s/call over the 20 s row budget" and slower.us is None
+    log = clock.log
+    # slow: the check, the first call, 3 warm-up calls (a quarter of 20 s holds 5), one host call and 6 bursts of 3;
+    # slower: the check, the first call and 1 warm-up call (a quarter of 20 s holds none: at least 1)
+    assert log.count("slow") == 1 + 1 + 3 + 1 + 6 * 3 and log.count("slower") == 1 + 1 + 1
+    header, body = harness.table_rows(op, rows, list(calls))
+    assert body[0][3] == "skipped: 5 s/call over the 20 s row budget"
+    assert harness.shortened(rows) == ["1 slow: bursts of 3, no eager loop: 1 s/call over the 20 s row budget"]
+    assert printed[-1] == "  [demo 1] done in 0 s: 3/3 rows, 0 s elapsed, about 0 s left"

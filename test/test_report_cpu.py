@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
-from benchmark import harness, provenance, report
+from benchmark import harness, provenance, registry, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "test", "fixtures", "results_all_reduce.json")
@@ -103,3 +104,115 @@ def test_sections_come_in_op_name_order_whatever_was_imported_first():
     other = [harness.Row(**{**r.__dict__, "op": "all_gather"}) for r in rows]
     keys = list(report.groups(rows + other))
     assert [k[0] for k in keys] == ["all_gather", "all_reduce"]
+
+
+def fake_rows(op, world_size, times, mode="eager", date="2026-11-23 06:00 UTC"):
+    """Rows of ``op`` at ``world_size``: ``times`` maps shape -> backend -> us (None: FAIL)."""
+    return [harness.Row(op, shape, "bfloat16", world_size, backend, "ok" if us is not None else "FAIL (x)", us=us,
+                        mode=mode, meta={"commit": "c1", "date": date})
+            for shape, by_backend in times.items() for backend, us in by_backend.items()]
+
+
+def test_library_backends_compute_the_whole_op_with_its_exchange():
+    ops = registry.load_all()
+    gemm = ops["gemm_reduce_scatter"]
+    assert report.library_backends(gemm, list(gemm.backends), 2) == ["nccl", "torch_fused"]
+    assert report.library_backends(gemm, list(gemm.backends), 1) == ["matmul"]  # the core table's
+    assert report.compute_alone(gemm, list(gemm.backends)) == "matmul"
+    cp = ops["context_parallel_attention"]  # SDPA on K/V gathered beforehand skips the exchange
+    assert report.library_backends(cp, list(cp.backends), 4) == ["nccl_cudnn", "nccl_flash", "torch_cp"]
+    assert report.compute_alone(cp, list(cp.backends)) is None
+    mlp = ops["tp_mlp"]
+    assert report.library_backends(mlp, list(mlp.backends), 2) == ["nccl", "torch_fused", "torch_async_tp"]
+    assert report.recipes(mlp, list(mlp.backends)) == ["triton", "triton_compiled"]
+    ar = ops["all_reduce"]
+    assert report.library_backends(ar, list(ar.backends), 2) == ["nccl", "symm_mem_1shot", "symm_mem_2shot"]
+    assert report.recipes(ar, list(ar.backends)) == ["triton_1shot", "triton_2shot", "triton_auto"]
+    assert report.compute_alone(ops["gemm_reduce_scatter_fp8"], list(ops["gemm_reduce_scatter_fp8"].backends)) \
+        == "scaled_mm"
+
+
+def test_hidden_share_of_the_exchange():
+    assert report.hidden_share(100.0, 80.0, 60.0) == 0.5  # 20 of the 40 us of exchange hidden
+    assert report.hidden_share(100.0, 60.0, 60.0) == 1.0 and report.hidden_share(100.0, 110.0, 60.0) == -0.25
+    assert report.hidden_share(60.0, 60.0, 60.0) is None and report.hidden_share(None, 1.0, 1.0) is None
+
+
+def test_summary_ranges_each_recipe_over_the_best_library_backend():
+    times = {  # sequential (nccl), torch_fused, the matmul alone, the recipe
+        "256x8192x4096": {"nccl": 100.0, "torch_fused": 120.0, "matmul": 60.0, "triton": 80.0, "helion": 81.0},
+        "2048x14336x4096": {"nccl": 500.0, "torch_fused": 450.0, "matmul": 400.0, "triton": 410.0, "helion": None},
+    }
+    rows = fake_rows("gemm_reduce_scatter", 2, times)
+    lines, hidden = report.summary(rows)
+    (line,) = lines
+    assert line["recipe"] == "triton" and line["best"] == ["nccl", "torch_fused"]
+    assert line["speedups"] == [100.0 / 80.0, 450.0 / 410.0]  # by work: the smaller shape first
+    assert line["hidden"] == [0.5, 0.9]
+    assert [(h["shape"], h["hidden"]) for h in hidden] == [("256x8192x4096", 0.5), ("2048x14336x4096", 0.9)]
+    text = report.summary_markdown(rows)
+    cells = [c.strip() for c in text.splitlines()[4].strip("|").split("|")]
+    assert cells == ["gemm_reduce_scatter", "2", "eager", "bfloat16", "c1", "triton", "1.10-1.25x",
+                     "nccl, torch_fused", "50-90%", "2"]
+    assert report.HIDDEN_LABEL in text and "| 90%" in text
+    # At world size 1 a recipe is set against the core table's library op, and nothing is hidden
+    (one,), no_hidden = report.summary(fake_rows("gemm_reduce_scatter", 1, times))
+    assert one["best"] == ["matmul"] and one["speedups"] == [60.0 / 80.0, 400.0 / 410.0] and not no_hidden
+    # A collective: no hidden-share column; a recipe slower than the library at one size
+    ar = fake_rows("all_reduce", 2, {"4096": {"nccl": 8.0, "symm_mem_1shot": 6.0, "triton_1shot": 7.5},
+                                     "1048576": {"nccl": 30.0, "symm_mem_1shot": 40.0, "triton_1shot": 15.0}})
+    (line,), _ = report.summary(ar)
+    assert line["speedups"] == [6.0 / 7.5, 2.0] and line["best"] == ["symm_mem_1shot", "nccl"]
+    assert line["compute"] is None
+    assert "| 0.80-2.00x" in report.summary_markdown(ar)
+    assert report._span([-0.16, 0.72], 0, 100.0, "%") == "-16% to 72%" and report._span([], 2) == "-"
+
+
+def test_the_results_page_opens_with_the_summary():
+    page = report.render(report.read_rows([FIXTURE]))
+    assert page.index("## Summary") < page.index("## all_reduce, world size 2")
+    assert re.search(r"\| all_reduce +\| 2 +\| eager +\| bfloat16 +\| fixture +\| triton_1shot +\| 1\.00-2\.09x", page)
+    shortened = [harness.Row(**{**r.__dict__, "note": "bursts of 3, no eager loop: 1 s/call over the 20 s row budget"})
+                 for r in report.read_rows([FIXTURE])[:1]]
+    assert "- shortened by the row budget: 4096 nccl: bursts of 3" in report.render(shortened)
+
+
+def test_every_backend_keeps_one_color_distinct_within_its_op():
+    from benchmark import plot
+
+    for op in registry.load_all().values():
+        colors = [plot.color(b) for b in op.backends]
+        assert len(set(colors)) == len(colors), (op.name, dict(zip(op.backends, colors)))
+    assert plot.color("triton") == plot.color("triton") == "#d62728"
+    assert plot.color("some_new_backend") == plot.color("some_new_backend") in plot.SPARE_COLORS
+
+
+def test_figures_put_world_sizes_side_by_side_in_fixed_colors_ordered_by_work(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from benchmark import plot
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: figures.append(fig))
+    times = {"2048x14336x4096": {"nccl": 500.0, "matmul": 400.0, "triton": 410.0},
+             "256x8192x4096": {"nccl": 100.0, "matmul": 60.0, "triton": 80.0}}
+    rows = fake_rows("gemm_reduce_scatter", 2, times) + fake_rows("gemm_reduce_scatter", 4, times)
+    rows += fake_rows("gemm_reduce_scatter", 4, {"256x8192x4096": {"triton": 70.0}}, date="2026-11-24 06:00 UTC")
+    (path,) = report.plot_all(rows, str(tmp_path))
+    assert path.endswith("gemm_reduce_scatter-ws2-4-bfloat16.png")
+    (fig,) = figures
+    axes = {axis.get_title(): axis for axis in fig.axes}
+    assert list(axes) == ["world size 2: time per call", "world size 4: time per call",  # a column each
+                          "world size 2: speedup over nccl", "world size 4: speedup over nccl"]
+    for axis in axes.values():  # the smaller shape first, whatever order the rows came in
+        assert [t.get_text() for t in axis.get_xticklabels()] == ["256x8192x4096", "2048x14336x4096"]
+        lines = {line.get_label(): line for line in axis.get_lines()}
+        assert lines["triton"].get_color() == plot.color("triton")
+    time_ws4, speedup_ws4 = axes["world size 4: time per call"], axes["world size 4: speedup over nccl"]
+    labels = [line.get_label() for line in speedup_ws4.get_lines()]
+    assert "ceiling: matmul alone" in labels and "matmul" not in labels and "nccl" not in labels
+    ceiling = next(line for line in speedup_ws4.get_lines() if line.get_label() == "ceiling: matmul alone")
+    assert ceiling.get_linestyle() == "--" and list(ceiling.get_ydata()) == [100.0 / 60.0, 500.0 / 400.0]
+    triton = next(line for line in time_ws4.get_lines() if line.get_label() == "triton")
+    assert list(triton.get_ydata()) == [70.0, 410.0]  # the later run's point
