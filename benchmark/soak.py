@@ -126,20 +126,21 @@ class Step:
 
 
 def schedule(ops: dict, world_size: int, seed: int, graph_every: float = 0.0, subgroup: bool = False,
-             backends: list | None = None) -> Iterator[Step]:
+             backends: list | None = None, dtypes: tuple = tuple(DTYPES)) -> Iterator[Step]:
     """The steps, drawn from one ``random.Random(seed)``: the same sequence wherever the arguments are the same."""
     rng, pools = random.Random(seed), {}
     chosen = {name: subjects(ops[name], backends) for name in sorted(ops)}
-    names = [name for name in chosen if chosen[name]]
+    types = {name: [d for d in OP_DTYPES.get(name, ("bf16",)) if d in dtypes] for name in chosen}
+    names = [name for name in chosen if chosen[name] and types[name]]
     if not names:
-        raise ValueError("soak: no op has a backend left to run (see --ops and --backends)")
+        raise ValueError("soak: no op has a backend and a dtype left to run (see --ops, --backends, --dtypes)")
     for index in itertools.count(1):
         name = rng.choice(names)
         op, backend = ops[name], rng.choice(chosen[name])
         group = "half" if subgroup and takes_group(op) and rng.random() < 0.5 else "world"
         key = (name, world_size // 2 if group == "half" else world_size)  # a pool per op and group size
         shape = rng.choice(pools[key] if key in pools else pools.setdefault(key, shape_pool(op, key[1], seed)))
-        dtype = rng.choice(OP_DTYPES.get(name, ("bf16",)))
+        dtype = rng.choice(types[name])
         graph = rng.random() < graph_every and backend not in op.eager_only
         label = f"{name}/{backend}" + ("@half" if group == "half" else "")
         yield Step(index, name, backend, shape, dtype, group, graph, rng.randrange(1, 1 << 30), label)
@@ -193,7 +194,7 @@ class Soak:
             low, high = dist.new_group(list(range(half))), dist.new_group(list(range(half, self.world_size)))
             self.groups["half"] = low if self.rank < half else high
         self.ops, self.steps = ops, schedule(ops, self.world_size, args.seed, args.graph_every, args.subgroup,
-                                             args.backends)
+                                             args.backends, args.dtypes)
         self.counts, self.skipped, self.failures, self.told, self.skips_in_a_row = {}, {}, [], set(), 0
         self.json = args.json or os.path.join("results", f"soak-ws{self.world_size}.json")
         os.makedirs(os.path.dirname(os.path.abspath(self.json)), exist_ok=True)
@@ -351,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--backends", help="comma-separated backends to soak, or 'all' (every one but the baseline); default: this "
         "project's, the recipes and their twins (names starting with triton or helion, and chain), except those "
         "under torch.compile (*_compiled: a compile per shape)")
+    add("--dtypes", type=lambda text: tuple(text.split(",")), default=tuple(DTYPES),
+        help="comma-separated dtypes to draw from, of those each op takes (default: bf16,fp16,fp32)")
     add("--seconds", type=float, help="stop after this long (agreed across ranks)")
     add("--launches", type=int, help="stop after this many calls, replays included (default 1000 without --seconds)")
     add("--graph-every", type=float, default=0.1, help="fraction of steps run as CUDA graph replays (default 0.1)")
@@ -366,9 +369,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ops = [name for text in args.ops or list(ops) for name in text.split(",") if name]
     args.backends = [b for b in (args.backends or "").split(",") if b] or None
     names = {"all", *(b for op in ops.values() for b in op.backends)}
-    unknown = set(args.ops) - set(ops) or set(args.backends or ()) - names
+    unknown = set(args.ops) - set(ops) or set(args.backends or ()) - names or set(args.dtypes) - set(DTYPES)
     if unknown:
-        parser.error(f"unknown op(s) or backend(s): {', '.join(sorted(unknown))}; ops: {', '.join(ops)}")
+        parser.error(f"unknown op(s), backend(s) or dtype(s): {', '.join(sorted(unknown))}; ops: {', '.join(ops)}")
     if args.seconds is None and args.launches is None:
         args.launches = 1000
     if not 0.0 <= args.graph_every <= 1.0 or args.replays < 1 or (args.launches is not None and args.launches < 1):

@@ -64,6 +64,7 @@ def test_steps_keep_to_the_rules():
     assert {s.backend for s in everything if s.op == "all_gather_matmul"} >= {"torch_fused", "matmul", "triton"}
     assert {s.backend for s in first_steps(3, count=200, backends=["helion"])} == {"helion"}
     assert {s.backend for s in first_steps(3, count=50, backends=["triton_compiled"])} == {"triton_compiled"}
+    assert {s.dtype for s in first_steps(3, count=200, dtypes=("fp32",))} == {"fp32"}
 
 
 def test_fields_match_the_registry():
@@ -157,8 +158,8 @@ FAKE = textwrap.dedent("""
                       "copy": lambda i: i["x"]},
                      [(8, 4), (13, 4)], "ROWSxCOLS", lambda *a: 0.0, lambda *a: 0.0,
                      reference_free=frozenset({"triton_free"}))
-    args = argparse.Namespace(seed=1, graph_every=0.0, replays=2, subgroup=False, backends=None, launches=60,
-                              seconds=None, progress_every=1e9, json=sys.argv[1])
+    args = argparse.Namespace(seed=1, graph_every=0.0, replays=2, subgroup=False, backends=None, dtypes=("bf16",),
+                              launches=60, seconds=None, progress_every=1e9, json=sys.argv[1])
     code = soak.Soak(args, {"fake": op}).run()
     dist.destroy_process_group()
     sys.exit(code)
