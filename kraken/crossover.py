@@ -35,6 +35,20 @@ Measured on H200s, bf16, eager GPU time (``docs/history.md``, ``docs/results.md`
 World sizes without a measurement take the next larger measured one's entry (more readers per
 buffer only favours two-shot sooner). A group of one runs one-shot (a peer set of itself: one read,
 one write, no second copy of the workspace).
+
+The fused GEMM recipes have a second choice, their **form** (``form``): ``"fused"``, the recipe's own kernel
+that overlaps the exchange with the GEMM, or ``"sequential"``: cuBLAS's GEMM before or after this project's
+SM-driven collective (``all_gather`` then the GEMM; the GEMM then ``reduce_scatter`` or ``all_reduce``), each
+a kernel that beats NCCL at these sizes. Where the GEMM is short the fused kernel cannot hide much of the
+exchange and pays for its own machinery (the copy-engine gather's fixed cost, flags, a persistent grid sized
+for the exchange), so the sequential form wins; where the GEMM is long the overlap wins. ``FUSED_FROM`` holds,
+per recipe and measured world size, the fewest total rows M (``all_gather_matmul``: ``world_size`` times a
+rank's rows) at which the fused form runs; below it the sequential one. A group of one always runs fused (no
+exchange). A recipe may also prefer sequential where its fused kernel is known to be slow at the shape (a
+``prefers_sequential(a, b, world_size)`` it passes to ``form``). ``form="fused"`` or ``"sequential"`` forces either; any other config key (tiles, ``shot``)
+configures the fused kernel, so it runs the fused form (and ``"sequential"`` with such keys is an error). The
+choice is agreed across ranks on the first call of each call signature (``form``) and is the same for the
+recipe and its twin.
 """
 
 from __future__ import annotations
@@ -60,6 +74,21 @@ FAMILY = {
     "all_reduce_bias": "all_reduce_bias",
     "all_reduce_bias_rms_norm": "all_reduce_bias",
     "gemm_one_shot_all_reduce": "gemm_all_reduce",
+}
+
+FUSED, SEQUENTIAL = "fused", "sequential"
+FORMS = (FUSED, SEQUENTIAL)
+# recipe -> {measured world size: the fewest total rows M at which the fused form runs}. Measured on 2 and 4
+# H200s (eager, bf16, the benchmark's default shapes; docs/results.md): all_gather_matmul's fused form loses from
+# 512 rows down (its copy-engine gather's fixed cost), gemm_reduce_scatter's at 256 rows at 2 ranks and up to 512
+# at 4. gemm_one_shot_all_reduce's fused forms win by rows at every measured M; it runs sequential where its tiles
+# fill the SMs' waves poorly instead (``fills_poorly``). all_gather_matmul_fp8 shares the bf16 recipe's gather and
+# its entries. 8 ranks: 4's entries (not measured there).
+FUSED_FROM = {
+    "all_gather_matmul": {1: 0, 2: 1024, 4: 1024, 8: 1024},
+    "gemm_reduce_scatter": {1: 0, 2: 512, 4: 1024, 8: 1024},
+    "gemm_one_shot_all_reduce": {1: 0, 2: 0, 4: 0, 8: 0},
+    "all_gather_matmul_fp8": {1: 0, 2: 1024, 4: 1024, 8: 1024},
 }
 
 
@@ -123,3 +152,60 @@ def traced_call(op: str, recipes: tuple, x: object, operands: tuple, group, conf
     ``(x, *operands, group, **config)``. The operator checks when it runs."""
     recipe = recipes[0] if traced_shot(op, x, group, config) == ONE else recipes[1]
     return getattr(recipe, recipe.__name__.rpartition(".")[2])(x, *operands, group, **config)
+
+
+def fused_from(op: str, world_size: int) -> int:
+    """The fewest total rows at which ``op`` (or its twin) runs its fused form in a group of ``world_size``: the entry
+    of the smallest measured world size at or above it."""
+    table = FUSED_FROM[op.removeprefix("helion ")]  # a twin (named "helion <op>") chooses as its recipe
+    sizes = sorted(table)
+    if not 1 <= world_size <= sizes[-1]:
+        raise ValueError(f"{op}: no form crossover for world size {world_size} (measured: {sizes})")
+    return table[min(ws for ws in sizes if ws >= world_size)]
+
+
+def choose_form(op: str, rows: int, world_size: int, config: dict, sequential_ok: bool = True) -> str:
+    """``"fused"`` or ``"sequential"`` for ``rows`` total rows: ``config["form"]`` when given (forced), else the
+    table's. ``sequential_ok`` False (an output dtype or layout only the fused kernel produces) or any other
+    config key (it configures the fused kernel) choose fused."""
+    form = config.get("form")
+    if form is not None and form not in FORMS:
+        raise ValueError(f"{op}: form must be 'fused' or 'sequential' (or absent: chosen by size), got {form!r}")
+    others = sorted(key for key in config if key != "form")
+    if form == SEQUENTIAL and (others or not sequential_ok):
+        why = f"config {others} configures the fused kernel" if others else "its dtypes need the fused kernel"
+        raise ValueError(f"{op}: form='sequential' cannot run this call: {why}")
+    if form is not None:
+        return form
+    if others or not sequential_ok or world_size == 1:
+        return FUSED
+    return FUSED if rows >= fused_from(op, world_size) else SEQUENTIAL
+
+
+@host.per_signature(lambda op, a, b, group, rows_per_a, sequential_ok, config, check, prefers_sequential=None,
+                    scales=(): (op, group, host.tensor_key(a), host.tensor_key(b), rows_per_a, sequential_ok,
+                                host.config_key(config), check, prefers_sequential, *map(host.tensor_key, scales)))
+def form(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
+         config: dict, check, prefers_sequential=None, scales: tuple = ()) -> str:
+    """A fused GEMM recipe's form for this call (``choose_form``), agreed across ranks on the first call of each
+    signature, so that every rank runs the same kernels. ``rows_per_a``: ``a`` holds one rank's rows (the total
+    is ``world_size`` times them). The ranks agree on what decides the form (the total rows, ``sequential_ok``,
+    the config), not on the operands: the fused form's prepared call and the sequential form's collectives agree
+    on those, each with its own messages. ``check(a, b, world_size, op, *scales)``, the recipe's argument checks,
+    runs inside this agreement when the choice is sequential, so that one rank's bad input raises on every rank;
+    inputs that are not two matrices choose fused, whose checks raise on every rank.
+    ``prefers_sequential(a, b, world_size)`` (a module-level function: it is part of the cache key) turns an
+    unforced fused choice sequential."""
+    world_size = host.world_size_of(group, op)
+    matrices = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2
+    rows = a.shape[0] * (world_size if rows_per_a else 1) if matrices else None
+    with host.agreed(f"{op} (form)", group, rows=rows, sequential_ok=sequential_ok, config=config):
+        if rows is None:
+            return FUSED
+        choice = choose_form(op, rows, world_size, config, sequential_ok)
+        if (choice == FUSED and not config and world_size > 1 and sequential_ok and prefers_sequential is not None
+                and prefers_sequential(a, b, world_size)):
+            choice = SEQUENTIAL
+        if choice == SEQUENTIAL:
+            check(a, b, world_size, op, *scales)
+        return choice

@@ -10,6 +10,7 @@ bad input (scale dtypes and shapes included) raising on every rank.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
@@ -18,6 +19,9 @@ import torch.distributed as dist
 
 from benchmark.ops.all_gather_matmul_fp8 import FP8, dequantized, rank_operands
 from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
+from kraken import crossover
+
+OP = "all_gather_matmul_fp8"
 
 pytestmark = needs_gpus
 
@@ -162,9 +166,28 @@ def bad_input(backend: str, module, fn) -> None:
     heartbeat(f"{backend} bad input done")
 
 
+def sequential_form(backend: str, fn) -> None:
+    """The sequential form (``kraken.crossover``: SM all-gathers of the values and the row scales, then
+    ``torch._scaled_mm``), what the recipe runs below its crossover at more than one rank: against float64 with
+    per-row and per-tensor scales (each rank its own), and replayed from a CUDA graph bitwise against eager."""
+    world_size = dist.get_world_size()
+    for seed, (shape, per_tensor) in enumerate((((48, 96, 64), False), ((37, 160, 144), True)), start=900):
+        what = f"{backend} sequential {'x'.join(map(str, shape))} per_tensor={per_tensor}"
+        heartbeat(what)
+        a, b, scale_a, scale_b = operands(shape, seed, per_tensor)
+        out = fn(a, b, scale_a, scale_b, form="sequential")
+        torch.cuda.synchronize()
+        check(out, reference(shape, seed, per_tensor), what)
+        if world_size > 1 and shape[0] * world_size < crossover.fused_from(OP, world_size):
+            assert torch.equal(fn(a, b, scale_a, scale_b), out), f"{what}: the form chosen by size is not sequential"
+    inputs = [operands((64, 256, 128), seed) for seed in (950, 951)]
+    check_graph_replays(f"{backend} sequential", fn, inputs, [0, 1], form="sequential")
+
+
 def worker(backend: str) -> None:
     module = importlib.import_module(MODULES[backend])
-    fn = module.all_gather_matmul_fp8
+    sequential_form(backend, module.all_gather_matmul_fp8)
+    fn = functools.partial(module.all_gather_matmul_fp8, form="fused")  # the fused kernel, at every size
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     bad_input(backend, module, fn)

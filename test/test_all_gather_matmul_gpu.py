@@ -9,6 +9,7 @@ shapes; CUDA-graph replays equal to eager; bad input raising on every rank. A th
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
@@ -16,7 +17,10 @@ import torch
 import torch.distributed as dist
 
 from benchmark.ops.all_gather_matmul import rank_operands
-from gpu_utils import POISON, TOLERANCE, heartbeat, needs_gpus, rel_err, run_on_gpus
+from gpu_utils import POISON, TOLERANCE, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
+from kraken import crossover
+
+OP = "all_gather_matmul"
 
 pytestmark = needs_gpus
 
@@ -197,9 +201,29 @@ def replayed_front_door(backend: str, fn) -> None:
         f"{backend}: the front door's calls were not replayed from a graph")
 
 
+def sequential_form(backend: str, fn) -> None:
+    """The sequential form (``kraken.crossover``: the SM all-gather, then cuBLAS), what the recipe runs below its
+    crossover at more than one rank: against float64 on odd shapes, with ``return_a``, and replayed from a CUDA
+    graph bitwise against eager."""
+    world_size = dist.get_world_size()
+    for seed, shape in enumerate(ODD_SHAPES[1:], start=900):
+        what = f"{backend} sequential {'x'.join(map(str, shape))}"
+        heartbeat(what)
+        a, b = operands(shape, BF16, seed)
+        gathered, out = fn(a, b, return_a=True, form="sequential")
+        torch.cuda.synchronize()
+        check(out, reference(shape, BF16, seed, world_size), what)
+        assert torch.equal(gathered, torch.cat(all_rows(a))), f"{what}: the returned gathered a"
+        if world_size > 1 and shape[0] * world_size < crossover.fused_from(OP, world_size):
+            assert torch.equal(fn(a, b), out), f"{what}: the form chosen by size is not the sequential one"
+    inputs = [operands(STRESS_SHAPES[1], BF16, seed) for seed in (950, 951)]
+    check_graph_replays(f"{backend} sequential", fn, inputs, [0, 1], form="sequential")
+
+
 def worker(backend: str) -> None:
     module = importlib.import_module(MODULES[backend])
-    fn = module.all_gather_matmul
+    sequential_form(backend, module.all_gather_matmul)
+    fn = functools.partial(module.all_gather_matmul, form="fused")  # the fused kernel, at every size
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     replayed_front_door(backend, fn)

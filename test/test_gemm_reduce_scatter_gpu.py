@@ -9,6 +9,7 @@ every rank.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
@@ -17,6 +18,9 @@ import torch.distributed as dist
 
 from benchmark.ops.gemm_all_reduce import rank_operands
 from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
+from kraken import crossover
+
+OP = "gemm_reduce_scatter"
 
 pytestmark = needs_gpus
 
@@ -135,9 +139,30 @@ def bad_input(backend: str, module, fn) -> None:
     heartbeat(f"{backend} bad input done")
 
 
+def sequential_form(backend: str, fn) -> None:
+    """The sequential form (``kraken.crossover``: cuBLAS, then the SM reduce-scatter), what the recipe runs below
+    its crossover at more than one rank: against float64 on odd shapes, and replayed from a CUDA graph bitwise
+    against eager."""
+    world_size = dist.get_world_size()
+    for seed, band_shape in enumerate(ODD_SHAPES[1:], start=900):
+        shape = full_shape(band_shape)
+        what = f"{backend} sequential {'x'.join(map(str, shape))}"
+        heartbeat(what)
+        a, b = rank_operands(shape, BF16, seed, dist.get_rank())
+        out = fn(a, b, out_dtype=BF16, form="sequential")
+        torch.cuda.synchronize()
+        check(out, reference(shape, BF16, seed), what)
+        if world_size > 1 and shape[0] < crossover.fused_from(OP, world_size):
+            assert torch.equal(fn(a, b, out_dtype=BF16), out), f"{what}: the form chosen by size is not sequential"
+    shape = full_shape(STRESS_SHAPES[0])
+    inputs = [rank_operands(shape, BF16, seed, dist.get_rank()) for seed in (950, 951)]
+    check_graph_replays(f"{backend} sequential", fn, inputs, [0, 1], out_dtype=BF16, form="sequential")
+
+
 def worker(backend: str) -> None:
     module = importlib.import_module(MODULES[backend])
-    fn = module.gemm_reduce_scatter
+    sequential_form(backend, module.gemm_reduce_scatter)
+    fn = functools.partial(module.gemm_reduce_scatter, form="fused")  # the fused kernel, at every size
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     bad_input(backend, module, fn)

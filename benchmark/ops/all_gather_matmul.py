@@ -78,10 +78,15 @@ def matmul(i):
     return torch.matmul(i["gathered"], i["b"])
 
 
-def fused(package: str):
+def fused(package: str, form: str | None = None):
+    """The recipe (``package`` kraken) or its twin (helion_ports) in the form ``kraken.crossover`` chooses, or
+    ``form`` ("fused": the overlapping kernel; "sequential": the SM-driven collective and cuBLAS one after the
+    other)."""
     path = f"{package}.{RECIPE}"
     fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
-    return lambda i: fn(i["a"], i["b"])
+    if form is None:
+        return lambda i: fn(i["a"], i["b"])
+    return lambda i: fn(i["a"], i["b"], form=form)
 
 
 # ---------------------------------------------------------------------------
@@ -126,7 +131,8 @@ register(
         description="all_gather(a) @ b (a [M/ws, K] per rank, b [K, N]); shapes MxNxK with M the total rows",
         make_inputs=make_inputs,
         backends={"nccl": nccl, "torch_fused": torch_fused, "matmul": matmul, "triton": fused("kraken"),
-                  "helion": fused("helion_ports")},
+                  "helion": fused("helion_ports"), "triton_fused": fused("kraken", "fused"),
+                  "triton_seq": fused("kraken", "sequential")},
         default_shapes=DEFAULT_SHAPES,
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,

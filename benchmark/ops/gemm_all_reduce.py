@@ -88,12 +88,14 @@ def matmul(i):
 
 def fused(package: str, shot: str | None = None):
     """The recipe (``package`` kraken) or its twin (helion_ports) in the form it picks, or ``shot``: "1shot" (one-shot,
-    pushing or pulling as the recipe would for M rows) or "2shot"."""
+    pushing or pulling as the recipe would for M rows), "2shot" or "seq" (cuBLAS, then the SM-driven all-reduce)."""
     path = f"{package}.{RECIPE}"
     module = importlib.import_module(path)
     fn = getattr(module, path.rsplit(".", 1)[1])
     if shot is None:
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
+    if shot == "seq":
+        return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, form="sequential")
     if shot == "2shot":
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, shot="two")
     # the twin takes the recipe's forms, and has no chooser: make_inputs worked out the recipe's one-shot form
@@ -147,7 +149,7 @@ register(
         backends={"nccl": nccl, "symm_mem": symm_mem, "matmul": matmul, "triton": fused("kraken"),
                   "helion": fused("helion_ports"), "triton_1shot": fused("kraken", "1shot"),
                   "helion_1shot": fused("helion_ports", "1shot"), "triton_2shot": fused("kraken", "2shot"),
-                  "helion_2shot": fused("helion_ports", "2shot")},
+                  "helion_2shot": fused("helion_ports", "2shot"), "triton_seq": fused("kraken", "seq")},
         default_shapes=[(m, 4096, 4096) for m in (64, 128, 256, 512, 1024, 2048)] + [(128, 8192, 8192),
                                                                                      (512, 5120, 5120)],
         shape_format="MxNxK",

@@ -73,10 +73,15 @@ def matmul(i):
     return torch.matmul(i["a"], i["b"])
 
 
-def fused(package: str):
+def fused(package: str, form: str | None = None):
+    """The recipe (``package`` kraken) or its twin (helion_ports) in the form ``kraken.crossover`` chooses, or
+    ``form`` ("fused": the overlapping kernel; "sequential": the SM-driven collective and cuBLAS one after the
+    other)."""
     path = f"{package}.{RECIPE}"
     fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
-    return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
+    if form is None:
+        return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
+    return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, form=form)
 
 
 # ---------------------------------------------------------------------------
@@ -129,7 +134,8 @@ register(
         description="this rank's M / ws rows of sum over ranks of a @ b (a [M, K], b [K, N]), bf16 out",
         make_inputs=make_inputs,
         backends={"nccl": nccl, "torch_fused": torch_fused, "matmul": matmul, "triton": fused("kraken"),
-                  "helion": fused("helion_ports")},
+                  "helion": fused("helion_ports"), "triton_fused": fused("kraken", "fused"),
+                  "triton_seq": fused("kraken", "sequential")},
         default_shapes=DEFAULT_SHAPES,
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, run
+from helion_ports.comm.all_gather import all_gather as helion_all_gather
 from kraken import host
 from kraken._gemm_core import flattens
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
@@ -227,4 +228,4 @@ def all_gather_matmul(
     **config,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``all_gather(a) @ b`` (and the gathered ``a`` first when ``return_a``); see the kraken recipe."""
-    return call(launch, f"helion {OP}", a, b, group, return_a, config)
+    return call(launch, f"helion {OP}", a, b, group, return_a, config, helion_all_gather)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import run
+from helion_ports.comm.all_gather import all_gather as helion_all_gather
 from helion_ports.fused.all_gather_matmul import compiled  # the bf16 twin's kernel, scaled
 from kraken import host
 from kraken._gemm_core import tma_fp8
@@ -111,4 +112,4 @@ def all_gather_matmul_fp8(
     **config,
 ) -> torch.Tensor:
     """``_scaled_mm(all_gather(a), b, all_gather(scale_a), scale_b)`` in bf16; see the kraken recipe."""
-    return call(launch, f"helion {OP}", a, b, scale_a, scale_b, group, config)
+    return call(launch, f"helion {OP}", a, b, scale_a, scale_b, group, config, helion_all_gather)

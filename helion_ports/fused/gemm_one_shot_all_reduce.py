@@ -44,11 +44,12 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run, views
+from helion_ports.comm.all_reduce import all_reduce as helion_all_reduce
 from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT, SYMM_MEM_SYNC
 from kraken._gemm_core import tma_operands
 from kraken.fused.gemm_one_shot_all_reduce import (  # shared with the recipe
-    PUSH, chunk_tile, keeps_last, plan, prepare, rounds_of, shards_of,
+    PUSH, call, chunk_tile, keeps_last, plan, prepare, rounds_of, shards_of,
 )
 
 # Both barriers are "my writes are visible to you, yours to me" (release + acquire): the k-split
@@ -347,6 +348,4 @@ def gemm_one_shot_all_reduce(
     **config,
 ) -> torch.Tensor:
     """``sum over ranks of a @ b`` as a new [M, N] tensor of ``out_dtype`` (see the kraken recipe)."""
-    ctx, launch_cfg = prepare(a, b, group, out_dtype, "helion gemm_one_shot_all_reduce", config)
-    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)
+    return call(launch, "helion gemm_one_shot_all_reduce", a, b, group, out_dtype, config, helion_all_reduce)

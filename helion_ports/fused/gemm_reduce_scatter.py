@@ -36,7 +36,8 @@ from helion_ports import flat_kernel, own_storage, run
 from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT
 from kraken._gemm_core import tma_operands
-from kraken.fused.gemm_reduce_scatter import chunk_tile, plan, prepare, rounds_of  # shared with the recipe
+from helion_ports.comm.reduce_scatter import reduce_scatter as helion_reduce_scatter
+from kraken.fused.gemm_reduce_scatter import call, chunk_tile, plan, prepare, rounds_of  # shared with the recipe
 
 __all__ = ["chunk_tile", "gemm_reduce_scatter", "launch", "plan", "prepare", "rounds_of"]
 
@@ -192,6 +193,4 @@ def gemm_reduce_scatter(
     **config,
 ) -> torch.Tensor:
     """This rank's [M / ws, N] rows of ``sum over ranks of a @ b`` in ``out_dtype`` (see the kraken recipe)."""
-    ctx, launch_cfg = prepare(a, b, group, out_dtype, "helion gemm_reduce_scatter", config)
-    out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
-    return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)
+    return call(launch, "helion gemm_reduce_scatter", a, b, group, out_dtype, config, helion_reduce_scatter)

@@ -52,12 +52,13 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
+from kraken import crossover, host
 from kraken._ptx_utils import wait_async
 from kraken._gemm_core import (
     INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, balanced_grid, flattens, mainloop,
     skinny_or_large_tiles, tile_coords, tma_operands,
 )
+from kraken.comm.all_gather import all_gather as sm_all_gather
 from kraken.comm.all_gather_with_progress import start as start_gather
 
 OP = "all_gather_matmul"
@@ -310,6 +311,11 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
 
 
+def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
+    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
+    check_inputs(a, b, op)
+
+
 @host.per_signature(lambda a, b, group, op, config, return_a: (
     op, group, host.tensor_key(a), host.tensor_key(b), host.scalar_key(return_a),
     host.config_key(config)))
@@ -377,16 +383,23 @@ def all_gather_matmul(
 
     ``a`` [M, K]: this rank's rows, an ordinary contiguous CUDA tensor, bf16 or fp16, the same shape on
     every rank; ``b`` [K, N] in any layout. ``config`` overrides the tiles (``block_m``, ``block_n``,
-    ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks`` and ``b_layout`` (see ``plan``).
+    ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks`` and ``b_layout`` (see ``plan``);
+    ``form="fused"`` or ``"sequential"`` forces the form ``kraken.crossover`` would choose by size.
     """
-    return call(launch, OP, a, b, group, return_a, config)
+    return call(launch, OP, a, b, group, return_a, config, sm_all_gather)
 
 
-def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: bool, config: dict
+def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: bool, config: dict, all_gather
          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``all_gather_matmul`` with a given ``launch`` (the recipe's or its twin's) under the name ``op``: the prepared
-    call, the new outputs, and the launch. Its fork, the gather's exchange, the GEMM and a join are replayed from
-    one CUDA graph per pointer set (``host.graphed``)."""
+    """``all_gather_matmul`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the name
+    ``op``, in the form ``kraken.crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of ``a``,
+    then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch; its fork, the
+    gather's exchange, the GEMM and a join are replayed from one CUDA graph per pointer set (``host.graphed``)."""
+    if crossover.form(op, a, b, group, True, True, config, check_sequential) == crossover.SEQUENTIAL:
+        gathered = all_gather(a, group)
+        out = torch.matmul(gathered, b)
+        return (gathered, out) if return_a else out
+    config.pop("form", None)
     ctx, cfg = prepare(a, b, group, op, config, return_a)
     new = outputs(a, b, cfg["gathered"], return_a)
     out, a_out = new["out"], new["a_out"]

@@ -46,12 +46,13 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
+from kraken import crossover, host
 from kraken._gemm_core import FP8, MAX_INDEX, flattens, tma_fp8
 from kraken._gemm_core import check_fp8_inputs as check_inputs
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
 from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
 from kraken._gemm_core import fp8_b_operand as b_operand
+from kraken.comm.all_gather import all_gather as sm_all_gather
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul import (  # noqa: F401 (RESERVED_SMS: the plan's, used by tests)
     GROUP_M, RESERVED_SMS, all_gather_matmul_kernel, chunk_views, progress_flags, tile_plan,
@@ -243,6 +244,28 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
 
 
+def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str, scale_a: torch.Tensor,
+                     scale_b: torch.Tensor) -> None:
+    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
+    check_inputs(a, b, scale_a, scale_b, op)
+
+
+def gather_then_scaled_mm(all_gather, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                          scale_b: torch.Tensor, group) -> torch.Tensor:
+    """The sequential form (K and N multiples of 16): ``all_gather`` (the SM-driven collective) of the fp8 values, as
+    bf16 pairs of bytes, and
+    of the row scales (a per-tensor scale becomes every row's: ranks may hold different ones), then
+    ``torch._scaled_mm`` with row-wise scales on a column-major ``b``."""
+    m, k = a.shape
+    values = all_gather(a.view(torch.bfloat16), group).view(FP8)
+    rows = all_gather(scale_a.reshape(-1, 1), group)
+    if scale_a.numel() == 1:
+        rows = rows.repeat_interleave(m, dim=0)
+    col_scales = scale_b.reshape(1, -1).expand(1, b.shape[1]).contiguous()
+    b_cols = b if b.stride(0) == 1 else b.t().contiguous().t()
+    return torch._scaled_mm(values, b_cols, rows, col_scales, out_dtype=OUT_DTYPE)
+
+
 @host.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
     op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
     host.config_key(config)))
@@ -287,16 +310,24 @@ def all_gather_matmul_fp8(
     ``b`` [K, N] fp8 in any layout (column-major, ``w.t()``, is read in place); ``scale_a`` float32, one
     element or [M, 1] (each rank its own); ``scale_b`` float32, one element or [1, N]. ``config`` overrides
     the tiles (``block_m``, ``block_n``, ``block_k``, ``num_warps``, ``num_stages``, ``group_m``),
-    ``max_blocks`` and ``b_layout`` (see ``plan`` and ``B_LAYOUTS``).
+    ``max_blocks`` and ``b_layout`` (see ``plan`` and ``B_LAYOUTS``); ``form="fused"`` or ``"sequential"`` forces
+    the form ``kraken.crossover`` would choose by size.
     """
-    return call(launch, OP, a, b, scale_a, scale_b, group, config)
+    return call(launch, OP, a, b, scale_a, scale_b, group, config, sm_all_gather)
 
 
 def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
-         config: dict) -> torch.Tensor:
-    """``all_gather_matmul_fp8`` with a given ``launch`` (the recipe's or its twin's) under the name ``op``: the
-    prepared call, the new output, and the launch. Its fork, the gather's exchange, the GEMM and a join are replayed
-    from one CUDA graph per pointer set (``host.graphed``)."""
+         config: dict, all_gather) -> torch.Tensor:
+    """``all_gather_matmul_fp8`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the
+    name ``op``, in the form ``kraken.crossover`` chooses. Sequential: ``gather_then_scaled_mm``. Fused: the prepared
+    call, the new output, and the launch; its fork, the gather's exchange, the GEMM and a join are replayed from one
+    CUDA graph per pointer set (``host.graphed``)."""
+    # torch._scaled_mm takes K and N in multiples of 16.
+    sequential_ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] % 16 == 0 for t in (a, b))
+    if crossover.form(op, a, b, group, True, sequential_ok, config, check_sequential, None,
+                      (scale_a, scale_b)) == crossover.SEQUENTIAL:
+        return gather_then_scaled_mm(all_gather, a, b, scale_a, scale_b, group)
+    config.pop("form", None)
     ctx, cfg = prepare(a, b, scale_a, scale_b, group, op, config)
     out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=OUT_DTYPE, device=a.device)
     host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(), out.data_ptr()),

@@ -71,6 +71,7 @@ from kraken._gemm_core import (  # noqa: F401 (OUT_DTYPES, SKINNY_M: this recipe
     OUT_DTYPES, SKINNY_M, TILE_CONFIGS, check_inputs, mainloop, skinny_or_large_tiles, tile_coords, tma_operands,
 )
 from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait, symm_mem_sync
+from kraken.comm.all_reduce import all_reduce as sm_all_reduce
 
 # Tiles: ``kraken._gemm_core.skinny_or_large_tiles`` (swept on 2x H200, ``probe`` runs of the recipe and its
 # twin, ``python -m benchmark.tune``), and for this recipe: ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of
@@ -489,8 +490,47 @@ def gemm_one_shot_all_reduce(
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or
     fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms, world_size)``
     (the form, ``shot="one"`` / ``"push"`` / ``"two"``, and tiles) and the chosen ``split_k``/``reduce_m``/
-    ``max_blocks`` (see ``plan``).
+    ``max_blocks`` (see ``plan``); ``form="fused"`` or ``"sequential"`` forces the form ``kraken.crossover`` would
+    choose by size.
     """
-    ctx, launch_cfg = prepare(a, b, group, out_dtype, OP, config)
+    return call(launch, OP, a, b, group, out_dtype, config, sm_all_reduce)
+
+
+def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, config: dict,
+         all_reduce) -> torch.Tensor:
+    """``gemm_one_shot_all_reduce`` with a given ``launch`` and ``all_reduce`` (the recipe's or its twin's front door)
+    under the name ``op``, in the form ``kraken.crossover`` chooses: sequential, cuBLAS then ``all_reduce`` (one- or
+    two-shot by size: the sum in fp32, rounded once), only where the output dtype is ``a``'s; else the prepared
+    call and its launch."""
+    sequential_ok = isinstance(a, torch.Tensor) and a.dtype == out_dtype
+    if crossover.form(op, a, b, group, False, sequential_ok, config, check_sequential,
+                      fills_poorly) == crossover.SEQUENTIAL:
+        return all_reduce(torch.matmul(a, b), group)
+    config.pop("form", None)
+    ctx, launch_cfg = prepare(a, b, group, out_dtype, op, config)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)
+
+
+def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
+    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
+    check_inputs(a, b, a.dtype, op)
+
+
+# The fused kernel runs one block per output tile (or per k slice of one). Above ``SKINNY_M`` rows the tensor
+# cores bind, and where its tiles leave more than a quarter of the SMs' last wave idle (512x5120x5120: 80 tiles
+# of 128x256 on 132 SMs), cuBLAS, which splits such shapes its own way, then the all-reduce is the faster form
+# (``kraken.crossover``). Up to ``SKINNY_M`` rows streaming ``b`` binds, whatever the wave's fill.
+MIN_WAVE_FILL = 0.75
+
+
+def fills_poorly(a: torch.Tensor, b: torch.Tensor, world_size: int) -> bool:
+    """Whether the fused plan for ``a @ b`` (more than ``SKINNY_M`` rows) fills less than ``MIN_WAVE_FILL`` of its
+    waves of SMs."""
+    (m, k), n = a.shape, b.shape[1]
+    if m <= SKINNY_M:
+        return False
+    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    cfg = plan(m, n, k, world_size, {}, num_sms)
+    units = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) * cfg["split_k"]
+    return units / (host.cdiv(units, num_sms) * num_sms) < MIN_WAVE_FILL

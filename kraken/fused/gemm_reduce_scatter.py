@@ -39,12 +39,13 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
+from kraken import crossover, host
 from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too)
     SKINNY_M, balanced_grid, check_inputs, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles,
     tile_coords, tma_operands,
 )
 from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait
+from kraken.comm.reduce_scatter import reduce_scatter as sm_reduce_scatter
 
 OP = "gemm_reduce_scatter"
 GROUP_M = 8  # tile rows per group of the tile order (L2 reuse across the blocks running at once)
@@ -322,8 +323,30 @@ def gemm_reduce_scatter(
 
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or fp16, the same shapes on
     every rank, M divisible by the world size. ``config`` overrides the tiles of ``default_config``,
-    ``group_m`` and ``max_blocks`` (see ``plan``).
+    ``group_m`` and ``max_blocks`` (see ``plan``); ``form="fused"`` or ``"sequential"`` forces the form
+    ``kraken.crossover`` would choose by size.
     """
-    ctx, launch_cfg = prepare(a, b, group, out_dtype, OP, config)
+    return call(launch, OP, a, b, group, out_dtype, config, sm_reduce_scatter)
+
+
+def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, config: dict,
+         reduce_scatter) -> torch.Tensor:
+    """``gemm_reduce_scatter`` with a given ``launch`` and ``reduce_scatter`` (the recipe's or its twin's) under the
+    name ``op``, in the form ``kraken.crossover`` chooses: sequential, cuBLAS then ``reduce_scatter`` (the
+    SM-driven collective: the sum in fp32 in rank order, rounded once, as the fused kernel's), only where the
+    output dtype is ``a``'s; else the prepared call and its launch."""
+    sequential_ok = isinstance(a, torch.Tensor) and a.dtype == out_dtype
+    if crossover.form(op, a, b, group, False, sequential_ok, config, check_sequential) == crossover.SEQUENTIAL:
+        return reduce_scatter(torch.matmul(a, b), group)
+    config.pop("form", None)
+    ctx, launch_cfg = prepare(a, b, group, out_dtype, op, config)
     out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
     return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)
+
+
+def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
+    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
+    check_inputs(a, b, a.dtype, op)
+    if a.shape[0] % world_size:
+        raise ValueError(f"{op}: M = {a.shape[0]} rows do not split evenly over {world_size} ranks (a is "
+                         f"{tuple(a.shape)})")
