@@ -35,13 +35,17 @@ def result_files(paths: list[str]) -> list[str]:
 
 
 def read_rows(paths: list[str]) -> list[harness.Row]:
-    """Every row of every ``*.json`` result file under ``paths`` (files or folders), in a stable order."""
+    """Every row of every ``*.json`` result file under ``paths`` (files or folders), in a stable order. Files that
+    hold no list of rows (the soak's counts, the barrier timeout's cost table) are not benchmark rows: skipped."""
     rows = []
     for name in result_files(paths):
         with open(name) as f:
-            for record in json.load(f):
-                meta = {k: v for k, v in record.items() if k in provenance.FIELDS}
-                rows.append(harness.Row(**{k: v for k, v in record.items() if k in ROW_FIELDS}, meta=meta))
+            records = json.load(f)
+        if not isinstance(records, list):
+            continue
+        for record in records:
+            meta = {k: v for k, v in record.items() if k in provenance.FIELDS}
+            rows.append(harness.Row(**{k: v for k, v in record.items() if k in ROW_FIELDS}, meta=meta))
     return rows
 
 
