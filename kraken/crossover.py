@@ -45,10 +45,10 @@ for the exchange), so the sequential form wins; where the GEMM is long the overl
 per recipe and measured world size, the fewest total rows M (``all_gather_matmul``: ``world_size`` times a
 rank's rows) at which the fused form runs; below it the sequential one. A group of one always runs fused (no
 exchange). A recipe may also prefer sequential where its fused kernel is known to be slow at the shape (a
-``prefers_sequential(a, b, world_size)`` it passes to ``form``). ``form="fused"`` or ``"sequential"`` forces either; any other config key (tiles, ``shot``)
-configures the fused kernel, so it runs the fused form (and ``"sequential"`` with such keys is an error). The
-choice is agreed across ranks on the first call of each call signature (``form``) and is the same for the
-recipe and its twin.
+``prefers_sequential(a, b, world_size)`` it passes to ``form``). ``form="fused"`` or ``"sequential"`` forces either;
+any other config key (tiles, ``shot``) configures the fused kernel, so it runs the fused form (and
+``"sequential"`` with such keys is an error). The choice is agreed across ranks on the first call of each call
+signature (``form``) and is the same for the recipe and its twin.
 """
 
 from __future__ import annotations
@@ -182,9 +182,16 @@ def choose_form(op: str, rows: int, world_size: int, config: dict, sequential_ok
     return FUSED if rows >= fused_from(op, world_size) else SEQUENTIAL
 
 
+def operand_key(tensor: object) -> object:
+    """What the form may depend on of one operand: its shape, dtype and device (the checks it runs see no more; the
+    fused form's prepared call keys on strides and alignment itself). Cheaper than ``host.tensor_key``: this runs on
+    every call."""
+    return (tensor.shape, tensor.dtype, tensor.device) if isinstance(tensor, torch.Tensor) else tensor
+
+
 @host.per_signature(lambda op, a, b, group, rows_per_a, sequential_ok, config, check, prefers_sequential=None,
-                    scales=(): (op, group, host.tensor_key(a), host.tensor_key(b), rows_per_a, sequential_ok,
-                                host.config_key(config), check, prefers_sequential, *map(host.tensor_key, scales)))
+                    scales=(): (op, group, operand_key(a), operand_key(b), sequential_ok, host.config_key(config),
+                                check, prefers_sequential, *map(operand_key, scales)))
 def form(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
          config: dict, check, prefers_sequential=None, scales: tuple = ()) -> str:
     """A fused GEMM recipe's form for this call (``choose_form``), agreed across ranks on the first call of each

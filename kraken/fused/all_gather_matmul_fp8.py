@@ -253,10 +253,9 @@ def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str,
 def gather_then_scaled_mm(all_gather, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                           scale_b: torch.Tensor, group) -> torch.Tensor:
     """The sequential form (K and N multiples of 16): ``all_gather`` (the SM-driven collective) of the fp8 values, as
-    bf16 pairs of bytes, and
-    of the row scales (a per-tensor scale becomes every row's: ranks may hold different ones), then
-    ``torch._scaled_mm`` with row-wise scales on a column-major ``b``."""
-    m, k = a.shape
+    bf16 pairs of bytes, and of the row scales (a per-tensor scale becomes every row's: ranks may hold different
+    ones), then ``torch._scaled_mm`` with row-wise scales on a column-major ``b``."""
+    m = a.shape[0]
     values = all_gather(a.view(torch.bfloat16), group).view(FP8)
     rows = all_gather(scale_a.reshape(-1, 1), group)
     if scale_a.numel() == 1:

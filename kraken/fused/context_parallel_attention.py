@@ -119,7 +119,7 @@ TILES = {
 # At one rank head_dim 128 always splits (``SPLIT_HEAD_DIMS``), so these are the second pass's tiles: one stage (a
 # query tile meets one or two key tiles), three blocks per SM (at most 168 registers, the merge's state loaded after
 # the key loop). One H200, world size 1, CUDA graphs, x cuDNN, against two blocks of 3 stages: B1 H32 8K Hkv 32
-# 1.128 -> 1.113, Hkv 8 1.075 -> 1.056, 32K Hkv 8 1.092 -> 1.085 (docs/history.md, sixth session).
+# 1.128 -> 1.113, Hkv 8 1.075 -> 1.056, 32K Hkv 8 1.092 -> 1.085 (docs/history.md, context-parallel attention).
 ONE_RANK_TILES = {
     128: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1, "blocks_per_sm": 3},
 }
@@ -145,7 +145,7 @@ FULL_TILES = {
 # and writes the output: 224-320 MB at 8K, 2.1-2.9 TB/s; latency-bound: 1-2 key tiles per query tile). Folding the
 # diagonal into the warp-specialized kernel did not pay: a branch on it in the key loop makes Triton 3.6 drop warp
 # specialization (255 registers, spills; 3.8x slower), a mask on every key tile or the diagonal pass first, merged in
-# this kernel's epilogue, were no faster (history, fifth session).
+# this kernel's epilogue, were no faster (docs/history.md, context-parallel attention).
 SPLIT_HEAD_DIMS = (128,)
 # At one rank, from this S_local on, the warp-specialized causal kernel takes one block per tile, kv head by kv head
 # (the tiles running at once share a few heads' K/V in L2), where shorter sequences run on ``SPLIT_ONE_RANK_WAVES``
@@ -155,7 +155,7 @@ SPLIT_LONG = 16384
 # Five waves rather than ``FULL_ONE_RANK_WAVES``' four: the last wave's ragged end is where the causal kernel, a
 # dependent launch (``dependent_merge``), starts. One H200, B1 H32 8K causal, both kernels, x cuDNN: Hkv 32 4 waves
 # 1.106-1.109, 5 waves 1.100-1.101, 6 1.106-1.107, 7 1.116, 2 1.126-1.127, 8 1.135-1.137, 4.5 or 5.5 waves (a last wave
-# part-filled) 1.17-1.18; Hkv 8 4 waves 1.044-1.046, 5 1.043-1.045, 3 1.040-1.042 (history, seventh session).
+# part-filled) 1.17-1.18; Hkv 8 4 waves 1.044-1.046, 5 1.043-1.045, 3 1.040-1.042 (docs/history.md).
 SPLIT_ONE_RANK_WAVES = 5
 FULL_CHOICES = {"block_m": (128,), "block_n": (64, 128), "num_warps": (4,), "num_stages": (2,), "blocks_per_sm": (1,)}
 # Registers per SM (and per thread at most): ``plan``'s register cap for blocks_per_sm blocks.
@@ -365,7 +365,7 @@ def full_attention_kernel(
     # (a pointer store). In a minimal kernel (one H200, world size 1, B1 H32 Hkv8 8K, persistent grid) each of these
     # measured 3-8% (one descriptor for K and V 1730 us against 1605, a pointer store 7%, 3-D boxes 3-5%); here, within
     # 1%: on the persistent grid this kernel's time was its slowest block's (``FULL_ONE_RANK_WAVES``; docs/history.md,
-    # "2026-11-25, second session").
+    # context-parallel attention).
     if CAUSAL:  # the causal kernel (``MERGE``) may launch now: its blocks take the SMs this grid's tail leaves idle
         gdc_launch_dependents()
     q_desc = tl.make_tensor_descriptor(q_ptr, shape=[q_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
@@ -693,7 +693,7 @@ def dependent_merge(wait: bool, world_size: int) -> bool:
     (``launch_pdl``): wherever no block waits for a peer's piece. Its blocks then start on the SMs the first grid's last
     blocks leave idle and run their key loops there, and wait for that grid only before they merge (``gdc_wait``). One
     H200, world size 1, CUDA graphs, x cuDNN, against a plain launch, four runs: B1 H32 8K Hkv 32 1.109-1.116 ->
-    1.101-1.108, Hkv 8 1.055-1.064 -> 1.046-1.056 (docs/history.md, seventh session; before ``SPLIT_ONE_RANK_WAVES``).
+    1.101-1.108, Hkv 8 1.055-1.064 -> 1.046-1.056 (docs/history.md; before ``SPLIT_ONE_RANK_WAVES``).
     With flag waits it stays a plain launch: its blocks would take the SMs kept for the exchange's barrier kernel
     (``RESERVED_SMS``) while the first grid's blocks wait for pieces that kernel lets in."""
     return not (wait and world_size > 1)
