@@ -70,6 +70,22 @@ def test_reference_free_backend_is_run_not_compared(monkeypatch):
     assert harness.check_backend(op, "wrong", (1,), torch.float32, 0, ref).startswith("FAIL (rel err")
 
 
+def test_an_error_on_one_rank_alone_fails_the_check_on_every_rank(monkeypatch):
+    """The ranks agree on the largest of their verdicts: this rank's error (-1) against another rank's pass (0) must
+    fail on both, this rank naming its error, not pass as the larger 0."""
+    seen = []
+    monkeypatch.setattr(harness, "_slowest", lambda value: seen.append(value) or max(value, 0.0))  # the other: ok
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def bad_input(inputs):
+        raise ValueError("bad input on this rank")
+
+    op = registry.Op("demo", "demo", lambda *a: {}, {"nccl": lambda i: torch.ones(2), "mine": bad_input}, [(1,)],
+                     "NUMEL", lambda *a: 1.0, lambda *a: 1.0)
+    assert harness.check_backend(op, "mine", (1,), torch.float32, 0, torch.ones(2)) == "error (bad input on this rank)"
+    assert seen == [1.0]
+
+
 def test_host_table_takes_the_median():
     rows = rows_for("1", {"nccl": 1.0}) + rows_for("2", {"nccl": 1.0}) + rows_for("3", {"nccl": 1.0})
     for row, cost in zip(rows, (5.0, 50.0, 7.0)):
