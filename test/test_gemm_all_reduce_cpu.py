@@ -438,7 +438,8 @@ def test_bad_input_is_refused_on_the_host(path, name):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_every_forced_form_backend_calls_its_function_with_the_recipes_form(monkeypatch, world_size):
     """The benchmark's forced-form backends (``triton_1shot`` ... ``helion_2shot``) call the recipe or the twin
-    with the form the recipe would pick for one-shot at M rows (the twin has no chooser of its own), or two-shot."""
+    with the form the recipe would pick for one-shot at M rows (the twin has no chooser of its own), or two-shot;
+    ``triton_seq`` forces the sequential form (``kraken.crossover``)."""
     recipe = importlib.import_module("kraken.fused.gemm_one_shot_all_reduce")
     monkeypatch.setattr(gemm_all_reduce.dist, "get_world_size", lambda group=None: world_size)
     monkeypatch.setattr(gemm_all_reduce.dist, "get_rank", lambda group=None: 0)
@@ -452,9 +453,10 @@ def test_every_forced_form_backend_calls_its_function_with_the_recipes_form(monk
         module = importlib.import_module(f"{package}.fused.gemm_one_shot_all_reduce")
         calls = []
         monkeypatch.setattr(module, "gemm_one_shot_all_reduce", lambda a, b, **kw: calls.append(kw))
-        for shot in ("1shot", "2shot", None):
+        for shot in ("1shot", "2shot", "seq", None):
             gemm_all_reduce.fused(package, shot)(inputs)
-        assert [c.get("shot") for c in calls] == [recipe.one_shot_form(64, world_size), "two", None], package
+        assert [c.get("shot") for c in calls] == [recipe.one_shot_form(64, world_size), "two", None, None], package
+        assert [c.get("form") for c in calls] == [None, None, "sequential", None], package
 
 
 def test_tma_operands_pad_rows_to_whole_tiles():

@@ -90,7 +90,8 @@ def test_twin_shares_plan_prepare_and_signatures():
 
 
 def test_op_registration():
-    assert list(OP.backends) == ["nccl", "torch_fused", "matmul", "triton", "helion"]
+    # triton_fused / triton_seq: the recipe's two forms forced (``kraken.crossover``)
+    assert list(OP.backends) == ["nccl", "torch_fused", "matmul", "triton", "helion", "triton_fused", "triton_seq"]
     assert OP.reference_free == frozenset({"matmul"})  # timed, not compared: it computes every rank's partial
     assert OP.default_shapes == [(1024, 6656, 2560), (2048, 14336, 4096), (8192, 14336, 4096), (256, 8192, 4096),
                                  (512, 8192, 4096)]
