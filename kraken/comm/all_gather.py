@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 from kraken import host
+from kraken._blocks import copy_slice
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm import staging
-from kraken.comm.one_shot_all_reduce import copy_slice
 from kraken.comm.reduce_scatter import MAX_NUMEL, shard_plan
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): the best at 4M and 32M

@@ -30,20 +30,12 @@ import triton
 import triton.language as tl
 
 from kraken import host
+from kraken._blocks import copy_slice
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm import staging
 
 # Tuned on 2x H200 with benchmark/tune.py (within 3% of the best config at every size, 4K..4M bf16).
 DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 64}
-
-
-@triton.jit
-def copy_slice(src_ptr, dst_ptr, start, end, BLOCK_SIZE: tl.constexpr):
-    """``dst[start:end] = src[start:end]``, one tile at a time (an empty range copies nothing)."""
-    for offset in tl.range(start, end, BLOCK_SIZE):
-        offsets = offset + tl.arange(0, BLOCK_SIZE)
-        mask = offsets < end
-        tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask), mask=mask)
 
 
 @triton.jit

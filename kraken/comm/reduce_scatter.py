@@ -38,9 +38,9 @@ import triton
 import triton.language as tl
 
 from kraken import host
+from kraken._blocks import copy_slice
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm import staging
-from kraken.comm.one_shot_all_reduce import copy_slice
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): within 0.3% of the best
 # at 4M and 32M bf16 elements (19.4 and 109.1 us).

@@ -35,22 +35,14 @@ import triton
 import triton.language as tl
 
 from kraken import host
+from kraken._blocks import block_range, copy_slice
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm import staging
-from kraken.comm.one_shot_all_reduce import copy_slice
 
 # Tuned on 2x H200 with benchmark/tune.py (within 3% of the best config at every size, 4K..4M bf16).
 DEFAULT_CONFIG = {"block_size": 4096, "num_warps": 16, "max_blocks": 132}
 MAX_VALUES_PER_THREAD = 32
 SHARD_ALIGN = 64  # elements: keeps every shard and chunk start 16-byte aligned for vector access
-
-
-@triton.jit
-def block_range(owner, block_id, shard, chunk, numel):
-    """``[start, end)`` of slice ``block_id`` (``chunk`` long) of shard ``owner`` (``shard`` long), up to ``numel``."""
-    start = owner * shard + block_id * chunk
-    end = tl.minimum(tl.minimum(start + chunk, owner * shard + shard), numel)
-    return start, end
 
 
 @triton.jit

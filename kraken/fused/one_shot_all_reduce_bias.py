@@ -28,8 +28,8 @@ slot ``b``:
 
 This module also holds what the distributed members of the family share: ``staged_signature``
 (validation, agreement, plan, workspace; each member's ``signature`` keeps it per signature), ``staged_call``
-(a call on it), ``door_call`` (the front doors' call) and the device helpers ``copy_slice`` (the plain
-collectives' staging copy, from ``kraken.comm.one_shot_all_reduce``) and ``sum_peers``.
+(a call on it) and ``door_call`` (the front doors' call); its device helpers (``copy_slice``, the staging copy,
+and ``sum_peers``) are ``kraken._blocks``'.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ import triton
 import triton.language as tl
 
 from kraken import crossover, host
+from kraken._blocks import copy_slice, sum_peers
 from kraken._ptx_utils import symm_mem_sync
-from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG, copy_slice  # the family stages with it
+from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
 from kraken.fused.rms_norm import NO_EPS, check_inputs
 
 # Not tuned on its own: the tuned one-shot all-reduce's configuration (same loop plus a staging copy).
@@ -54,15 +55,6 @@ WORKSPACE_COPIES = 1  # the staged input
 # ---------------------------------------------------------------------------
 # Device helpers shared by the family
 # ---------------------------------------------------------------------------
-
-
-@triton.jit
-def sum_peers(peers, offsets, mask, world_size: tl.constexpr):
-    """``sum_r peers[r][offsets]`` in fp32, in rank order: every rank gets the same bits (0 where masked)."""
-    acc = tl.load(peers[0] + offsets, mask=mask, other=0.0).to(tl.float32)
-    for r in tl.static_range(1, world_size):
-        acc += tl.load(peers[r] + offsets, mask=mask, other=0.0).to(tl.float32)
-    return acc
 
 
 @triton.jit

@@ -15,7 +15,7 @@ slot ``b``:
    ``weight`` (once: they are the same for every row);
 2. barrier (release + acquire): staged rows are visible both ways;
 3. for each row: sum the peers' rows (rank order, fp32), add ``bias``,
-   normalise (``rms_norm.rms_normalize``), store the local output;
+   normalise (``kraken._blocks.rms_normalize``), store the local output;
 4. barrier (release): "done reading your workspace".
 
 The row is spread so that no thread holds more than one 16-byte vector of it
@@ -34,12 +34,11 @@ import triton
 import triton.language as tl
 
 from kraken import host
+from kraken._blocks import copy_slice, rms_normalize, sum_peers
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
-from kraken.fused.one_shot_all_reduce_bias import (
-    NORM_KEY, WORKSPACE_COPIES, copy_slice, on_signature, staged_call, staged_signature, sum_peers,
-)
-from kraken.fused.rms_norm import rms_normalize, row_warps
+from kraken.fused.one_shot_all_reduce_bias import NORM_KEY, WORKSPACE_COPIES, on_signature, staged_call, staged_signature
+from kraken.fused.rms_norm import row_warps
 
 # Not tuned on its own: the tuned one-shot all-reduce's grid cap; num_warps None: from the row width
 # (rms_norm.row_warps: at most one 16-byte vector per thread, so a row's loads go out together).

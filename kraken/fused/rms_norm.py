@@ -7,8 +7,8 @@ flattened into tokens). The whole row sits in registers as one
 ``next_power_of_2(hidden)`` tile, so the mean of squares is a single in-register
 reduction and ``x`` is read exactly once.
 
-``rms_normalize`` is the row math every fused recipe of the family calls after
-its all-reduce, and ``check_inputs`` the validation they all share: everything
+``rms_normalize`` (``kraken._blocks``) is the row math every fused recipe of the family calls
+after its all-reduce, and ``check_inputs`` the validation they all share: everything
 that needs no GPU (shapes, dtypes, ``eps``) is checked before anything that does,
 so a bad argument names itself on any machine.
 """
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kraken import host
+from kraken._blocks import rms_normalize
 
 DEFAULT_CONFIG = {"num_warps": None}  # None: from the row width
 MAX_HIDDEN = 16384  # a row is one register tile; wider rows would spill
@@ -32,18 +33,6 @@ NO_EPS = object()  # check_inputs: the op takes no eps
 # ---------------------------------------------------------------------------
 # Device: the row math, shared by every kernel of the family
 # ---------------------------------------------------------------------------
-
-
-@triton.jit
-def rms_normalize(h, weight, eps, hidden):
-    """``h * rsqrt(mean(h^2) + eps) * weight`` for one fp32 row and the fp32 ``weight`` row.
-
-    ``weight`` comes in as values, loaded by the caller before the row's
-    reduction (once per block in the fused kernels): loaded here, after the
-    reduction's thread barriers, its latency would be paid again on every row.
-    """
-    mean_square = tl.sum(h * h, axis=0) / hidden
-    return h * tl.rsqrt(mean_square + eps) * weight
 
 
 @triton.jit

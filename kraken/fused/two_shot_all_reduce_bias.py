@@ -36,11 +36,10 @@ import triton
 import triton.language as tl
 
 from kraken import host
+from kraken._blocks import block_range, copy_slice, sum_peers
 from kraken._ptx_utils import symm_mem_sync
-from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG, SHARD_ALIGN, block_range
-from kraken.fused.one_shot_all_reduce_bias import (
-    BIAS_KEY, copy_slice, on_signature, staged_call, staged_signature, sum_peers,
-)
+from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG, SHARD_ALIGN
+from kraken.fused.one_shot_all_reduce_bias import BIAS_KEY, on_signature, staged_call, staged_signature
 from kraken.fused.rms_norm import NO_EPS
 
 # Not tuned on its own: the tuned two-shot all-reduce's configuration.

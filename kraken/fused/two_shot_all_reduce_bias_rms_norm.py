@@ -27,13 +27,12 @@ import triton
 import triton.language as tl
 
 from kraken import host
+from kraken._blocks import block_range, copy_slice, rms_normalize, sum_peers
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG
-from kraken.fused.one_shot_all_reduce_bias import (
-    NORM_KEY, copy_slice, on_signature, staged_call, staged_signature, sum_peers,
-)
-from kraken.fused.rms_norm import rms_normalize, row_warps
-from kraken.fused.two_shot_all_reduce_bias import WORKSPACE_COPIES, block_range
+from kraken.fused.one_shot_all_reduce_bias import NORM_KEY, on_signature, staged_call, staged_signature
+from kraken.fused.rms_norm import row_warps
+from kraken.fused.two_shot_all_reduce_bias import WORKSPACE_COPIES
 
 # Not tuned on its own: the tuned two-shot all-reduce's grid cap; num_warps None: from the row width
 # (rms_norm.row_warps: at most one 16-byte vector per thread, so a row's loads go out together).
