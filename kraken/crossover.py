@@ -56,6 +56,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from kraken import host
 
@@ -189,11 +190,20 @@ def operand_key(tensor: object) -> object:
     return (tensor.shape, tensor.dtype, tensor.device) if isinstance(tensor, torch.Tensor) else tensor
 
 
-@host.per_signature(lambda op, a, b, group, rows_per_a, sequential_ok, config, check, prefers_sequential=None,
-                    scales=(): (op, group, operand_key(a), operand_key(b), sequential_ok, host.config_key(config),
-                                check, prefers_sequential, *map(operand_key, scales)))
 def form(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
          config: dict, check, prefers_sequential=None, scales: tuple = ()) -> str:
+    """A fused GEMM recipe's form for this call (``agreed_form``); fused where there is no process group, so that
+    the recipe's own checks name a bad argument first, then the missing group (as ``host.agreed`` does)."""
+    if not dist.is_initialized():
+        return FUSED
+    return agreed_form(op, a, b, group, rows_per_a, sequential_ok, config, check, prefers_sequential, scales)
+
+
+@host.per_signature(lambda op, a, b, group, rows_per_a, sequential_ok, config, check, prefers_sequential, scales: (
+    op, group, operand_key(a), operand_key(b), sequential_ok, host.config_key(config), check, prefers_sequential,
+    *map(operand_key, scales)))
+def agreed_form(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
+                config: dict, check, prefers_sequential, scales: tuple) -> str:
     """A fused GEMM recipe's form for this call (``choose_form``), agreed across ranks on the first call of each
     signature, so that every rank runs the same kernels. ``rows_per_a``: ``a`` holds one rank's rows (the total
     is ``world_size`` times them). The ranks agree on what decides the form (the total rows, ``sequential_ok``,
