@@ -190,6 +190,16 @@ def operand_key(tensor: object) -> object:
     return (tensor.shape, tensor.dtype, tensor.device) if isinstance(tensor, torch.Tensor) else tensor
 
 
+def fused_prepared(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
+                   config: dict, check, prepare, prefers_sequential=None, scales: tuple = ()):
+    """``SEQUENTIAL``, or the fused form's prepared call: ``prepare(config)`` with ``"form"`` taken out. A recipe keeps
+    this per call signature (its ``chosen``, keyed as its ``prepare``), so that a warm call is one lookup whichever
+    the form; the arguments are ``form``'s."""
+    if form(op, a, b, group, rows_per_a, sequential_ok, config, check, prefers_sequential, scales) == SEQUENTIAL:
+        return SEQUENTIAL
+    return prepare({key: value for key, value in config.items() if key != "form"})
+
+
 def form(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
          config: dict, check, prefers_sequential=None, scales: tuple = ()) -> str:
     """A fused GEMM recipe's form for this call (``agreed_form``); fused where there is no process group, so that

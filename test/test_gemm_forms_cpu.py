@@ -104,6 +104,10 @@ def test_sequential_form_is_the_collective_and_the_gemm(two_ranks, monkeypatch, 
         assert len(seen) == 1 and seen[0].shape == (rows, 40)
         expected = 3 * reference if op == "gemm_one_shot_all_reduce" else (3 * reference)[:rows // 2]
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+    # A warm call is one lookup (the recipe's ``chosen``): the form is neither chosen nor agreed again.
+    monkeypatch.setattr(crossover, "form", lambda *args: pytest.fail("the form was chosen again"))
+    again = recipe.call(module.launch, name, *args, {}, collective(op, seen))
+    assert torch.equal(again, out) and len(seen) == 2
 
 
 @pytest.mark.parametrize("op", sorted(RECIPES))

@@ -311,6 +311,14 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
 
 
+@host.per_signature(lambda a, b, group, op, config, return_a: (
+    op, group, host.tensor_key(a), host.tensor_key(b), host.scalar_key(return_a), host.config_key(config)))
+def chosen(a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool):
+    """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``)."""
+    return crossover.fused_prepared(op, a, b, group, True, True, config, check_sequential,
+                                    lambda fused_config: prepare(a, b, group, op, fused_config, return_a))
+
+
 def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
     """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
     check_inputs(a, b, op)
@@ -395,12 +403,12 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: boo
     ``op``, in the form ``kraken.crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of ``a``,
     then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch; its fork, the
     gather's exchange, the GEMM and a join are replayed from one CUDA graph per pointer set (``host.graphed``)."""
-    if crossover.form(op, a, b, group, True, True, config, check_sequential) == crossover.SEQUENTIAL:
+    prepared = chosen(a, b, group, op, config, return_a)
+    if prepared == crossover.SEQUENTIAL:
         gathered = all_gather(a, group)
         out = torch.matmul(gathered, b)
         return (gathered, out) if return_a else out
-    config.pop("form", None)
-    ctx, cfg = prepare(a, b, group, op, config, return_a)
+    ctx, cfg = prepared
     new = outputs(a, b, cfg["gathered"], return_a)
     out, a_out = new["out"], new["a_out"]
     host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(), a_out is not None and a_out.data_ptr()),

@@ -244,6 +244,19 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
 
 
+@host.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
+    op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
+    host.config_key(config)))
+def chosen(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, op: str,
+           config: dict):
+    """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
+    sequential only where ``torch._scaled_mm`` takes K and N (multiples of 16)."""
+    sequential_ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] % 16 == 0 for t in (a, b))
+    return crossover.fused_prepared(op, a, b, group, True, sequential_ok, config, check_sequential,
+                                    lambda fused_config: prepare(a, b, scale_a, scale_b, group, op, fused_config),
+                                    None, (scale_a, scale_b))
+
+
 def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str, scale_a: torch.Tensor,
                      scale_b: torch.Tensor) -> None:
     """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
@@ -321,13 +334,10 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
     name ``op``, in the form ``kraken.crossover`` chooses. Sequential: ``gather_then_scaled_mm``. Fused: the prepared
     call, the new output, and the launch; its fork, the gather's exchange, the GEMM and a join are replayed from one
     CUDA graph per pointer set (``host.graphed``)."""
-    # torch._scaled_mm takes K and N in multiples of 16.
-    sequential_ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] % 16 == 0 for t in (a, b))
-    if crossover.form(op, a, b, group, True, sequential_ok, config, check_sequential, None,
-                      (scale_a, scale_b)) == crossover.SEQUENTIAL:
+    prepared = chosen(a, b, scale_a, scale_b, group, op, config)
+    if prepared == crossover.SEQUENTIAL:
         return gather_then_scaled_mm(all_gather, a, b, scale_a, scale_b, group)
-    config.pop("form", None)
-    ctx, cfg = prepare(a, b, scale_a, scale_b, group, op, config)
+    ctx, cfg = prepared
     out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=OUT_DTYPE, device=a.device)
     host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(), out.data_ptr()),
                  lambda: launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out,

@@ -502,14 +502,23 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: to
     under the name ``op``, in the form ``kraken.crossover`` chooses: sequential, cuBLAS then ``all_reduce`` (one- or
     two-shot by size: the sum in fp32, rounded once), only where the output dtype is ``a``'s; else the prepared
     call and its launch."""
-    sequential_ok = isinstance(a, torch.Tensor) and a.dtype == out_dtype
-    if crossover.form(op, a, b, group, False, sequential_ok, config, check_sequential,
-                      fills_poorly) == crossover.SEQUENTIAL:
+    prepared = chosen(a, b, group, out_dtype, op, config)
+    if prepared == crossover.SEQUENTIAL:
         return all_reduce(torch.matmul(a, b), group)
-    config.pop("form", None)
-    ctx, launch_cfg = prepare(a, b, group, out_dtype, op, config)
+    ctx, launch_cfg = prepared
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)
+
+
+@host.per_signature(lambda a, b, group, out_dtype, op, config: (
+    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, host.config_key(config)))
+def chosen(a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict):
+    """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
+    sequential only where the output dtype is ``a``'s."""
+    sequential_ok = isinstance(a, torch.Tensor) and a.dtype == out_dtype
+    return crossover.fused_prepared(op, a, b, group, False, sequential_ok, config, check_sequential,
+                                    lambda fused_config: prepare(a, b, group, out_dtype, op, fused_config),
+                                    fills_poorly)
 
 
 def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
