@@ -183,13 +183,6 @@ def choose_form(op: str, rows: int, world_size: int, config: dict, sequential_ok
     return FUSED if rows >= fused_from(op, world_size) else SEQUENTIAL
 
 
-def operand_key(tensor: object) -> object:
-    """What the form may depend on of one operand: its shape, dtype and device (the checks it runs see no more; the
-    fused form's prepared call keys on strides and alignment itself). Cheaper than ``host.tensor_key``: this runs on
-    every call."""
-    return (tensor.shape, tensor.dtype, tensor.device) if isinstance(tensor, torch.Tensor) else tensor
-
-
 def fused_prepared(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
                    config: dict, check, prepare, prefers_sequential=None, scales: tuple = ()):
     """``SEQUENTIAL``, or the fused form's prepared call: ``prepare(config)`` with ``"form"`` taken out. A recipe keeps
@@ -202,27 +195,17 @@ def fused_prepared(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a:
 
 def form(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
          config: dict, check, prefers_sequential=None, scales: tuple = ()) -> str:
-    """A fused GEMM recipe's form for this call (``agreed_form``); fused where there is no process group, so that
-    the recipe's own checks name a bad argument first, then the missing group (as ``host.agreed`` does)."""
+    """A fused GEMM recipe's form for this call (``choose_form``), agreed across ranks on the first call of each
+    signature, so that every rank runs the same kernels (the recipes keep the result with their prepared calls:
+    ``fused_prepared``). ``rows_per_a``: ``a`` holds one rank's rows (the total is ``world_size`` times them). The
+    ranks agree on what decides the form (the total rows, ``sequential_ok``, the config), not on the operands: the
+    fused form's prepared call and the sequential form's collectives agree on those, each with its own messages.
+    ``check(a, b, world_size, op, *scales)``, the recipe's argument checks, runs inside this agreement when the
+    choice is sequential, so that one rank's bad input raises on every rank; inputs that are not two matrices, or
+    no process group, choose fused, whose checks name the problem first (as ``host.agreed`` does).
+    ``prefers_sequential(a, b, world_size)`` turns an unforced fused choice sequential."""
     if not dist.is_initialized():
         return FUSED
-    return agreed_form(op, a, b, group, rows_per_a, sequential_ok, config, check, prefers_sequential, scales)
-
-
-@host.per_signature(lambda op, a, b, group, rows_per_a, sequential_ok, config, check, prefers_sequential, scales: (
-    op, group, operand_key(a), operand_key(b), sequential_ok, host.config_key(config), check, prefers_sequential,
-    *map(operand_key, scales)))
-def agreed_form(op: str, a: torch.Tensor, b: torch.Tensor, group, rows_per_a: bool, sequential_ok: bool,
-                config: dict, check, prefers_sequential, scales: tuple) -> str:
-    """A fused GEMM recipe's form for this call (``choose_form``), agreed across ranks on the first call of each
-    signature, so that every rank runs the same kernels. ``rows_per_a``: ``a`` holds one rank's rows (the total
-    is ``world_size`` times them). The ranks agree on what decides the form (the total rows, ``sequential_ok``,
-    the config), not on the operands: the fused form's prepared call and the sequential form's collectives agree
-    on those, each with its own messages. ``check(a, b, world_size, op, *scales)``, the recipe's argument checks,
-    runs inside this agreement when the choice is sequential, so that one rank's bad input raises on every rank;
-    inputs that are not two matrices choose fused, whose checks raise on every rank.
-    ``prefers_sequential(a, b, world_size)`` (a module-level function: it is part of the cache key) turns an
-    unforced fused choice sequential."""
     world_size = host.world_size_of(group, op)
     matrices = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2
     rows = a.shape[0] * (world_size if rows_per_a else 1) if matrices else None
