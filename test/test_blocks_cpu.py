@@ -10,9 +10,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
