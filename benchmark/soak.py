@@ -82,21 +82,29 @@ def fits(name: str, shape: tuple, world_size: int) -> bool:
     return all(value >= 1 and value % parts.get(rule, 1) == 0 for rule, value in zip(rules, shape))
 
 
-def shape_pool(op: registry.Op, world_size: int, seed: int, size: int = POOL) -> list[tuple]:
+def scaled(name: str, shape: tuple, scale: float) -> tuple:
+    """``shape`` with every field op ``name`` lets vary (``FIELDS``) times ``scale`` (at least 1)."""
+    if scale == 1.0 or name not in FIELDS:
+        return shape
+    return tuple(v if rule == "keep" else max(1, round(v * scale)) for rule, v in zip(FIELDS[name].split(), shape))
+
+
+def shape_pool(op: registry.Op, world_size: int, seed: int, size: int = POOL, scale: float = 1.0) -> list[tuple]:
     """The shapes op ``op`` is soaked at, at this group size: a third of them default shapes that fit, the rest
-    drawn around random defaults. Bounded: every new shape may allocate symmetric memory for good."""
+    drawn around random defaults; ``scale`` shrinks the defaults first (fewer seconds per check at the largest).
+    Bounded: every new shape may allocate symmetric memory for good, and may compile a kernel."""
     rng = random.Random(f"{seed}/{op.name}/{world_size}")  # a string seed hashes alike in every process
-    defaults = [tuple(s) for s in op.default_shapes]
+    defaults = [scaled(op.name, tuple(s), scale) for s in op.default_shapes]
     if op.name not in FIELDS:
         return defaults[:size]
     fitting = [s for s in defaults if fits(op.name, s, world_size)]
     pool = rng.sample(fitting, min(len(fitting), max(1, size // 3)))
     for _ in range(50 * size):
+        if len(pool) >= size:
+            break
         shape = draw_shape(op.name, rng.choice(defaults), world_size, rng)
         if shape not in pool:
             pool.append(shape)
-        if len(pool) >= size:
-            break
     return pool
 
 
@@ -126,7 +134,8 @@ class Step:
 
 
 def schedule(ops: dict, world_size: int, seed: int, graph_every: float = 0.0, subgroup: bool = False,
-             backends: list | None = None, dtypes: tuple = tuple(DTYPES)) -> Iterator[Step]:
+             backends: list | None = None, dtypes: tuple = tuple(DTYPES), pool: int = POOL,
+             scale: float = 1.0) -> Iterator[Step]:
     """The steps, drawn from one ``random.Random(seed)``: the same sequence wherever the arguments are the same."""
     rng, pools = random.Random(seed), {}
     chosen = {name: subjects(ops[name], backends) for name in sorted(ops)}
@@ -139,7 +148,9 @@ def schedule(ops: dict, world_size: int, seed: int, graph_every: float = 0.0, su
         op, backend = ops[name], rng.choice(chosen[name])
         group = "half" if subgroup and takes_group(op) and rng.random() < 0.5 else "world"
         key = (name, world_size // 2 if group == "half" else world_size)  # a pool per op and group size
-        shape = rng.choice(pools[key] if key in pools else pools.setdefault(key, shape_pool(op, key[1], seed)))
+        if key not in pools:
+            pools[key] = shape_pool(op, key[1], seed, pool, scale)
+        shape = rng.choice(pools[key])
         dtype = rng.choice(types[name])
         graph = rng.random() < graph_every and backend not in op.eager_only
         label = f"{name}/{backend}" + ("@half" if group == "half" else "")
@@ -194,7 +205,7 @@ class Soak:
             low, high = dist.new_group(list(range(half))), dist.new_group(list(range(half, self.world_size)))
             self.groups["half"] = low if self.rank < half else high
         self.ops, self.steps = ops, schedule(ops, self.world_size, args.seed, args.graph_every, args.subgroup,
-                                             args.backends, args.dtypes)
+                                             args.backends, args.dtypes, args.pool, args.scale)
         self.counts, self.skipped, self.failures, self.told, self.skips_in_a_row = {}, {}, [], set(), 0
         self.json = args.json or os.path.join("results", f"soak-ws{self.world_size}.json")
         os.makedirs(os.path.dirname(os.path.abspath(self.json)), exist_ok=True)
@@ -358,6 +369,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--launches", type=int, help="stop after this many calls, replays included (default 1000 without --seconds)")
     add("--graph-every", type=float, default=0.1, help="fraction of steps run as CUDA graph replays (default 0.1)")
     add("--replays", type=int, default=4, help="replays per CUDA graph step (default 4)")
+    add("--pool", type=int, default=POOL, help=f"distinct shapes per op and group size (default {POOL}); each may "
+        "compile kernels, which the first minutes of a soak spend most of their time on")
+    add("--scale", type=float, default=1.0, help="shrink the ops' default shapes by this factor before drawing around "
+        "them (default 1.0; 0.25: a quarter of each dimension that varies), for more checked calls a second")
     add("--seed", type=int, default=0, help="the schedule's seed, the same on every rank (default 0)")
     add("--subgroup", action="store_true", help="also run ops on half of the world (two halves by dist.new_group; "
         f"an even world size). Only ops whose make_inputs takes a group can ({grouped}); the other ops' backends "
@@ -376,6 +391,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.launches = 1000
     if not 0.0 <= args.graph_every <= 1.0 or args.replays < 1 or (args.launches is not None and args.launches < 1):
         parser.error("--graph-every must be in [0, 1], --replays and --launches >= 1")
+    if args.pool < 1 or not 0.0 < args.scale <= 1.0:
+        parser.error("--pool must be >= 1 and --scale in (0, 1]")
     return args
 
 

@@ -29,7 +29,7 @@ from kraken import host
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
-MAX_INDEX = 2**31 - 1  # offsets are int32, as in the Helion twins
+MAX_INDEX = 2**31 - 1  # the largest offset 32-bit arithmetic reaches (TMA coordinates are per dimension)
 TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides; others are padded (``tma_operands``)
 
 # bf16/fp16 tiles, largest first: 128x256 on two consumer warpgroups where the shape has the tiles to fill the
@@ -249,8 +249,9 @@ def check_out_dtype(out_dtype: torch.dtype, op: str) -> None:
         raise ValueError(f"{op}: out_dtype {out_dtype} is not supported; supported: {allowed}")
 
 
-def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str) -> None:
-    """Checks of a bf16/fp16 reduce GEMM's arguments that need neither a GPU nor torch.distributed."""
+def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str, wide: bool = False) -> None:
+    """Checks of a bf16/fp16 reduce GEMM's arguments that need neither a GPU nor torch.distributed. ``wide``: the
+    recipe addresses its output with 64-bit offsets past ``MAX_INDEX`` (its operands load through TMA)."""
     check_out_dtype(out_dtype, op)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype:
@@ -265,7 +266,7 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: s
     host.check_tensor(b, "b", op, INPUT_DTYPES, ndim=2)
     if a.device != b.device:
         raise ValueError(f"{op}: a and b are on different devices ({a.device}, {b.device})")
-    if max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > MAX_INDEX:
+    if not wide and max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > MAX_INDEX:
         raise ValueError(f"{op}: a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
 
 

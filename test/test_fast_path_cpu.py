@@ -62,9 +62,9 @@ def test_launcher_replays_the_jit_bound_arguments(launches):
     assert [kind for kind, _ in fast] == ["fast", "fast"]
     for _, run_args in fast:
         # grid x, y, z, the current stream, the function, its metadata, no hooks, then every parameter in
-        # order: the ones passed positionally, then the constexpr passed by keyword.
+        # order: the ones passed positionally, then the constexprs passed by keyword, then WIDE at its default.
         assert run_args[:9] == (3, 1, 1, 1234, "cufunction", "packed metadata", None, None, None)
-        assert run_args[9:] == (*args, 1024, False)
+        assert run_args[9:] == (*args, 1024, False, False)
         assert run_args[9] is peers and run_args[10] is out
 
 
@@ -101,7 +101,7 @@ def test_launcher_calls_the_c_launch_function_when_no_scratch_is_needed(monkeypa
     for _ in range(2):
         launcher(kernel, (5,), *args, BLOCK_SIZE=1024, STAGED=False, num_warps=4)
     assert log == [(5, 1, 1, 1234, "cufunction", False, True, None, None, "packed metadata", None, None, None,
-                    *args, 1024, False)]
+                    *args, 1024, False, False)]  # BLOCK_SIZE, STAGED, WIDE (its default)
 
 
 def test_launcher_takes_the_jit_path_while_a_launch_hook_is_set(launches, monkeypatch):
@@ -301,7 +301,7 @@ def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, 
     monkeypatch.setattr(host, "block_workspace", block_workspace)
     monkeypatch.setattr(host, "local_barrier_pads", lambda device: 4096)
     recipe = importlib.import_module(module.replace("helion_ports", "kraken"))  # whose prepare the twin shares
-    monkeypatch.setattr(recipe, "check_inputs", lambda *args: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(recipe, "check_inputs", lambda *args, **kwargs: None)  # CPU tensors stand in for CUDA ones
     try:
         fn = getattr(importlib.import_module(module), name)
         if name in crossover.FUSED_FROM:  # a recipe with a sequential form: its fused kernel, whatever the size
@@ -428,7 +428,7 @@ def test_a_checked_replay_refuses_other_scalars_and_shapes_and_launches_its_own_
     (kind, args), = launches
     assert kind == "fast" and args[:4] == (3, 2, 1, 1234)
     assert args[9:] == ((peers[0].data_ptr(), peers[1].data_ptr()), other.data_ptr(), peers[0].data_ptr(),
-                        other.data_ptr() + 2 * other.element_size(), 8, 0.5, 1024, 0, 2, 1024, False)
+                        other.data_ptr() + 2 * other.element_size(), 8, 0.5, 1024, 0, 2, 1024, False, False)
 
 
 def named(value, names: dict):
@@ -537,7 +537,7 @@ def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
     for args in launched:
         assert args[:13] == (5, 1, 1, 1234, "cufunction", False, False, None, None, "packed metadata", None, None,
                              None)
-        assert args[15:19] == (64, 128, 128, 1) and args[19:] == (*rest, 1024, False)
+        assert args[15:19] == (64, 128, 128, 1) and args[19:] == (*rest, 1024, False, False)
 
 
 def test_local_scratch_is_kept_per_device_and_dtype():

@@ -139,9 +139,55 @@ def test_shape_checks():
     for mod in (rs, ag):
         with pytest.raises(ValueError, match="at least one dimension"):
             mod.check_shape((), 2, "op")
-        with pytest.raises(ValueError, match="32-bit offsets"):
-            mod.check_shape((1 << 30, 4), 2, "op")
+        mod.check_shape((1 << 30, 4), 2, "op")  # past 2**31 elements: taken, with 64-bit offsets
     ag.check_shape((7, 3), 2, "all_gather")  # any M gathers
+
+
+COLLECTIVES = ("kraken.comm.one_shot_all_reduce", "kraken.comm.two_shot_all_reduce", RS[0], AG[0])
+
+
+def wide_plan(path: str, elements: int, ws: int) -> dict:
+    """The plan of ``path`` for a call that addresses ``elements`` elements in all (input or output)."""
+    mod = module(path)
+    if path == AG[0]:
+        return mod.plan(elements // ws, ws, {})
+    return mod.plan(elements, ws, {})
+
+
+@pytest.mark.parametrize("path", COLLECTIVES)
+@pytest.mark.parametrize("ws", [2, 4])
+def test_plans_go_wide_exactly_past_2_31_elements(path, ws):
+    """64-bit offsets only where 32-bit ones do not reach, so that every smaller call keeps its kernel."""
+    align = 64 * ws  # a multiple of every recipe's shard alignment
+    below = (2**31 - 1) // align * align
+    assert not wide_plan(path, below, ws)["wide"]
+    assert not wide_plan(path, 4096, ws)["wide"]
+    assert wide_plan(path, below + 2 * align, ws)["wide"]
+    assert wide_plan(path, 3 * 2**31, ws)["wide"]
+
+
+@pytest.mark.parametrize("path", COLLECTIVES)
+def test_wide_kernels_compute_offsets_in_64_bits(path):
+    """Under ``wide`` the kernel's offsets are 64-bit products (``mul.lo.s64``: the block's index times its chunk),
+    and the 32-bit kernel has none of them but pointer arithmetic."""
+    ws, n, rank = 2, 2 * 65536, 1
+    mod = module(path)
+    peers = tuple(torch.randn(n).to(torch.bfloat16) for _ in range(ws))
+    ptx = {}
+    for wide in (False, True):
+        cfg = {**wide_plan(path, n, ws), "wide": wide}
+        with sm90.capture_launches() as launches:
+            if path.endswith("two_shot_all_reduce"):
+                mod.launch(peers, sm90.FAKE_SIGNAL_PADS, rank, **cfg)
+            else:
+                out = torch.empty(n // ws if path == RS[0] else n if path == AG[0] else n, dtype=torch.bfloat16)
+                mod.launch(peers if path != AG[0] else tuple(p[:n // ws] for p in peers), out,
+                           sm90.FAKE_SIGNAL_PADS, rank, **cfg)
+        (launch,) = launches
+        assert launch.kwargs["WIDE"] is wide
+        ptx[wide] = sm90.compile_sm90(launch).asm["ptx"]
+    s64 = {wide: len(re.findall(r"\bmul\.lo\.s64\b", text)) for wide, text in ptx.items()}
+    assert s64[True] > s64[False], (path, s64)
 
 
 class FakeContext:

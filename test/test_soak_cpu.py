@@ -158,8 +158,8 @@ FAKE = textwrap.dedent("""
                       "copy": lambda i: i["x"]},
                      [(8, 4), (13, 4)], "ROWSxCOLS", lambda *a: 0.0, lambda *a: 0.0,
                      reference_free=frozenset({"triton_free"}))
-    args = argparse.Namespace(seed=1, graph_every=0.0, replays=2, subgroup=False, backends=None, dtypes=("bf16",),
-                              launches=60, seconds=None, progress_every=1e9, json=sys.argv[1])
+    args = argparse.Namespace(seed=1, pool=6, scale=1.0, graph_every=0.0, replays=2, subgroup=False, backends=None,
+                              dtypes=("bf16",), launches=60, seconds=None, progress_every=1e9, json=sys.argv[1])
     code = soak.Soak(args, {"fake": op}).run()
     dist.destroy_process_group()
     sys.exit(code)
@@ -186,3 +186,24 @@ def test_fake_ops_end_to_end(tmp_path):
     assert {f["kind"] for f in out["failures"]} == {"mismatch", "error", "unsupported"}
     trace = (tmp_path / "soak-rank0.log").read_text().splitlines()
     assert trace and all(" rank 0 step " in line for line in trace)
+
+
+def test_pool_and_scale_bound_the_shapes():
+    """``--pool`` shapes per op and group size; ``--scale`` shrinks every varying field of the defaults, keeps the rest
+    and the op's rules (every shape still fits)."""
+    ops = registry.load_all()
+    for name in ("tp_mlp", "context_parallel_attention", "gemm_reduce_scatter", "moe_dispatch"):
+        op = ops[name]
+        full, small = soak.shape_pool(op, 4, 3, 2), soak.shape_pool(op, 4, 3, 2, 0.25)
+        assert len(full) == len(small) == 2
+        largest = max(max(s[i] for s in op.default_shapes) for i in range(len(op.default_shapes[0])))
+        assert max(max(s) for s in small) <= max(1, largest // 2), (name, small)
+        for shape in small:
+            assert soak.fits(name, shape, 4), (name, shape)
+            for i, (rule, value) in enumerate(zip(soak.FIELDS[name].split(), shape)):
+                if rule == "keep":
+                    assert value in {default[i] for default in op.default_shapes}, (name, shape)
+    args = soak.parse_args(["--pool", "3", "--scale", "0.5"])
+    assert (args.pool, args.scale) == (3, 0.5)
+    steps = first_steps(5, pool=1, scale=0.25)
+    assert len({step.shape for step in steps if step.op == "tp_mlp"}) == 1

@@ -86,6 +86,16 @@ def matmul(i):
     return torch.matmul(i["a"], i["b"])
 
 
+def sequential(fn):
+    """``fn``'s sequential form (cuBLAS, then the SM-driven collective), which sums in ``a``'s dtype: unsupported
+    (``NotImplementedError``, a skipped row, not an error) where the output dtype is another."""
+    def call(i):
+        if i["a"].dtype != OUT_DTYPE:
+            raise NotImplementedError(f"the sequential form returns a's dtype ({i['a'].dtype}), not {OUT_DTYPE}")
+        return fn(i["a"], i["b"], out_dtype=OUT_DTYPE, form="sequential")
+    return call
+
+
 def fused(package: str, shot: str | None = None):
     """The recipe (``package`` kraken) or its twin (helion_ports) in the form it picks, or ``shot``: "1shot" (one-shot,
     pushing or pulling as the recipe would for M rows), "2shot" or "seq" (cuBLAS, then the SM-driven all-reduce)."""
@@ -95,7 +105,7 @@ def fused(package: str, shot: str | None = None):
     if shot is None:
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
     if shot == "seq":
-        return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, form="sequential")
+        return sequential(fn)
     if shot == "2shot":
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, shot="two")
     # the twin takes the recipe's forms, and has no chooser: make_inputs worked out the recipe's one-shot form

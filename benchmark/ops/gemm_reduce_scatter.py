@@ -24,7 +24,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.ops.gemm_all_reduce import HBM_GBPS, rank_operands
+from benchmark.ops.gemm_all_reduce import HBM_GBPS, rank_operands, sequential
 from benchmark.registry import Op, Pair, gemm_us, register
 from benchmark.sm90 import FAKE_SIGNAL_PADS, H200_NUM_SMS
 
@@ -81,6 +81,8 @@ def fused(package: str, form: str | None = None):
     fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
     if form is None:
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
+    if form == "sequential":
+        return sequential(fn)
     return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE, form=form)
 
 

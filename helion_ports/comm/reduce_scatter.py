@@ -74,6 +74,7 @@ def launch(
     num_warps: int,
     num_blocks: int,
     chunk: int,
+    wide: bool = False,  # unused: Helion picks 64-bit indices itself from the tensors' sizes
     group_name: str = "",
     launcher=host.jit_launch,
     x: torch.Tensor | None = None,

@@ -75,12 +75,18 @@ def launch(
     num_blocks: int,
     shard: int,
     chunk: int,
+    wide: bool = False,
     group_name: str = "",
     launcher=host.jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch`` (an ordinary
-    ``x`` is staged by a copy launch, ``helion_ports.stage``, and the sum copied back into it)."""
+    ``x`` is staged by a copy launch, ``helion_ports.stage``, and the sum copied back into it). ``wide`` (past
+    2**31 elements) is refused on every rank before any launch: the shard's start, ``rank * shard``, is a product of
+    scalars that Triton types 32-bit from their values, whatever index width Helion picks for the tensors."""
+    if wide:
+        raise ValueError(f"helion two_shot_all_reduce: {len(peers)} shards of {shard} elements pass 2**31 - 1; the "
+                         "twin addresses 32 bits (kraken.comm.two_shot_all_reduce takes such tensors)")
     if x is not None:
         stage(peers, rank, x, group_name, launcher)
     flat_peers = views(peers, -1)

@@ -36,7 +36,7 @@ from kraken import host
 from kraken._blocks import copy_slice
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm import staging
-from kraken.comm.reduce_scatter import MAX_NUMEL, shard_plan
+from kraken.comm.reduce_scatter import shard_plan
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): the best at 4M and 32M
 # bf16 output elements (19.4 and 108.1 us).
@@ -58,9 +58,14 @@ def all_gather_kernel(
     world_size: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STAGED: tl.constexpr,
+    WIDE: tl.constexpr = False,  # past 2**31 elements: 64-bit offsets (32-bit ones are cheaper where they reach)
 ):
     block_id = tl.program_id(0)
-    start = block_id * chunk
+    block = block_id  # the barrier slot is block_id; offsets are made from block and shard
+    if WIDE:
+        block = block.to(tl.int64)
+        shard = shard.to(tl.int64)
+    start = block * chunk
     end = tl.minimum(start + chunk, shard)
     if STAGED:  # the peers' block b reads exactly chunk b
         copy_slice(x_ptr, workspace_ptr, start, end, BLOCK_SIZE)
@@ -87,21 +92,24 @@ def launch(
     num_warps: int,
     num_blocks: int,
     chunk: int,
+    wide: bool = False,
     group_name: str = "",
     launcher=host.jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
-    ``peers[r]`` is rank r's shard; ``out`` has ``world_size`` shards. ``group_name`` is unused
-    here; Helion takes it as its ``hl.ProcessGroupName``. ``x``: an ordinary input to stage into
-    ``peers[rank]`` (the workspace) first; None when the peers are the input.
+    ``peers[r]`` is rank r's shard; ``out`` has ``world_size`` shards. ``wide``: more than 2**31 - 1
+    elements to address (64-bit offsets). ``group_name`` is unused here; Helion takes it as its
+    ``hl.ProcessGroupName``. ``x``: an ordinary input to stage into ``peers[rank]`` (the workspace) first; None
+    when the peers are the input.
     """
     local = peers[rank]
     sources = peers[rank + 1:] + peers[:rank + 1]
     launcher(
         all_gather_kernel, (num_blocks,), sources, out, local if x is None else x, local, signal_pad_ptrs,
-        local.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, STAGED=x is not None, num_warps=num_warps,
+        local.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, STAGED=x is not None, WIDE=wide,
+        num_warps=num_warps,
     )
     return out
 
@@ -113,16 +121,9 @@ def plan(shard: int, world_size: int, config: dict, itemsize: int = 2) -> dict:
 
 
 def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
-    """At least one dimension, and an output that 32-bit offsets address."""
+    """At least one dimension."""
     if len(shape) == 0:
         raise ValueError(f"{op}: tensor must have at least one dimension (rows to gather), got a 0-d tensor")
-    numel = world_size
-    for size in shape:
-        numel *= size
-    if numel > MAX_NUMEL:
-        raise ValueError(
-            f"{op}: the output's {numel} elements are more than this kernel's 32-bit offsets address ({MAX_NUMEL})"
-        )
 
 
 def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:

@@ -36,6 +36,7 @@ from kraken.comm import staging
 
 # Tuned on 2x H200 with benchmark/tune.py (within 3% of the best config at every size, 4K..4M bf16).
 DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 64}
+MAX_INDEX = 2**31 - 1  # the largest offset 32-bit arithmetic reaches; past it the kernel runs WIDE
 
 
 @triton.jit
@@ -51,9 +52,10 @@ def one_shot_all_reduce_kernel(
     world_size: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STAGED: tl.constexpr,
+    WIDE: tl.constexpr = False,  # past 2**31 elements: 64-bit offsets (32-bit ones are cheaper where they reach)
 ):
     block_id = tl.program_id(0)
-    start = block_id * chunk
+    start = (block_id.to(tl.int64) if WIDE else block_id) * chunk
     end = tl.minimum(start + chunk, numel)
     if STAGED:  # the peers' block b reads exactly chunk b
         copy_slice(x_ptr, workspace_ptr, start, end, BLOCK_SIZE)
@@ -78,20 +80,23 @@ def launch(
     num_warps: int,
     num_blocks: int,
     chunk: int,
+    wide: bool = False,
     group_name: str = "",
     launcher=host.jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
-    ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``. ``launcher``: the
-    prepared call's ``host.Launcher`` (the host fast path), or Triton's own launch. ``x``: an ordinary
-    input to stage into ``peers[rank]`` (the workspace) first; None when the peers are the input.
+    ``wide``: the tensor has more than 2**31 - 1 elements (64-bit offsets). ``group_name`` is unused here;
+    Helion takes it as its ``hl.ProcessGroupName``. ``launcher``: the prepared call's ``host.Launcher`` (the
+    host fast path), or Triton's own launch. ``x``: an ordinary input to stage into ``peers[rank]`` (the
+    workspace) first; None when the peers are the input.
     """
     local = peers[rank]
     launcher(
         one_shot_all_reduce_kernel, (num_blocks,), peers, out, local if x is None else x, local, signal_pad_ptrs,
-        out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, STAGED=x is not None, num_warps=num_warps,
+        out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, STAGED=x is not None, WIDE=wide,
+        num_warps=num_warps,
     )
     return out
 
@@ -102,7 +107,8 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
     block_size = cfg["block_size"]
     num_blocks = host.persistent_grid(host.cdiv(numel, block_size), cfg["max_blocks"], world_size)
     chunk = host.round_up(host.cdiv(numel, num_blocks), block_size)
-    return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk}
+    return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk,
+            "wide": numel > MAX_INDEX}
 
 
 def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:

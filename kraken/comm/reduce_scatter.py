@@ -50,7 +50,7 @@ DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 132}
 # pays two NVLink round trips; so the block shrinks as the world and the element grow.
 MAX_BYTES_PER_THREAD = 64
 CHUNK_ALIGN = 64  # elements: every block's chunk starts 16-byte aligned within the shard
-MAX_NUMEL = 2**31 - 1  # element offsets are 32-bit
+MAX_INDEX = 2**31 - 1  # the largest offset 32-bit arithmetic reaches; past it the kernel runs WIDE
 
 
 @triton.jit
@@ -66,9 +66,14 @@ def reduce_scatter_kernel(
     world_size: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STAGED: tl.constexpr,
+    WIDE: tl.constexpr = False,  # past 2**31 elements: 64-bit offsets (32-bit ones are cheaper where they reach)
 ):
     block_id = tl.program_id(0)
-    start = block_id * chunk
+    block = block_id  # the barrier slot is block_id; offsets are made from block and shard
+    if WIDE:
+        block = block.to(tl.int64)
+        shard = shard.to(tl.int64)
+    start = block * chunk
     end = tl.minimum(start + chunk, shard)
     if STAGED:  # chunk b of every shard: what each owner's block b reads
         for owner in tl.static_range(world_size):
@@ -97,20 +102,23 @@ def launch(
     num_warps: int,
     num_blocks: int,
     chunk: int,
+    wide: bool = False,
     group_name: str = "",
     launcher=host.jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
-    ``out`` holds this rank's shard (``peers[r].numel() // world_size`` elements). ``group_name``
-    is unused here; Helion takes it as its ``hl.ProcessGroupName``. ``x``: an ordinary input to stage
-    into ``peers[rank]`` (the workspace) first; None when the peers are the input.
+    ``out`` holds this rank's shard (``peers[r].numel() // world_size`` elements). ``wide``: more than
+    2**31 - 1 elements to address (64-bit offsets). ``group_name`` is unused here; Helion takes it as its
+    ``hl.ProcessGroupName``. ``x``: an ordinary input to stage into ``peers[rank]`` (the workspace) first; None
+    when the peers are the input.
     """
     local = peers[rank]
     launcher(
         reduce_scatter_kernel, (num_blocks,), peers, out, local if x is None else x, local, signal_pad_ptrs,
-        out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, STAGED=x is not None, num_warps=num_warps,
+        out.numel(), chunk, rank, len(peers), BLOCK_SIZE=block_size, STAGED=x is not None, WIDE=wide,
+        num_warps=num_warps,
     )
     return out
 
@@ -130,7 +138,8 @@ def shard_plan(shard: int, world_size: int, cfg: dict, itemsize: int) -> dict:
     block_size = min(cfg["block_size"], per_peer * 32 * cfg["num_warps"])
     num_blocks = host.persistent_grid(host.cdiv(shard, block_size), cfg["max_blocks"], world_size)
     chunk = host.round_up(host.cdiv(shard, num_blocks), CHUNK_ALIGN)
-    return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk}
+    return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk,
+            "wide": world_size * shard > MAX_INDEX}
 
 
 def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
@@ -142,11 +151,6 @@ def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
             f"{op}: the first dimension M = {shape[0]} is not divisible by the world size {world_size}; "
             f"every rank gets M / {world_size} rows"
         )
-    numel = 1
-    for size in shape:
-        numel *= size
-    if numel > MAX_NUMEL:
-        raise ValueError(f"{op}: {numel} elements is more than this kernel's 32-bit offsets address ({MAX_NUMEL})")
 
 
 def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:

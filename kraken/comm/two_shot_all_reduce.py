@@ -43,6 +43,7 @@ from kraken.comm import staging
 DEFAULT_CONFIG = {"block_size": 4096, "num_warps": 16, "max_blocks": 132}
 MAX_VALUES_PER_THREAD = 32
 SHARD_ALIGN = 64  # elements: keeps every shard and chunk start 16-byte aligned for vector access
+MAX_INDEX = 2**31 - 1  # the largest offset 32-bit arithmetic reaches; past it the kernel runs WIDE
 
 
 @triton.jit
@@ -58,15 +59,20 @@ def two_shot_all_reduce_kernel(
     world_size: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STAGED: tl.constexpr,
+    WIDE: tl.constexpr = False,  # past 2**31 elements: 64-bit offsets (32-bit ones are cheaper where they reach)
 ):
     block_id = tl.program_id(0)
+    block = block_id  # the barrier slot is block_id; offsets are made from block and shard
+    if WIDE:
+        block = block.to(tl.int64)
+        shard = shard.to(tl.int64)
     if STAGED:  # slice b of every shard: what each owner's block b reads
         for owner in tl.static_range(world_size):
-            start, end = block_range(owner, block_id, shard, chunk, numel)
+            start, end = block_range(owner, block, shard, chunk, numel)
             copy_slice(x_ptr, workspace_ptr, start, end, BLOCK_SIZE)
     # Acquire: every peer's input is complete (staged: release mine too).
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=STAGED, hasSubsequentMemAccess=True)
-    start, end = block_range(rank, block_id, shard, chunk, numel)
+    start, end = block_range(rank, block, shard, chunk, numel)
     for offset in tl.range(start, end, BLOCK_SIZE):
         offsets = offset + tl.arange(0, BLOCK_SIZE)
         mask = offsets < end
@@ -79,7 +85,7 @@ def two_shot_all_reduce_kernel(
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
     if STAGED:  # every owner's pushes into slice b of its shard are visible: the sum goes back to x
         for owner in tl.static_range(world_size):
-            start, end = block_range(owner, block_id, shard, chunk, numel)
+            start, end = block_range(owner, block, shard, chunk, numel)
             copy_slice(workspace_ptr, x_ptr, start, end, BLOCK_SIZE)
 
 
@@ -92,21 +98,23 @@ def launch(
     num_blocks: int,
     shard: int,
     chunk: int,
+    wide: bool = False,
     group_name: str = "",
     launcher=host.jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
-    ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``. ``x``: an ordinary
-    input, staged into ``peers[rank]`` (the workspace) and given the sum; None when the peers are the input.
+    ``wide``: more than 2**31 - 1 elements to address (64-bit offsets). ``group_name`` is unused here; Helion
+    takes it as its ``hl.ProcessGroupName``. ``x``: an ordinary input, staged into ``peers[rank]`` (the workspace)
+    and given the sum; None when the peers are the input.
     Returns the summed tensor (``x``, or ``peers[rank]``).
     """
     local = peers[rank]
     launcher(
         two_shot_all_reduce_kernel, (num_blocks,),
         peers, local if x is None else x, local, signal_pad_ptrs, local.numel(), shard, chunk, rank, len(peers),
-        BLOCK_SIZE=block_size, STAGED=x is not None, num_warps=num_warps,
+        BLOCK_SIZE=block_size, STAGED=x is not None, WIDE=wide, num_warps=num_warps,
     )
     return local if x is None else x
 
@@ -122,7 +130,7 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
     chunk = host.round_up(host.cdiv(shard, num_blocks), SHARD_ALIGN)
     return {
         "block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks,
-        "shard": shard, "chunk": chunk,
+        "shard": shard, "chunk": chunk, "wide": world_size * shard > MAX_INDEX,
     }
 
 

@@ -105,6 +105,7 @@ def all_gather_matmul_kernel(
     A_ROWWISE: tl.constexpr = 0,
     B_COLWISE: tl.constexpr = 0,
     FLATTEN: tl.constexpr = False,  # my rows' tile loop flattened with its k loop (``kraken._gemm_core.flattens``)
+    WIDE: tl.constexpr = False,  # out has more than 2**31 - 1 elements: 64-bit offsets in the epilogue
 ):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -118,7 +119,7 @@ def all_gather_matmul_kernel(
         tile_m, tile_n = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = mainloop(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS)
         store_tile(acc, out_ptr, rank * M, scale_a_ptr, 0, A_ROWWISE, scale_b_ptr, tile_m * BLOCK_M, tile_n * BLOCK_N,
-                   M, N, BLOCK_M, BLOCK_N, SCALED, B_COLWISE)
+                   M, N, BLOCK_M, BLOCK_N, SCALED, B_COLWISE, WIDE)
     # The peers' rows, from the gather buffer: the block's later tiles, rank + 1's chunk first. A second loop, not a
     # descriptor picked per tile: the two k loops follow each other, so their pipelines share shared memory.
     if world_size > 1:
@@ -136,12 +137,13 @@ def all_gather_matmul_kernel(
             acc = mainloop(gathered_desc, b_desc, src * M + tile_m * BLOCK_M, tile_n * BLOCK_N, 0, K, BLOCK_M,
                            BLOCK_N, BLOCK_K, B_TRANS)
             store_tile(acc, out_ptr, src * M, row_scales_ptr, src * M, scale_stride, scale_b_ptr, tile_m * BLOCK_M,
-                       tile_n * BLOCK_N, M, N, BLOCK_M, BLOCK_N, SCALED, B_COLWISE)
+                       tile_n * BLOCK_N, M, N, BLOCK_M, BLOCK_N, SCALED, B_COLWISE, WIDE)
 
 
 @triton.jit
 def store_tile(acc, out_ptr, out_row0, scale_rows_ptr, scale_row0, scale_stride, scale_b_ptr, m0, n0, M, N,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, B_COLWISE: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, B_COLWISE: tl.constexpr,
+               WIDE: tl.constexpr):
     """The epilogue of the tile at (m0, n0) of a chunk of M rows: stored at rows ``out_row0 + m0 ...`` of ``out``,
     only the chunk's rows (a tile at its end also read some of the next chunk's, discarded). ``SCALED``: times
     the rows' scales, row i's at ``scale_rows_ptr + (scale_row0 + i) * scale_stride`` (my rows' ``scale_a``:
@@ -154,7 +156,10 @@ def store_tile(acc, out_ptr, out_row0, scale_rows_ptr, scale_row0, scale_stride,
         scale_a = tl.load(scale_rows_ptr + (scale_row0 + rows) * scale_stride, mask=row_in, other=0.0)
         scale_b = tl.load(scale_b_ptr + cols * B_COLWISE, mask=col_in, other=0.0)
         acc = acc * scale_a[:, None] * scale_b[None, :]
-    offsets = (out_row0 + rows)[:, None] * N + cols[None, :]
+    out_rows = out_row0 + rows
+    if WIDE:
+        out_rows = out_rows.to(tl.int64)
+    offsets = out_rows[:, None] * N + cols[None, :]
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
@@ -209,7 +214,7 @@ def launch_matmul(
         host.tma_operand(a, [block_m, block_k]), host.tma_operand(gathered, [block_m, block_k]),
         host.tma_operand(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
-        FLATTEN=flattens(block_m, block_n), num_warps=num_warps, num_stages=num_stages,
+        FLATTEN=flattens(block_m, block_n), WIDE=out.numel() > MAX_INDEX, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -338,8 +343,6 @@ def prepare(
         check_inputs(a, b, op)
         (m, k), n = a.shape, b.shape[1]
         world_size = host.world_size_of(group, op)
-        if max(world_size * m * max(k, n), k * n) > MAX_INDEX:
-            raise ValueError(f"{op}: the gathered a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
         cfg = plan(m, n, k, world_size, config, num_sms)
     pg = host.resolve_group(group, op)

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kraken import crossover, host
 from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too)
-    SKINNY_M, balanced_grid, check_inputs, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles,
+    MAX_INDEX, SKINNY_M, balanced_grid, check_inputs, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles,
     tile_coords, tma_operands,
 )
 from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait
@@ -81,7 +81,8 @@ def band_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, owner, block, rnd, num_b
 def own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block, rnd,
              num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_TRANS: tl.constexpr,
-             SCALED: tl.constexpr, A_ROWWISE: tl.constexpr, B_COLWISE: tl.constexpr, MEET: tl.constexpr):
+             SCALED: tl.constexpr, A_ROWWISE: tl.constexpr, B_COLWISE: tl.constexpr, MEET: tl.constexpr,
+             WIDE: tl.constexpr):
     """Round ``rnd`` of my band (phase 2): GEMM the tile, meet the peers after it if ``MEET`` and this is the first
     round, add their partials from my workspace, store the rows in the band."""
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
@@ -97,6 +98,8 @@ def own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, s
     for q in tl.range(0, SLOTS, num_stages=1):
         acc += tl.load(workspace_ptr + chunk + (rnd * SLOTS + q) * TILE + in_tile).to(tl.float32)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:  # the band has more than 2**31 - 1 elements
+        rows = rows.to(tl.int64)
     cols = n0 + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + (rows[:, None] * N + cols[None, :]), acc.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < band_m) & (cols[None, :] < N))
@@ -133,13 +136,14 @@ def gemm_reduce_scatter_kernel(
     A_ROWWISE: tl.constexpr = 0,
     B_COLWISE: tl.constexpr = 0,
     FLATTEN: tl.constexpr = False,  # my band's tile loop, but the first tile, flattened with its k loop (``flattens``)
+    WIDE: tl.constexpr = False,  # the band (out) has more than 2**31 - 1 elements: 64-bit offsets in the epilogue
 ):
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     SLOTS: tl.constexpr = world_size - 1  # a slot per sending peer in each round of a chunk
     block = tl.program_id(0)
     parity = tl.load(parity_ptr + block)
     epoch = tl.load(epochs_ptr + block)
-    chunk = parity.to(tl.int64) * half_stride + block * chunk_stride
+    chunk = parity.to(tl.int64) * half_stride + block.to(tl.int64) * chunk_stride  # a workspace can pass 2**31
     tiles_m = tl.cdiv(band_m, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     rounds = tl.cdiv(tiles_m * tiles_n - block, num_blocks)  # this block's tiles per band, >= 1
@@ -171,11 +175,11 @@ def gemm_reduce_scatter_kernel(
     if PEEL:
         own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block, 0,
                  num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, True)
+                 GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, True, WIDE)
     for rnd in tl.range(1 if PEEL else 0, rounds, flatten=FLATTEN):
         own_tile(a_desc, b_desc, scale_a_ptr, scale_b_ptr, workspace_ptr, out_ptr, signal_pad_ptrs, chunk, block,
                  rnd, num_blocks, tiles_m, tiles_n, band_m, N, K, rank, epoch, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, not FLATTEN and not ALONE)
+                 GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, not FLATTEN and not ALONE, WIDE)
     if ALONE:
         epoch_wait(signal_pad_ptrs, block, rank, world_size, epoch + 1)
     # The next launch writes the other half: no "done reading" barrier (host.BlockWorkspace).
@@ -216,7 +220,8 @@ def launch(
         None, None, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         *workspace.stride()[:2], num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        FLATTEN=flattens(block_m, block_n, out.element_size()), num_warps=num_warps, num_stages=num_stages,
+        FLATTEN=flattens(block_m, block_n, out.element_size()), WIDE=out.numel() > MAX_INDEX, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -306,7 +311,7 @@ def prepare(
     ``host.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N] of ``out_dtype``."""
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
     with host.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
-        check_inputs(a, b, out_dtype, op)
+        check_inputs(a, b, out_dtype, op, wide=True)
         world_size, cfg = planned(a, b, group, config, op)
     return with_workspace(a, b.shape[1], world_size, cfg, out_dtype, group, op)
 
@@ -355,7 +360,7 @@ def chosen(a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: 
 
 def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
     """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
-    check_inputs(a, b, a.dtype, op)
+    check_inputs(a, b, a.dtype, op, wide=True)
     if a.shape[0] % world_size:
         raise ValueError(f"{op}: M = {a.shape[0]} rows do not split evenly over {world_size} ranks (a is "
                          f"{tuple(a.shape)})")
