@@ -84,12 +84,14 @@ FORMS = (FUSED, SEQUENTIAL)
 # 512 rows down (its copy-engine gather's fixed cost), gemm_reduce_scatter's at 256 rows at 2 ranks and up to 512
 # at 4. gemm_one_shot_all_reduce's fused forms win by rows at every measured M; it runs sequential where its tiles
 # fill the SMs' waves poorly instead (``fills_poorly``). all_gather_matmul_fp8 shares the bf16 recipe's gather and
-# its entries. 8 ranks: 4's entries (not measured there).
+# its entries; gemm_reduce_scatter_fp8 takes the bf16 recipe's (not measured in fp8). 8 ranks: 4's entries (not
+# measured there).
 FUSED_FROM = {
     "all_gather_matmul": {1: 0, 2: 1024, 4: 1024, 8: 1024},
     "gemm_reduce_scatter": {1: 0, 2: 512, 4: 1024, 8: 1024},
     "gemm_one_shot_all_reduce": {1: 0, 2: 0, 4: 0, 8: 0},
     "all_gather_matmul_fp8": {1: 0, 2: 1024, 4: 1024, 8: 1024},
+    "gemm_reduce_scatter_fp8": {1: 0, 2: 512, 4: 1024, 8: 1024},
 }
 
 

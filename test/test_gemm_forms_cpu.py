@@ -158,3 +158,38 @@ def test_ranks_whose_rows_differ_raise_on_every_rank(two_ranks, monkeypatch):
     with pytest.raises(ValueError, match=r"ranks disagree on the input's shape/dtype \(rows: rank 0 8, rank 1 4096\)"):
         recipe.call(None, "all_gather_matmul_fp8", a, b, torch.ones(()), torch.ones(()), None, {},
                     lambda *rest: pytest.fail("a collective ran"))
+
+
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+@pytest.mark.parametrize("per_tensor", [True, False])
+def test_fp8_reduce_scatter_sequential_form_is_scaled_mm_and_the_collective(two_ranks, monkeypatch, package,
+                                                                             per_tensor):
+    """``gemm_reduce_scatter_fp8`` below its crossover: ``torch._scaled_mm`` with row-wise scales (a per-tensor scale
+    spread over the rows or columns) on a column-major ``b``, bf16 out, then the reduce-scatter; an fp32 output only
+    the fused kernel gives, so it is prepared instead."""
+    recipe = importlib.import_module("kraken.fused.gemm_reduce_scatter_fp8")
+    module = importlib.import_module(f"{package}.fused.gemm_reduce_scatter_fp8")
+    monkeypatch.setattr(recipe, "check_sequential", lambda *args: None)  # CPU tensors
+    monkeypatch.setattr(recipe, "prepare", lambda *args: (_ for _ in ()).throw(LookupError("fused form prepared")))
+    m, k, n = 4, 32, 48
+    a = torch.randn(m, k).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes it
+    scale_a = torch.full((), 0.5) if per_tensor else torch.rand(m, 1) + 0.5
+    scale_b = torch.full((), 2.0) if per_tensor else torch.rand(1, n) + 0.5
+    calls = []
+
+    def scaled_mm(x, y, rows, cols, out_dtype):
+        calls.append((rows.shape, cols.shape, y.stride(0), out_dtype))
+        return ((x.double() * rows.double()) @ (y.double() * cols.double())).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    seen = []
+    op = "gemm_reduce_scatter_fp8" if package == "kraken" else "helion gemm_reduce_scatter_fp8"
+    out = recipe.call(module.launch, op, a, b, scale_a, scale_b, None, BF16, {},
+                      collective("gemm_reduce_scatter", seen))
+    assert calls == [((m, 1), (1, n), 1, BF16)] and len(seen) == 1
+    reference = (a.double() * scale_a.double().reshape(-1, 1)) @ (b.double() * scale_b.double().reshape(1, -1))
+    torch.testing.assert_close(out.double(), (3 * reference)[:m // 2], rtol=2e-2, atol=2e-2)
+    with pytest.raises(LookupError, match="fused form prepared"):
+        recipe.call(module.launch, op, a, b, scale_a, scale_b, None, torch.float32, {},
+                    lambda *args: pytest.fail("the sequential form ran"))

@@ -82,7 +82,7 @@ def test_twin_shares_plan_prepare_and_signatures():
 
 
 def test_op_registration():
-    assert list(OP.backends) == ["nccl", "torch_fused", "scaled_mm", "triton", "helion"]
+    assert list(OP.backends) == ["nccl", "torch_fused", "scaled_mm", "triton", "helion", "triton_fused", "triton_seq"]
     assert OP.reference_free == frozenset({"scaled_mm"})
     assert OP.floor_us((8192, 14336, 4096), torch.bfloat16, 2) == pytest.approx(2 * 8192 * 14336 * 4096 / 1580e6)
     for world_size in (2, 3, 8):

@@ -80,10 +80,14 @@ def scaled_mm(i):
     return torch._scaled_mm(i["a"], i["b"], i["scale_a"], i["scale_b"], out_dtype=OUT_DTYPE)
 
 
-def fused(package: str):
+def fused(package: str, form: str | None = None):
+    """The recipe (``package`` kraken) or its twin (helion_ports) in the form ``kraken.crossover`` chooses, or
+    ``form`` ("fused": the overlapping kernel; "sequential": ``torch._scaled_mm``, then the SM-driven
+    reduce-scatter)."""
     path = f"{package}.{RECIPE}"
     fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
-    return lambda i: fn(i["a"], i["b"], i["scale_a"], i["scale_b"], out_dtype=OUT_DTYPE)
+    extra = {} if form is None else {"form": form}
+    return lambda i: fn(i["a"], i["b"], i["scale_a"], i["scale_b"], out_dtype=OUT_DTYPE, **extra)
 
 
 # ---------------------------------------------------------------------------
@@ -125,7 +129,8 @@ register(
                     "scales, b [K, N] column-major, column scales), bf16 out",
         make_inputs=make_inputs,
         backends={"nccl": nccl, "torch_fused": torch_fused, "scaled_mm": scaled_mm, "triton": fused("kraken"),
-                  "helion": fused("helion_ports")},
+                  "helion": fused("helion_ports"), "triton_fused": fused("kraken", "fused"),
+                  "triton_seq": fused("kraken", "sequential")},
         default_shapes=list(DEFAULT_SHAPES),  # the bf16 op's
         shape_format="MxNxK",
         nvlink_bytes=nvlink_bytes,

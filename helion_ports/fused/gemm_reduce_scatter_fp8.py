@@ -26,8 +26,9 @@ import torch.distributed as dist
 from helion_ports import flat_kernel, own_storage, run
 from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter_body  # the bf16 twin's, scaled
 from kraken import host
+from helion_ports.comm.reduce_scatter import reduce_scatter as helion_reduce_scatter
 from kraken.fused.gemm_reduce_scatter_fp8 import (  # shared with the recipe
-    OP, b_operand, chunk_tile, plan, prepare, rounds_of, tma_a,
+    OP, b_operand, call, chunk_tile, plan, prepare, rounds_of, tma_a,
 )
 
 __all__ = ["chunk_tile", "gemm_reduce_scatter_fp8", "launch", "plan", "prepare", "rounds_of"]
@@ -98,7 +99,6 @@ def gemm_reduce_scatter_fp8(
     out_dtype: torch.dtype = torch.bfloat16,
     **config,
 ) -> torch.Tensor:
-    """This rank's [M / ws, N] rows of ``sum over ranks of _scaled_mm(a, b, scale_a, scale_b)`` (see the recipe)."""
-    ctx, launch_cfg = prepare(a, b, scale_a, scale_b, group, out_dtype, f"helion {OP}", config)
-    out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
-    return host.prepared_launch(launch, (a, b, scale_a, scale_b), ctx, launch_cfg, out)
+    """This rank's [M / ws, N] rows of ``sum over ranks of _scaled_mm(a, b, scale_a, scale_b)`` (see the recipe),
+    in the recipe's form: fused, or ``torch._scaled_mm`` then the twin's reduce-scatter."""
+    return call(launch, f"helion {OP}", a, b, scale_a, scale_b, group, out_dtype, config, helion_reduce_scatter)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kraken import host
+from kraken import crossover, host
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
 from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
 from kraken._gemm_core import MAX_INDEX, SKINNY_STAGE_BYTES, check_fp8_inputs, check_out_dtype, check_tiles
@@ -40,6 +40,7 @@ from kraken.fused.gemm_reduce_scatter import (  # the bf16 recipe's kernel and h
     GROUP_M, LAUNCH_KEYS, chunk_tile, default_config, gemm_reduce_scatter_kernel, planned, rounds_of, with_grid,
     with_workspace,
 )
+from kraken.comm.reduce_scatter import reduce_scatter as sm_reduce_scatter
 
 OP = "gemm_reduce_scatter_fp8"
 # The skinny tiles (up to 256 rows per band) in fp8: two warpgroups and 4 stages (M = 256, 8192 x 4096 on one
@@ -49,7 +50,7 @@ SKINNY_STAGES = 4
 DEFAULT_CONFIG = {"block_m": None, "block_n": None, "block_k": None, "group_m": GROUP_M, "num_warps": None,
                   "num_stages": None, "max_blocks": None, "b_layout": "auto"}
 
-__all__ = ["chunk_tile", "gemm_reduce_scatter_fp8", "launch", "plan", "prepare", "rounds_of"]
+__all__ = ["call", "chunk_tile", "gemm_reduce_scatter_fp8", "launch", "plan", "prepare", "rounds_of"]
 
 
 def launch(
@@ -157,8 +158,56 @@ def gemm_reduce_scatter_fp8(
     ``a`` [M, K]: a contiguous ``float8_e4m3fn`` CUDA tensor, the same shape on every rank, M divisible by
     the world size; ``b`` [K, N] fp8 in any layout (column-major, ``w.t()``, is read in place); ``scale_a``
     float32, one element or [M, 1]; ``scale_b`` float32, one element or [1, N] (each rank its own).
-    ``config`` overrides the tiles, ``group_m``, ``max_blocks`` and ``b_layout`` (see ``plan``).
+    ``config`` overrides the tiles, ``group_m``, ``max_blocks`` and ``b_layout`` (see ``plan``); ``form="fused"``
+    or ``"sequential"`` forces the form ``kraken.crossover`` would choose by size.
     """
-    ctx, launch_cfg = prepare(a, b, scale_a, scale_b, group, out_dtype, OP, config)
+    return call(launch, OP, a, b, scale_a, scale_b, group, out_dtype, config, sm_reduce_scatter)
+
+
+def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
+         out_dtype: torch.dtype, config: dict, reduce_scatter) -> torch.Tensor:
+    """``gemm_reduce_scatter_fp8`` with a given ``launch`` and ``reduce_scatter`` (the recipe's or its twin's) under
+    the name ``op``, in the form ``kraken.crossover`` chooses: sequential, ``scaled_mm_then_reduce_scatter``; else the
+    prepared call and its launch."""
+    prepared = chosen(a, b, scale_a, scale_b, group, out_dtype, op, config)
+    if prepared == crossover.SEQUENTIAL:
+        return scaled_mm_then_reduce_scatter(reduce_scatter, a, b, scale_a, scale_b, group)
+    ctx, launch_cfg = prepared
     out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
     return host.prepared_launch(launch, (a, b, scale_a, scale_b), ctx, launch_cfg, out)
+
+
+@host.per_signature(lambda a, b, scale_a, scale_b, group, out_dtype, op, config: (
+    op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
+    out_dtype, host.config_key(config)))
+def chosen(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
+           out_dtype: torch.dtype, op: str, config: dict):
+    """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
+    sequential only for a bf16 output (``torch._scaled_mm``'s with row-wise scales) and K and N multiples of 16."""
+    sequential_ok = out_dtype == torch.bfloat16 and all(
+        isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] % 16 == 0 for t in (a, b))
+    return crossover.fused_prepared(
+        op, a, b, group, False, sequential_ok, config, check_sequential,
+        lambda fused_config: prepare(a, b, scale_a, scale_b, group, out_dtype, op, fused_config), None,
+        (scale_a, scale_b))
+
+
+def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str, scale_a: torch.Tensor,
+                     scale_b: torch.Tensor) -> None:
+    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
+    check_inputs(a, b, scale_a, scale_b, torch.bfloat16, op)
+    if a.shape[0] % world_size:
+        raise ValueError(f"{op}: M = {a.shape[0]} rows do not split evenly over {world_size} ranks (a is "
+                         f"{tuple(a.shape)})")
+
+
+def scaled_mm_then_reduce_scatter(reduce_scatter, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                                  scale_b: torch.Tensor, group) -> torch.Tensor:
+    """The sequential form (bf16 out, K and N multiples of 16): ``torch._scaled_mm`` with row-wise scales (a
+    per-tensor scale becomes every row's or column's) on a column-major ``b``, each rank's partial rounded to bf16
+    once, then ``reduce_scatter`` (the SM-driven collective: the sum in fp32 in rank order, rounded once), as the
+    fused kernel's partials cross NVLink in bf16 and are summed in fp32."""
+    rows = scale_a.reshape(-1, 1).expand(a.shape[0], 1).contiguous()
+    cols = scale_b.reshape(1, -1).expand(1, b.shape[1]).contiguous()
+    b_cols = b if b.stride(0) == 1 else b.t().contiguous().t()
+    return reduce_scatter(torch._scaled_mm(a, b_cols, rows, cols, out_dtype=torch.bfloat16), group)
