@@ -9,6 +9,7 @@ CUDA-graph replays equal to eager, bitwise; bad input (scale dtypes and shapes i
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from benchmark.ops.all_gather_matmul_fp8 import dequantized
 from benchmark.ops.gemm_reduce_scatter_fp8 import operands
 from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
+from kraken import crossover
 
 pytestmark = needs_gpus
 
@@ -149,9 +151,32 @@ def bad_input(backend: str, module, fn) -> None:
     heartbeat(f"{backend} bad input done")
 
 
+def sequential_form(backend: str, fn) -> None:
+    """The sequential form (``kraken.crossover``: ``torch._scaled_mm`` with row-wise scales, then the SM
+    reduce-scatter), what the recipe runs below its crossover at more than one rank: against float64 on shapes
+    ``_scaled_mm`` takes (K and N multiples of 16), per-tensor and row/column scales, and replayed from a CUDA graph
+    bitwise against eager."""
+    world_size = dist.get_world_size()
+    for seed, (band_shape, per_tensor) in enumerate([((1, 16, 32), False), ((37, 112, 80), True),
+                                                      ((129, 272, 144), False)], start=900):
+        shape = full_shape(band_shape)
+        what = f"{backend} sequential {'x'.join(map(str, shape))} {'per-tensor' if per_tensor else 'row/column'}"
+        heartbeat(what)
+        a, b, sa, sb = operands(shape, seed, dist.get_rank(), per_tensor=per_tensor)
+        out = fn(a, b, sa, sb, out_dtype=BF16, form="sequential")
+        torch.cuda.synchronize()
+        check(out, reference(shape, seed, per_tensor), what)
+        if world_size > 1 and shape[0] < crossover.fused_from("gemm_reduce_scatter_fp8", world_size):
+            assert torch.equal(fn(a, b, sa, sb, out_dtype=BF16), out), f"{what}: the form by size is not sequential"
+    shape = full_shape(STRESS_SHAPES[0])
+    inputs = [operands(shape, seed, dist.get_rank()) for seed in (950, 951)]
+    check_graph_replays(f"{backend} sequential", fn, inputs, [0, 1], out_dtype=BF16, form="sequential")
+
+
 def worker(backend: str) -> None:
     module = importlib.import_module(MODULES[backend])
-    fn = module.gemm_reduce_scatter_fp8
+    sequential_form(backend, module.gemm_reduce_scatter_fp8)
+    fn = functools.partial(module.gemm_reduce_scatter_fp8, form="fused")  # the fused kernel, at every size
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     bad_input(backend, module, fn)
