@@ -25,10 +25,11 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run
 from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter_body  # the bf16 twin's, scaled
-from kraken import host
 from kraken.fused.gemm_reduce_scatter_fp8 import (  # shared with the recipe
     OP, b_operand, chunk_tile, plan, prepare, rounds_of, tma_a,
 )
+from kraken.runtime.launcher import jit_launch
+from kraken.runtime.replay import prepared_launch
 
 __all__ = ["chunk_tile", "gemm_reduce_scatter_fp8", "launch", "plan", "prepare", "rounds_of"]
 
@@ -69,7 +70,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_reduce_scatter_fp8.launch``
     (``peers[rank]`` also goes in as ``workspace`` under its own storage: see the bf16 twin)."""
@@ -101,4 +102,4 @@ def gemm_reduce_scatter_fp8(
     """This rank's [M / ws, N] rows of ``sum over ranks of _scaled_mm(a, b, scale_a, scale_b)`` (see the recipe)."""
     ctx, launch_cfg = prepare(a, b, scale_a, scale_b, group, out_dtype, f"helion {OP}", config)
     out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
-    return host.prepared_launch(launch, (a, b, scale_a, scale_b), ctx, launch_cfg, out)
+    return prepared_launch(launch, (a, b, scale_a, scale_b), ctx, launch_cfg, out)
