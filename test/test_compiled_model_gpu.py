@@ -1,4 +1,4 @@
-"""GPU tests of the recipes inside ``torch.compile`` (``kraken/library.py``), one process per GPU.
+"""GPU tests of the recipes inside ``torch.compile`` (``kraken/runtime/library.py``), one process per GPU.
 
 * The issue's two-layer sequence-parallel MLP (``all_gather_matmul`` -> SiLU -> ``gemm_one_shot_all_reduce``),
   recipes and twins: ``torch._dynamo.explain`` finds one graph and no break; ``fullgraph=True`` under
