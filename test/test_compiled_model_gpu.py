@@ -146,7 +146,7 @@ def check_fp8_schema(op, args) -> None:
 
 
 def opcheck_every_operator(backend: str) -> None:
-    from kraken import library
+    from kraken.runtime import library
 
     _, namespace = PACKAGES[backend]
     for package in ("comm", "fused"):  # importing a package registers its operators

@@ -358,7 +358,7 @@ def test_plan_picks_the_form_by_output_size_and_world_size(monkeypatch):
     """One-shot up to kraken.runtime.crossover's gemm_all_reduce entry (M x N output elements), two-shot above, at 4-8
     ranks (3 takes 4's entry); at 1-2 ranks always one-shot (two-shot reads as much there), pushing up to
     SKINNY_M rows. ``shot`` forces any form at any world size; the tiles follow the form (pushing: 64 wide)."""
-    from kraken import crossover
+    from kraken.runtime import crossover
 
     def shot(m, n, ws, config=None):
         return recipe.plan(m, n, 4096, ws, config or {}, 132)["shot"]
