@@ -15,7 +15,8 @@ import helion
 import helion.language as hl
 import torch
 
-from kraken import host
+from kraken.runtime.launcher import jit_launch, launch_hooked, scratch_allocator
+from kraken.runtime.replay import NOT_REPLAYED, NOT_YET, record_replay
 
 # Helion 1.5.0 warns on every compile of a kernel with a symmetric-memory argument that the signal pad
 # caps its autotuner's ``max_num_sm_multiplier``. The twins never autotune (one explicit config each,
@@ -52,10 +53,10 @@ def copy_body(dst: torch.Tensor, src: torch.Tensor, group_name: hl.ProcessGroupN
 COPY_CONFIG = ((4096,), 4)  # (block sizes, warps) of ``copy_into``'s kernel: one 4096-element tile per program
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor, group_name: str, launcher=host.jit_launch) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor, group_name: str, launcher=jit_launch) -> None:
     """``dst``'s first ``src.numel()`` elements = ``src`` (contiguous tensors of one dtype), as a Helion kernel
     launched through ``launcher`` (``run``). The twins stage an ordinary input into their workspace with it, and
-    the two-shot twin copies its sum back, so a staged twin's whole call replays (``host.replayed``: its launches
+    the two-shot twin copies its sum back, so a staged twin's whole call replays (``replayed``: its launches
     from the call's addresses). An ATen ``copy_`` there was an op a replay would not repeat: such a call ran its
     host code every time (one H200: the one-shot twin on an ordinary tensor 38 us a call, its recipe 15)."""
     dst = flat_view(dst)
@@ -64,7 +65,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, group_name: str, launcher=ho
     run(flat_kernel(copy_body, *COPY_CONFIG), (dst, flat_view(src), group_name), launcher)
 
 
-def stage(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor, group_name: str, launcher=host.jit_launch
+def stage(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor, group_name: str, launcher=jit_launch
           ) -> None:
     """A twin's staging: ``x`` copied into this rank's workspace (``peers[rank]``) by a copy launch before the
     twin's kernel, whose first barrier needs no release then (the copy finished before it started, as any input
@@ -119,19 +120,19 @@ def views(tensors: tuple[torch.Tensor, ...], shape, row: int | None = None) -> t
     return hit[1]
 
 
-def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch, kernel_args=None):
+def run(kernel: helion.Kernel, args: tuple, launcher=jit_launch, kernel_args=None):
     """Call a twin's Helion kernel on ``args``: plainly (``kernel(*args)``) with the default launcher, or, with
-    a prepared call's ``host.Launcher``, through what that keeps for the kernel.
+    a prepared call's ``Launcher``, through what that keeps for the kernel.
 
-    With a ``host.Launcher``: the first call goes the plain way (it compiles) and keeps the ``BoundKernel``
+    With a ``Launcher``: the first call goes the plain way (it compiles) and keeps the ``BoundKernel``
     (``Kernel.bind(args)`` in Helion 1.5.0: the kernel for the arguments' specialisation, one per config here,
     whose ``_run`` is the generated host code, taking the launcher as its keyword ``_launcher``; the code
     ``HELION_PRINT_OUTPUT_CODE=1`` prints). The second runs that host code once, launching through the
-    launcher, and records it (``host.record_replay``); later calls replay its launches on their own arguments'
-    addresses, with no host code (``host.Replay``), or run the host code again: where it cannot be replayed, while
-    a Triton launch hook is set, and while a whole call's replay is being recorded (``host.replayed``: that one
-    takes these launches). The plain way launches with ``host.scratch_allocator`` set, as
-    ``host.jit_launch`` does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
+    launcher, and records it (``record_replay``); later calls replay its launches on their own arguments'
+    addresses, with no host code (``Replay``), or run the host code again: where it cannot be replayed, while
+    a Triton launch hook is set, and while a whole call's replay is being recorded (``replayed``: that one
+    takes these launches). The plain way launches with ``scratch_allocator`` set, as
+    ``jit_launch`` does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
 
     ``kernel_args``: for a kernel that takes views of what the twin holds (a flat view of a [tokens, hidden]
     tensor, a buffer shaped as regions, a scale expanded to a row), a function of ``args`` that returns the
@@ -139,30 +140,30 @@ def run(kernel: helion.Kernel, args: tuple, launcher=host.jit_launch, kernel_arg
     from ``args`` themselves (a view's is its tensor's, or at a fixed offset from it), and a view costs about a
     microsecond of the host's time. With ``kernel_args``, ``run`` returns None (the twin holds its outputs).
     """
-    if launcher is host.jit_launch:
-        with host.scratch_allocator():
+    if launcher is jit_launch:
+        with scratch_allocator():
             result = kernel(*(args if kernel_args is None else kernel_args(args)))
         return result if kernel_args is None else None
     key = id(kernel)
-    recording = launcher.recording  # a whole call's replay being recorded (``host.replayed``): it takes the launches
+    recording = launcher.recording  # a whole call's replay being recorded (``replayed``): it takes the launches
     recording = recording if recording is not None and recording.here() else None
     replay = launcher.replays.get(key)
-    if replay is not None and recording is None and not host.launch_hooked():
+    if replay is not None and recording is None and not launch_hooked():
         result = replay(args)
-        if result is not host.NOT_REPLAYED:
+        if result is not NOT_REPLAYED:
             return result
     call = args if kernel_args is None else kernel_args(args)
     bound = launcher.bound.get(key)
     if bound is None:
         if recording is not None:
             recording.past()
-        with host.scratch_allocator():
+        with scratch_allocator():
             result = kernel(*call)
         launcher.bound[key] = kernel.bind(call)
-    elif key not in launcher.replays and recording is None and not host.launch_hooked():
-        replay, result = host.record_replay(launcher, lambda: bound._run(*call, _launcher=launcher), args,
-                                            viewed=call is not args)
-        if replay is not host.NOT_YET:
+    elif key not in launcher.replays and recording is None and not launch_hooked():
+        replay, result = record_replay(launcher, lambda: bound._run(*call, _launcher=launcher), args,
+                                       viewed=call is not args)
+        if replay is not NOT_YET:
             launcher.replays[key] = replay
     else:
         result = bound._run(*call, _launcher=launcher)

@@ -7,6 +7,6 @@
 """
 
 from .comm import all_gather, all_reduce, one_shot_all_reduce, reduce_scatter, two_shot_all_reduce
-from .host import symm_empty
+from .runtime.symm import symm_empty
 
 __all__ = ["all_gather", "all_reduce", "one_shot_all_reduce", "reduce_scatter", "symm_empty", "two_shot_all_reduce"]

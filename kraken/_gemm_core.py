@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kraken import host
+from kraken.runtime import groups
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -75,8 +75,8 @@ def balanced_grid(num_tiles: int, max_blocks: int) -> int:
     that every round runs as many tiles, not full rounds and a short last one. A short last round costs as much as a
     full one, and the tiles' operands come through L2, which fewer concurrent tiles share: 208 tiles of 128x256 on 132
     SMs run faster as two rounds of 104 than as a round of 132 and one of 76 (docs/history.md, the GEMM core)."""
-    rounds = host.cdiv(num_tiles, max(1, max_blocks))
-    return max(1, host.cdiv(num_tiles, rounds))
+    rounds = groups.cdiv(num_tiles, max(1, max_blocks))
+    return max(1, groups.cdiv(num_tiles, rounds))
 
 
 def flattens(block_m: int, block_n: int, out_bytes: int = 2) -> bool:
@@ -135,7 +135,7 @@ def scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, M, N, BLOCK_M: tl.constexpr, B
 def tma_rows(m: int, block_m: int) -> int:
     """The rows ``a`` is padded to for TMA (``tma_operands``, ``tma_fp8``): whole ``block_m`` tiles up to ``SKINNY_M``
     rows, ``m`` itself above."""
-    return host.round_up(m, block_m) if m <= SKINNY_M else m
+    return groups.round_up(m, block_m) if m <= SKINNY_M else m
 
 
 def tma_operands(a: torch.Tensor, b: torch.Tensor, block_m: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,12 +151,12 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor, block_m: int = 1) -> tuple[to
     rows = tma_rows(m, block_m)
     aligned = k % step == 0 and a.data_ptr() % TMA_ALIGN == 0
     if not (aligned and n % step == 0 and b.data_ptr() % TMA_ALIGN == 0):
-        k_pad, n_pad = host.round_up(k, step), host.round_up(n, step)
+        k_pad, n_pad = groups.round_up(k, step), groups.round_up(n, step)
         b_pad = b.new_zeros(k_pad, n_pad)
         b_pad[:k, :n] = b
         b, aligned = b_pad, False
     if not aligned or rows != m:
-        a_pad = a.new_zeros(rows, host.round_up(k, step))
+        a_pad = a.new_zeros(rows, groups.round_up(k, step))
         a_pad[:m, :k] = a
         a = a_pad
     return a, b
@@ -170,7 +170,7 @@ def tma_fp8(a: torch.Tensor, block_m: int = 1) -> torch.Tensor:
     rows = tma_rows(m, block_m)
     if k % TMA_ALIGN == 0 and a.data_ptr() % TMA_ALIGN == 0 and rows == m:
         return a
-    padded = torch.zeros(rows, host.round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
+    padded = torch.zeros(rows, groups.round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
     padded[:m, :k].copy_(a.view(torch.uint8))
     return padded.view(FP8)[:, :k]
 
@@ -193,7 +193,7 @@ def fp8_b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
     (rows, cols), (row_stride, col_stride) = ((n, k), (n_stride, k_stride)) if trans else ((k, n), (k_stride, n_stride))
     if col_stride == 1 and row_stride % 16 == 0 and row_stride >= cols and b.data_ptr() % 16 == 0:
         return w, trans
-    padded = torch.zeros(rows, host.round_up(cols, 16), dtype=torch.uint8, device=b.device)
+    padded = torch.zeros(rows, groups.round_up(cols, 16), dtype=torch.uint8, device=b.device)
     padded[:, :cols].copy_(w.view(torch.uint8))  # (bytes: copies of fp8 tensors go through their bytes)
     return padded.view(FP8)[:, :cols], trans
 
@@ -214,7 +214,7 @@ def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool, oper
         # through pointers, not TMA).
         block_m = 128 if m >= 128 else 64
         block_n = 64 if block_m == 64 and push else 32
-        while block_n < 256 and host.cdiv(m, block_m) * host.cdiv(n, block_n) > num_sms:
+        while block_n < 256 and groups.cdiv(m, block_m) * groups.cdiv(n, block_n) > num_sms:
             block_n *= 2
         wide = block_m + block_n >= SKINNY_WIDE and operand_bytes == 2  # (fp8: 128-deep steps, one 128-byte TMA row)
         block_k = 64 if wide or k < SKINNY_BLOCK_K else SKINNY_BLOCK_K
@@ -223,7 +223,7 @@ def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool, oper
                 "num_stages": min(stages, SKINNY_MAX_STAGES_64 if wide else SKINNY_MAX_STAGES)}
 
     def fills(cfg: dict) -> bool:
-        return host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
+        return groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
 
     return dict(next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1]))
 
@@ -262,8 +262,8 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: s
             )
         if a.dim() == 2 and b.dim() == 2 and (a.shape[0] == 0 or b.shape[1] == 0):
             raise ValueError(f"{op}: the output would be empty (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    host.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
-    host.check_tensor(b, "b", op, INPUT_DTYPES, ndim=2)
+    groups.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
+    groups.check_tensor(b, "b", op, INPUT_DTYPES, ndim=2)
     if a.device != b.device:
         raise ValueError(f"{op}: a and b are on different devices ({a.device}, {b.device})")
     if not wide and max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > MAX_INDEX:

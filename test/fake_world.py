@@ -1,4 +1,4 @@
-"""A two-rank world on one CPU process, for testing ``kraken.host.agreed`` and the recipes' ``prepare``:
+"""A two-rank world on one CPU process, for testing ``kraken.runtime.agreement.agreed`` and the recipes' ``prepare``:
 this process is rank 0, and ``other(mine)`` says what rank 1 sends (by default the same as rank 0)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kraken import host
+from kraken.runtime import agreement, groups
 
 
 class FakeWorld:
@@ -17,8 +17,8 @@ class FakeWorld:
     def __init__(self, monkeypatch, other=None):
         self.exchanges = 0
         self.other = other
-        monkeypatch.setattr(host, "resolve_group", lambda group, op: self)
-        monkeypatch.setattr(host, "_agreed", set())
+        monkeypatch.setattr(groups, "resolve_group", lambda group, op: self)
+        monkeypatch.setattr(agreement, "_agreed", set())
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)

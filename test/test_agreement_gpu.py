@@ -1,5 +1,5 @@
 """One rank alone passes bad input on a new call signature: every rank raises, naming that rank, nothing
-hangs, and a correct call afterwards is right (``kraken.host.agreed``). The Triton recipes of the
+hangs, and a correct call afterwards is right (``kraken.runtime.agreement.agreed``). The Triton recipes of the
 all-reduce and GEMM families; the bias/RMSNorm family checks the same per backend in its own file."""
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ import torch
 
 from benchmark import sm90
 from benchmark.ops import all_gather_matmul as op
-from kraken import host
 from kraken._gemm_core import balanced_grid, flattens
 from kraken._ptx_utils import inline_source
 from kraken._ptx_utils.gmem_barrier import FENCE_PROXY_ASYNC_PTX, GMEM_WAIT_PTX
+from kraken.runtime import graphs, groups
 
 RECIPE = "kraken.fused.all_gather_matmul"
 TWIN = "helion_ports.fused.all_gather_matmul"
@@ -180,9 +180,9 @@ def test_the_persistent_grid_is_balanced():
     for tiles in range(1, 1500):
         for most in (1, 7, 104, 131, 132):
             blocks = balanced_grid(tiles, most)
-            rounds = host.cdiv(tiles, most)
-            assert blocks <= most and host.cdiv(tiles, blocks) == rounds, (tiles, most, blocks)
-            assert blocks == 1 or host.cdiv(tiles, blocks - 1) > rounds, (tiles, most, blocks)
+            rounds = groups.cdiv(tiles, most)
+            assert blocks <= most and groups.cdiv(tiles, blocks) == rounds, (tiles, most, blocks)
+            assert blocks == 1 or groups.cdiv(tiles, blocks - 1) > rounds, (tiles, most, blocks)
     grs = importlib.import_module("kraken.fused.gemm_reduce_scatter")
     assert recipe.plan(1024, 6656, 5120, 1, {}, sm90.H200_NUM_SMS)["num_blocks"] == 104
     assert grs.plan(1024, 6656, 2560, 1, {}, sm90.H200_NUM_SMS)["num_blocks"] == 104
@@ -194,7 +194,7 @@ def test_plan_is_well_formed(world_size):
     for m, n, k in [(1, 8, 16), (37, 100, 72), (4096, 14336, 8192), (100, 200, 72)]:
         for config in ({}, {"max_blocks": 7}, {"block_m": 64, "block_n": 64, "group_m": 1}):
             cfg = recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
-            tiles = world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+            tiles = world_size * groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
             assert 1 <= cfg["num_blocks"] <= min(tiles, config.get("max_blocks", 132))
 
 
@@ -262,7 +262,7 @@ def test_gather_flags_only_what_a_consumer_reads(monkeypatch, world_size, flag_o
 
     events: list = []
 
-    class Graphs:  # what host.forked launches: the head on the current stream, the tail on the side stream
+    class Graphs:  # what graphs.forked launches: the head on the current stream, the tail on the side stream
         def join(self, device_index):
             events.append("join")
 
@@ -278,8 +278,8 @@ def test_gather_flags_only_what_a_consumer_reads(monkeypatch, world_size, flag_o
     monkeypatch.setattr(gather, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(gather, "reset_flags", lambda progress: events.append("reset"))
     monkeypatch.setattr(gather, "set_flag", lambda progress, index, value=1: events.append(("flag", index)))
-    monkeypatch.setattr(host, "graphed", lambda key, run, device: run())  # the graph of the exchange: run it plainly
-    monkeypatch.setattr(host, "forked", forked)  # (nothing to stage: a group of one)
+    monkeypatch.setattr(graphs, "graphed", lambda key, run, device: run())  # the graph of the exchange: run it plainly
+    monkeypatch.setattr(graphs, "forked", forked)  # (nothing to stage: a group of one)
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
     rows, rank = 3, world_size - 1
     out = torch.full((world_size * rows, 5), float("nan"))

@@ -1,6 +1,6 @@
 """FP8 all-gather + matmul without a GPU: both GEMMs compile for sm_90 to fp8 wgmma at 2, 4 and 8 ranks and
 match (TMA, no spills, the same flag wait), the plan fits shared memory, bad input (scale shapes and dtypes
-included) is refused on the host and, through ``host.agreed``, on every rank, and the kernels' numbers (the
+included) is refused on the host and, through ``agreement.agreed``, on every rank, and the kernels' numbers (the
 gathered rows' scales, the epilogue) agree with a float64 reference in the Triton interpreter."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from benchmark import registry, sm90
 from benchmark.ops import all_gather_matmul_fp8 as op
 from fake_world import FakeWorld
-from kraken import host
 from kraken._gemm_core import flattens
+from kraken.runtime import groups
 
 RECIPE = "kraken.fused.all_gather_matmul_fp8"
 TWIN = "helion_ports.fused.all_gather_matmul_fp8"
@@ -166,7 +166,7 @@ def test_twin_shares_plan_and_signatures():
 
 def test_op_registration():
     reg = registry.get("all_gather_matmul_fp8")
-    # triton_fused / triton_seq: the recipe's two forms forced (``kraken.crossover``)
+    # triton_fused / triton_seq: the recipe's two forms forced (``kraken.runtime.crossover``)
     assert list(reg.backends) == ["nccl", "torch_fused", "scaled_mm", "triton", "helion", "triton_fused",
                                   "triton_seq"]
     assert reg.reference_free == frozenset({"scaled_mm"})
@@ -200,7 +200,7 @@ def test_plan_is_well_formed(world_size):
     for m, n, k in [(1, 8, 16), (37, 100, 72), (4096, 14336, 8192)]:
         for config in ({}, {"max_blocks": 7}, {"block_m": 64, "block_n": 64, "block_k": 64, "group_m": 1}):
             cfg = recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
-            tiles = world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+            tiles = world_size * groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
             assert 1 <= cfg["num_blocks"] <= min(tiles, config.get("max_blocks", 132))
 
 

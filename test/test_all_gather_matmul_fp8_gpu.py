@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from benchmark.ops.all_gather_matmul_fp8 import FP8, dequantized, rank_operands
 from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
-from kraken import crossover
+from kraken.runtime import crossover
 
 OP = "all_gather_matmul_fp8"
 
@@ -167,7 +167,7 @@ def bad_input(backend: str, module, fn) -> None:
 
 
 def sequential_form(backend: str, fn) -> None:
-    """The sequential form (``kraken.crossover``: SM all-gathers of the values and the row scales, then
+    """The sequential form (``kraken.runtime.crossover``: SM all-gathers of the values and the row scales, then
     ``torch._scaled_mm``), what the recipe runs below its crossover at more than one rank: against float64 with
     per-row and per-tensor scales (each rank its own), and replayed from a CUDA graph bitwise against eager."""
     world_size = dist.get_world_size()

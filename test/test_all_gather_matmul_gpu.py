@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from benchmark.ops.all_gather_matmul import rank_operands
 from gpu_utils import POISON, TOLERANCE, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
-from kraken import crossover
+from kraken.runtime import crossover, graphs
 
 OP = "all_gather_matmul"
 
@@ -130,8 +130,7 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
                 outs[k].fill_(POISON)
     # Those launches ran the in-place gather's exchange from its CUDA graph after the first call of each shape.
     # (two graphs forked and joined where nothing is staged: a group of one; the exchange after the staging beyond)
-    host = importlib.import_module("kraken.host")
-    assert any(isinstance(e, (torch.cuda.CUDAGraph, host.ForkedGraph)) for e in host._graphs.values()), (
+    assert any(isinstance(e, (torch.cuda.CUDAGraph, graphs.ForkedGraph)) for e in graphs._graphs.values()), (
         f"{backend}: nothing replayed from a graph")
 
     slots = range(0, 6, 2)  # the graph replays one shape
@@ -183,7 +182,7 @@ def bad_input(backend: str, module, fn) -> None:
 
 def replayed_front_door(backend: str, fn) -> None:
     """The public call, repeated on the same tensors (its output freed between calls, so torch's allocator gives the
-    next call the same address), runs from one CUDA graph (``host.graphed``) from its second call on: every call
+    next call the same address), runs from one CUDA graph (``graphs.graphed``) from its second call on: every call
     still reads the values its inputs hold then."""
     world_size, shape = dist.get_world_size(), STRESS_SHAPES[1]
     a, b = operands(shape, BF16, 400)
@@ -196,13 +195,12 @@ def replayed_front_door(backend: str, fn) -> None:
         check(out, reference(shape, BF16, seed, world_size, b), f"{backend} front door call {i}")
         out.fill_(POISON)  # a replay must write every element again
         del out
-    graphs = importlib.import_module("kraken.host")._graphs
-    assert any(isinstance(e, torch.cuda.CUDAGraph) and key[1] == a.data_ptr() for key, e in graphs.items()), (
+    assert any(isinstance(e, torch.cuda.CUDAGraph) and key[1] == a.data_ptr() for key, e in graphs._graphs.items()), (
         f"{backend}: the front door's calls were not replayed from a graph")
 
 
 def sequential_form(backend: str, fn) -> None:
-    """The sequential form (``kraken.crossover``: the SM all-gather, then cuBLAS), what the recipe runs below its
+    """The sequential form (``crossover``: the SM all-gather, then cuBLAS), what the recipe runs below its
     crossover at more than one rank: against float64 on odd shapes, with ``return_a``, and replayed from a CUDA
     graph bitwise against eager."""
     world_size = dist.get_world_size()
@@ -254,9 +252,8 @@ def gather_worker() -> None:
             assert torch.equal(out, torch.cat(expected)), f"gather {rows}x{cols} launch {launch}: rows differ"
             assert started.progress.tolist() == [1] * world_size, f"flags after the gather: {started.progress.tolist()}"
             assert started.order[0] == rank and sorted(started.order) == list(range(world_size))
-    # Calls on the same buffers run from two graphs (``host.ForkedGraph``) from the second on: each gathers what the
+    # Calls on the same buffers run from two graphs (``graphs.ForkedGraph``) from the second on: each gathers what the
     # shards hold after the current stream's slow write, and writes every flag again.
-    from kraken import host
     from kraken.comm.all_gather_with_progress import OP
 
     shard = kraken.symm_empty((64, 256), BF16)
@@ -274,7 +271,7 @@ def gather_worker() -> None:
         dist.all_gather(expected, shard)
         assert torch.equal(out, torch.cat(expected)), f"repeated gather {launch}: rows differ"
         assert progress.tolist() == [1] * world_size, f"repeated gather {launch}: flags {progress.tolist()}"
-    assert any(key[0] == OP and isinstance(e, host.ForkedGraph) for key, e in host._graphs.items()), (
+    assert any(key[0] == OP and isinstance(e, graphs.ForkedGraph) for key, e in graphs._graphs.items()), (
         "the repeated gathers did not run from their graphs")
     heartbeat("gather done")
 

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from kraken import host
 from kraken._ptx_utils import timeout
+from kraken.runtime import launcher
+from kraken.runtime.timeout import barrier_timeout_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,12 +100,12 @@ def test_a_bad_setting_is_refused_at_import():
 
 def test_report_page_reads_back_as_a_message(monkeypatch):
     monkeypatch.setattr(timeout, "TIMEOUT_S", 5.0)
-    monkeypatch.setattr(host, "last_op", "one_shot_all_reduce")
-    assert host.barrier_timeout_report([0, 2, 3, 0, 1]) is None
-    message = host.barrier_timeout_report([timeout.REPORT_MAGIC, 2, 3, 0, 1])
+    monkeypatch.setattr(launcher, "last_op", "one_shot_all_reduce")
+    assert barrier_timeout_report([0, 2, 3, 0, 1]) is None
+    message = barrier_timeout_report([timeout.REPORT_MAGIC, 2, 3, 0, 1])
     assert message.startswith("kraken: a barrier gave up after 5 s (KRAKEN_BARRIER_TIMEOUT_S) in block 3 on rank 0, "
                               "waiting for rank 1: signal wait")
     assert "The last op checked on this rank was 'one_shot_all_reduce'" in message
     assert "set KRAKEN_BARRIER_TIMEOUT_S=0 to turn it off" in message
-    lone = host.barrier_timeout_report([timeout.REPORT_MAGIC, 4, 0, timeout.NONE, timeout.NONE])
+    lone = barrier_timeout_report([timeout.REPORT_MAGIC, 4, 0, timeout.NONE, timeout.NONE])
     assert "in block 0: flag wait" in lone

@@ -1,4 +1,4 @@
-"""GPU tests of the recipes inside ``torch.compile`` (``kraken/library.py``), one process per GPU.
+"""GPU tests of the recipes inside ``torch.compile`` (``kraken/runtime/library.py``), one process per GPU.
 
 * The issue's two-layer sequence-parallel MLP (``all_gather_matmul`` -> SiLU -> ``gemm_one_shot_all_reduce``),
   recipes and twins: ``torch._dynamo.explain`` finds one graph and no break; ``fullgraph=True`` under
@@ -146,7 +146,7 @@ def check_fp8_schema(op, args) -> None:
 
 
 def opcheck_every_operator(backend: str) -> None:
-    from kraken import library
+    from kraken.runtime import library
 
     _, namespace = PACKAGES[backend]
     for package in ("comm", "fused"):  # importing a package registers its operators

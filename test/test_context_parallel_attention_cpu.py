@@ -244,7 +244,7 @@ def test_attention_on_gathered_refuses_bad_input(module):
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank(monkeypatch):
-    """Through ``host.agreed``: rank 0's local error and rank 1's both reach every rank, and ranks whose shapes
+    """Through ``agreement.agreed``: rank 0's local error and rank 1's both reach every rank, and ranks whose shapes
     differ all raise naming what differs (a fake two-rank world: this process is rank 0)."""
     q, k, v = qkv()
     world = FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "head_dim must be one of (64, 128)")))

@@ -184,9 +184,9 @@ def stress_and_cuda_graph(backend: str, module) -> None:
 def replayed_calls(backend: str, module, shapes, inputs) -> None:
     """The public calls (``context_parallel_attention``, ``attention_on_gathered``) on the same addresses with new
     values, eight each per shape (two seeds in turn): from the second call on, replays of a CUDA graph kept for those
-    pointers (``host.graphed``), bitwise equal to a plain ``launch`` of the same inputs; and each call's prepared
+    pointers (``graphs.graphed``), bitwise equal to a plain ``launch`` of the same inputs; and each call's prepared
     launcher kept a graph for those q, k, v."""
-    host = importlib.import_module("kraken.host")
+    graphs = importlib.import_module("kraken.runtime.graphs")
     cp = importlib.import_module(MODULES["triton"])  # the prepared calls of both (the twin's under its op name)
     rank = dist.get_rank()
     for slots in ([0, 3], [1, 4], [2, 5]):  # slots of one shape each
@@ -213,7 +213,7 @@ def replayed_calls(backend: str, module, shapes, inputs) -> None:
         name = f"helion {cp.OP}" if backend == "helion" else cp.OP
         launchers = {id(cp.prepare(*static, None, name, causal, None, {})[1]["launcher"]),
                      id(cp.prepare_on_gathered(*static, gathered, rank, name, causal, None, {})[2])}
-        kept = {id(key[0]) for key, entry in host._graphs.items()
+        kept = {id(key[0]) for key, entry in graphs._graphs.items()
                 if isinstance(entry, torch.cuda.CUDAGraph) and key[1:4] == tuple(t.data_ptr() for t in static)}
         assert launchers <= kept, f"{backend} {shapes[slots[0]]}: a call kept no graph for these pointers"
     heartbeat(f"{backend} replayed calls done")

@@ -1,4 +1,4 @@
-"""The recipes as custom operators (``kraken/library.py``), without a GPU: every operator's fake gives the
+"""The recipes as custom operators (``kraken/runtime/library.py``), without a GPU: every operator's fake gives the
 shapes and dtypes the recipe gives, for odd sizes, under ``FakeTensorMode`` (fake CUDA tensors) in a fake
 4-rank world; a model calling the front doors traces as one graph (``torch.export``, strict: Dynamo, no
 graph break); the eager front door calls the recipe directly and costs well under a microsecond."""
@@ -23,7 +23,7 @@ import helion_ports.fused
 import kraken
 import kraken.comm
 import kraken.fused
-from kraken import library
+from kraken.runtime import library
 
 WORLD = 4
 NAMESPACES = ("kraken", "kraken_helion")

@@ -1,4 +1,4 @@
-"""The host fast path (``host.per_signature``, ``host.Launcher``, ``helion_ports.run``), on CPU.
+"""The host fast path (``prepared.per_signature``, ``Launcher``, ``helion_ports.run``), on CPU.
 
 After one warm call, the next calls of the same signature make no collective, find no symmetric buffer,
 build no plan, and launch through the compiled kernel with exactly the arguments Triton's JIT bound on
@@ -19,7 +19,9 @@ from triton.runtime.jit import JITFunction
 
 from benchmark import sm90
 from fake_world import FakeWorld
-from kraken import crossover, host
+from kraken.runtime import crossover, graphs, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch
+from kraken.runtime.replay import NOT_REPLAYED, NOT_YET, Replay, record_replay, replayed
 
 WARM_CALLS = 5
 
@@ -53,7 +55,7 @@ def test_launcher_replays_the_jit_bound_arguments(launches):
     kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
     peers = (torch.zeros(8), torch.zeros(8))
     out = torch.zeros(8)
-    launcher = host.Launcher("op")
+    launcher = Launcher("op")
     for _ in range(3):
         launcher(kernel, (3,), peers, out, peers[0], peers[0], 77, 8, 1024, 1, 2, BLOCK_SIZE=1024, STAGED=False,
                  num_warps=4)
@@ -68,8 +70,8 @@ def test_launcher_replays_the_jit_bound_arguments(launches):
         assert run_args[9] is peers and run_args[10] is out
 
 
-def c_launcher(monkeypatch, launch, launch_pdl: bool = False) -> host.Launcher:
-    """A ``host.Launcher`` whose kernels 'compile' (a fake JIT) to triton 3.6's ``CudaLauncher`` shape with no
+def c_launcher(monkeypatch, launch, launch_pdl: bool = False) -> Launcher:
+    """A ``Launcher`` whose kernels 'compile' (a fake JIT) to triton 3.6's ``CudaLauncher`` shape with no
     scratch: ``launch`` is its C launch function, and its Python ``__call__`` must not be called."""
 
     class CudaLauncher:
@@ -88,7 +90,7 @@ def c_launcher(monkeypatch, launch, launch_pdl: bool = False) -> host.Launcher:
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **meta: Compiled())
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    return host.Launcher("op")
+    return Launcher("op")
 
 
 def test_launcher_calls_the_c_launch_function_when_no_scratch_is_needed(monkeypatch):
@@ -108,7 +110,7 @@ def test_launcher_takes_the_jit_path_while_a_launch_hook_is_set(launches, monkey
     from triton import knobs
 
     kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
-    launcher = host.Launcher("op")
+    launcher = Launcher("op")
     args = ((torch.zeros(8), torch.zeros(8)), torch.zeros(8), torch.zeros(8), torch.zeros(8), 77, 8, 1024, 1, 2)
     launcher(kernel, (1,), *args, BLOCK_SIZE=1024, STAGED=False, num_warps=4)
     hook = lambda metadata: None  # noqa: E731
@@ -124,13 +126,13 @@ def test_launcher_takes_the_jit_path_while_a_launch_hook_is_set(launches, monkey
 def symmetric_world(monkeypatch, plan_module: str) -> dict:
     """A fake 2-rank world (this process rank 1's view of its peers) that counts the per-signature work."""
     counts = {"symm_context": 0, "plan": 0}
-    host.forget_prepared_calls()
+    prepared.forget_prepared_calls()
     world = FakeWorld(monkeypatch)
     counts["world"] = world
 
     def symm_context(tensor, group, op, name="tensor"):
         counts["symm_context"] += 1
-        return host.SymmContext(1, 2, "fake", (torch.zeros_like(tensor), tensor), sm90.FAKE_SIGNAL_PADS)
+        return symm.SymmContext(1, 2, "fake", (torch.zeros_like(tensor), tensor), sm90.FAKE_SIGNAL_PADS)
 
     def symm_workspace(numel, dtype, device, group, op):
         return torch.zeros(numel, dtype=dtype)
@@ -142,9 +144,9 @@ def symmetric_world(monkeypatch, plan_module: str) -> dict:
         counts["plan"] += 1
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(host, "symm_context", symm_context)
-    monkeypatch.setattr(host, "symm_workspace", symm_workspace)
-    monkeypatch.setattr(host, "check_tensor", lambda *args, **kwargs: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(symm, "symm_context", symm_context)
+    monkeypatch.setattr(symm, "symm_workspace", symm_workspace)
+    monkeypatch.setattr(groups, "check_tensor", lambda *args, **kwargs: None)  # CPU tensors stand in for CUDA ones
     monkeypatch.setattr(module, "plan", plan)
     return counts
 
@@ -187,13 +189,13 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
     jit_calls = 2 if module.startswith("helion_ports") else 1
     outputs = [fn(*args) for _ in range(jit_calls)]
     # Nothing of Triton's host API per warm call: triton.next_power_of_2 is a constexpr_function in triton 3.6
-    # (about 2 us a call); the launch paths use host.next_power_of_2.
+    # (about 2 us a call); the launch paths use groups.next_power_of_2.
     real_next_power_of_2, pow2_calls = triton.next_power_of_2, []
     monkeypatch.setattr(triton, "next_power_of_2", lambda n: pow2_calls.append(n) or real_next_power_of_2(n))
     # A collective's warm call finds its prepared call with the keys ``staging.prepares`` spells out: were they not
     # the keys ``prepare`` and ``prepare_staged`` keep it under, the call would go on to those (and ``tensor_key``).
-    real_tensor_key, keyed = host.tensor_key, []
-    monkeypatch.setattr(host, "tensor_key", lambda *a, **k: keyed.append(a) or real_tensor_key(*a, **k))
+    real_tensor_key, keyed = prepared.tensor_key, []
+    monkeypatch.setattr(prepared, "tensor_key", lambda *a, **k: keyed.append(a) or real_tensor_key(*a, **k))
     outputs += [fn(*args) for _ in range(WARM_CALLS - jit_calls)]
     assert not pow2_calls, "a warm call went through triton.next_power_of_2"
     assert not keyed or ".fused." in module, "a collective's warm call missed its prepared call's key"
@@ -207,8 +209,8 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
     per_call = 2 if module.startswith("helion_ports.comm") else 1
     assert kinds == ["jit"] * jit_calls * per_call + ["fast"] * (WARM_CALLS - jit_calls) * per_call, kinds
     bound = [entry[2] for entry in launches[(jit_calls - 1) * per_call:jit_calls * per_call]]
-    # The inputs here are ordinary tensors: staged. Warm calls replay their launches (``host.Replay``: the whole
-    # call, ``host.replayed``, or a twin's kernel): their tensors go in as their addresses.
+    # The inputs here are ordinary tensors: staged. Warm calls replay their launches (``Replay``: the whole
+    # call, ``replayed``, or a twin's kernel): their tensors go in as their addresses.
     recorded = jit_calls + 1 if module.startswith("helion_ports") else jit_calls  # (twins replay one call earlier)
     for i, (_, run_args) in enumerate(launches[recorded * per_call:]):
         jit_args = bound[i % per_call]
@@ -250,7 +252,7 @@ REPLAYED = [  # (module, public function, module whose plan it uses, the call's 
                          ids=[f"{c[0]}-{c[4].get('shot', '')}" for c in REPLAYED])
 def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, launches, module, name, plan_module,
                                                                   make_args, config, in_place):
-    """``host.replayed`` (the collectives' ``staging.launched``, the bias family's ``staged_call``): a call's first run
+    """``replayed`` (the collectives' ``staging.launched``, the bias family's ``staged_call``): a call's first run
     runs its host code, the next ones replay its launches with no host code. Each call here has new inputs (and gets a
     new output), so each replay must launch exactly what the host code launched on the first call, with the inputs'
     and the output's addresses moved to this call's. The prepared call's own tensors (the staging workspace: the
@@ -261,13 +263,13 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
         twin = module.startswith("helion_ports")
         calls = [make_args() for _ in range(WARM_CALLS)]
         if twin and ".comm." in module:  # it stages by a copy launch: its whole call replays on symmetric inputs
-            monkeypatch.setattr(host, "is_symmetric", lambda tensor: True)
+            monkeypatch.setattr(symm, "is_symmetric", lambda tensor: True)
             calls = calls[:1] * WARM_CALLS  # (one prepared call per symmetric address)
         outputs = [fn(*args, **config) for args in calls]
         assert_replays_match(launches, calls, outputs, twin, importlib.import_module(module).launch)
         assert all((out is args[0]) == in_place for args, out in zip(calls, outputs))
     finally:
-        host.forget_prepared_calls()
+        prepared.forget_prepared_calls()
 
 
 GEMMS = [  # (module, public function, the call's arguments)
@@ -282,24 +284,24 @@ GEMMS = [  # (module, public function, the call's arguments)
 
 @pytest.mark.parametrize("module,name,make_args", GEMMS, ids=[c[0] for c in GEMMS])
 def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, module, name, make_args):
-    """``host.prepared_launch`` for the GEMM recipes and twins (TMA operands on the call's ``a`` and ``b``, the block
+    """``prepared_launch`` for the GEMM recipes and twins (TMA operands on the call's ``a`` and ``b``, the block
     workspace's peers, parity and epochs kept): as ``test_a_whole_call_replay_launches_what_its_host_code_launches``,
     on a fake H200 (132 SMs) and a fake workspace."""
     FakeWorld(monkeypatch)
-    host.forget_prepared_calls()
+    prepared.forget_prepared_calls()
 
     class Properties:
         multi_processor_count = 132
 
     def block_workspace(chunk_bytes, device, group, op):
         peers = tuple(torch.zeros(2 * 132 * chunk_bytes, dtype=torch.uint8) for _ in range(2))
-        flat = host.SymmContext(0, 2, "fake", peers, sm90.FAKE_SIGNAL_PADS)
-        ids = torch.zeros(host.max_barrier_blocks(2), dtype=torch.int32)
-        return host.BlockWorkspace(flat, ids, ids.clone(), 132, chunk_bytes)
+        flat = symm.SymmContext(0, 2, "fake", peers, sm90.FAKE_SIGNAL_PADS)
+        ids = torch.zeros(groups.max_barrier_blocks(2), dtype=torch.int32)
+        return symm.BlockWorkspace(flat, ids, ids.clone(), 132, chunk_bytes)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
-    monkeypatch.setattr(host, "block_workspace", block_workspace)
-    monkeypatch.setattr(host, "local_barrier_pads", lambda device: 4096)
+    monkeypatch.setattr(symm, "block_workspace", block_workspace)
+    monkeypatch.setattr(symm, "local_barrier_pads", lambda device: 4096)
     recipe = importlib.import_module(module.replace("helion_ports", "kraken"))  # whose prepare the twin shares
     monkeypatch.setattr(recipe, "check_inputs", lambda *args, **kwargs: None)  # CPU tensors stand in for CUDA ones
     try:
@@ -311,7 +313,7 @@ def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, 
         assert_replays_match(launches, calls, outputs, module.startswith("helion_ports"),
                              importlib.import_module(module).launch)
     finally:
-        host.forget_prepared_calls()
+        prepared.forget_prepared_calls()
 
 
 def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool, launch) -> None:
@@ -323,9 +325,9 @@ def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool,
     first = [launch for launch in launches if launch[0] == "jit"][-1][2]
     replayed = len(addresses)
     assert replayed == len(calls) - (2 if twin else 1) and len(launches) == len(calls), [l[0] for l in launches]
-    launcher = next(value["launcher"] for cache in host._prepared_caches for prepared in cache.values()
-                    for value in prepared if isinstance(value, dict) and "launcher" in value)
-    assert isinstance(getattr(launcher.replays.get(launch), "plan", None), host.Replay)
+    launcher = next(value["launcher"] for cache in prepared._prepared_caches for call in cache.values()
+                    for value in call if isinstance(value, dict) and "launcher" in value)
+    assert isinstance(getattr(launcher.replays.get(launch), "plan", None), Replay)
 
     def names(args, out) -> dict:
         found = {out.data_ptr(): "out"}
@@ -342,12 +344,12 @@ def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool,
 
 def test_a_whole_call_replay_is_kept_per_launch_function(launches):
     """Two launch functions through one prepared call's launcher (say, a recipe's and another's sharing its
-    preparation) each get their own whole-call replay (``host.replayed`` keys it by the function): the second never
+    preparation) each get their own whole-call replay (``replayed`` keys it by the function): the second never
     replays the first's launches."""
     module = importlib.import_module("kraken.comm.one_shot_all_reduce")
     kernels = {"one": module.one_shot_all_reduce_kernel,
                "two": importlib.import_module("kraken.comm.two_shot_all_reduce").two_shot_all_reduce_kernel}
-    launcher, peers = host.Launcher("op"), (torch.zeros(8),)
+    launcher, peers = Launcher("op"), (torch.zeros(8),)
 
     def launch_with(name):
         def launch(out):
@@ -359,7 +361,7 @@ def test_a_whole_call_replay_is_kept_per_launch_function(launches):
     one, two = launch_with("one"), launch_with("two")
     for launch in (one, two, one, two, one, two):
         out = torch.zeros(8)
-        assert host.replayed(launcher, launch, (out,), lambda: launch(out), (peers,)) is out
+        assert replayed(launcher, launch, (out,), lambda: launch(out), (peers,)) is out
     assert {launcher.replays[one].plan.launches[0][0], launcher.replays[two].plan.launches[0][0]} == {
         id(kernels["one"]), id(kernels["two"])}
     assert [kind for kind, *_ in launches] == ["jit", "jit", "fast", "fast", "fast", "fast"]
@@ -372,7 +374,7 @@ def test_a_recording_takes_only_its_own_threads_launches(launches):
     import threading
 
     kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
-    launcher = host.Launcher("op")
+    launcher = Launcher("op")
     peers = (torch.zeros(8),)
 
     def call(out):
@@ -384,7 +386,7 @@ def test_a_recording_takes_only_its_own_threads_launches(launches):
 
     def other_thread():
         call(theirs)
-        nested.append(host.record_replay(launcher, lambda: call(inner), (inner,))[0])
+        nested.append(record_replay(launcher, lambda: call(inner), (inner,))[0])
 
     def host_code():  # (no ATen op of its own: a replay would not repeat it)
         other = threading.Thread(target=other_thread)
@@ -392,10 +394,10 @@ def test_a_recording_takes_only_its_own_threads_launches(launches):
         other.join()
         return call(mine)
 
-    replay, result = host.record_replay(launcher, host_code, (mine,), keep=(peers,), checked=False)
-    assert result is mine and nested == [host.NOT_YET]
+    replay, result = record_replay(launcher, host_code, (mine,), keep=(peers,), checked=False)
+    assert result is mine and nested == [NOT_YET]
     assert len(launches) == 3, "every launch was made"
-    assert isinstance(replay.plan, host.Replay) and len(replay.plan.launches) == 1, (
+    assert isinstance(replay.plan, Replay) and len(replay.plan.launches) == 1, (
         "only this thread's own launch is replayed")
     launches.clear()
     again = torch.zeros(8)
@@ -409,7 +411,7 @@ def test_a_checked_replay_refuses_other_scalars_and_shapes_and_launches_its_own_
     top-level shape gets ``NOT_REPLAYED`` and launches nothing; a call that matches launches the recorded kernel with
     its own tensors' addresses, the kept peers' addresses and the recorded ints, floats and grid."""
     kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
-    launcher, peers = host.Launcher("op"), (torch.zeros(8), torch.zeros(8))
+    launcher, peers = Launcher("op"), (torch.zeros(8), torch.zeros(8))
 
     def host_code(out, numel, scale):
         launcher(kernel, (3, 2), peers, out, peers[0], out[2:], numel, scale, 1024, 0, 2, BLOCK_SIZE=1024,
@@ -418,12 +420,12 @@ def test_a_checked_replay_refuses_other_scalars_and_shapes_and_launches_its_own_
 
     out = torch.zeros(8)
     for _ in range(2):  # the first binds through the JIT, the second is recorded
-        replay, result = host.record_replay(launcher, lambda: host_code(out, 8, 0.5), (out, 8, 0.5), keep=(peers,))
+        replay, result = record_replay(launcher, lambda: host_code(out, 8, 0.5), (out, 8, 0.5), keep=(peers,))
     assert result is out and "def replay(args)" in replay.source
     launches.clear()
     other = torch.zeros(8)
-    assert replay((other, 9, 0.5)) is host.NOT_REPLAYED and replay((other, 8, 0.25)) is host.NOT_REPLAYED
-    assert replay((torch.zeros(6), 8, 0.5)) is host.NOT_REPLAYED and not launches
+    assert replay((other, 9, 0.5)) is NOT_REPLAYED and replay((other, 8, 0.25)) is NOT_REPLAYED
+    assert replay((torch.zeros(6), 8, 0.5)) is NOT_REPLAYED and not launches
     assert replay((other, 8, 0.5)) is other
     (kind, args), = launches
     assert kind == "fast" and args[:4] == (3, 2, 1, 1234)
@@ -458,7 +460,7 @@ def test_a_scalar_of_another_type_is_another_signature(monkeypatch, launches):
     fn(x, vector, vector, eps=1.0)
     with pytest.raises(TypeError, match="eps must be a float"):
         fn(x, vector, vector, eps=True)
-    assert host.config_key({"max_blocks": 1}) != host.config_key({"max_blocks": True})
+    assert prepared.config_key({"max_blocks": 1}) != prepared.config_key({"max_blocks": True})
 
 
 def test_gather_with_progress_keeps_its_barrier_launcher_per_group_and_rank():
@@ -468,10 +470,10 @@ def test_gather_with_progress_keeps_its_barrier_launcher_per_group_and_rank():
     from kraken.comm.all_gather_with_progress import barrier_launcher
 
     def ctx(rank, world_size, pads):
-        return host.SymmContext(rank, world_size, "fake", (), pads)
+        return symm.SymmContext(rank, world_size, "fake", (), pads)
 
     first = barrier_launcher(ctx(0, 2, 1000))
-    assert isinstance(first, host.Launcher) and barrier_launcher(ctx(0, 2, 1000)) is first
+    assert isinstance(first, Launcher) and barrier_launcher(ctx(0, 2, 1000)) is first
     others = {id(barrier_launcher(c)) for c in (ctx(1, 2, 1000), ctx(0, 4, 1000), ctx(0, 2, 2000))}
     assert id(first) not in others and len(others) == 3
 
@@ -480,14 +482,14 @@ def test_gather_with_progress_keeps_its_barrier_launcher_per_group_and_rank():
 def test_a_standalone_gather_prepares_once_and_keeps_its_launcher(monkeypatch, package):
     """``all_gather_with_progress`` (and its twin) checks the shard and finds its peers on the first call of a
     signature only, and hands ``start`` the same launcher object on every call: ``start`` replays the exchange from
-    a graph kept per launcher (``host.graphed``), which a new launcher per call (the twin's Helion barrier was one)
+    a graph kept per launcher (``graphs.graphed``), which a new launcher per call (the twin's Helion barrier was one)
     would never find. ``out`` and ``progress`` are new on every call."""
     module = importlib.import_module(f"{package}.comm.all_gather_with_progress")
-    host.forget_prepared_calls()
+    prepared.forget_prepared_calls()
     contexts, started = [], []
-    monkeypatch.setattr(host, "check_tensor", lambda *args, **kwargs: None)
-    monkeypatch.setattr(host, "symm_context", lambda tensor, group, op, name="tensor": contexts.append(name) or
-                        host.SymmContext(0, 2, "fake", (tensor, torch.zeros_like(tensor)), sm90.FAKE_SIGNAL_PADS))
+    monkeypatch.setattr(groups, "check_tensor", lambda *args, **kwargs: None)
+    monkeypatch.setattr(symm, "symm_context", lambda tensor, group, op, name="tensor": contexts.append(name) or
+                        symm.SymmContext(0, 2, "fake", (tensor, torch.zeros_like(tensor)), sm90.FAKE_SIGNAL_PADS))
     monkeypatch.setattr(module, "start" if package == "kraken" else "recipe_start",
                         lambda *args, launcher, **kwargs: started.append((args, launcher)))
     shard = torch.randn(4, 8)
@@ -503,7 +505,7 @@ def test_a_standalone_gather_prepares_once_and_keeps_its_launcher(monkeypatch, p
         module.all_gather_with_progress(other)
         assert contexts == ["shard", "shard"]
     finally:
-        host.forget_prepared_calls()
+        prepared.forget_prepared_calls()
 
 
 def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
@@ -541,14 +543,14 @@ def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
 
 
 def test_local_scratch_is_kept_per_device_and_dtype():
-    """One buffer per (device, dtype), grown when a bigger one is asked for (a later name in host.py once shadowed
+    """One buffer per (device, dtype), grown when a bigger one is asked for (a later name in its module once shadowed
     its cache, and every GEMM + all-reduce at world size 1 failed on the GPU)."""
     cpu = torch.device("cpu")
-    a = host.local_scratch((4, 8), torch.float32, cpu)
-    b = host.local_scratch((2, 3), torch.float32, cpu)
+    a = symm.local_scratch((4, 8), torch.float32, cpu)
+    b = symm.local_scratch((2, 3), torch.float32, cpu)
     assert a.shape == (4, 8) and b.shape == (2, 3) and a.data_ptr() == b.data_ptr()
-    c = host.local_scratch((100,), torch.float32, cpu)
-    assert c.numel() == 100 and host.local_scratch((2,), torch.int32, cpu).dtype == torch.int32
+    c = symm.local_scratch((100,), torch.float32, cpu)
+    assert c.numel() == 100 and symm.local_scratch((2,), torch.int32, cpu).dtype == torch.int32
 
 
 
@@ -598,7 +600,7 @@ def normalized(value):
 @pytest.mark.parametrize("module_name,example", twin_examples(), ids=[m for m, _ in twin_examples()])
 def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launches, module_name, example):
     """For every twin: after its first two calls through a prepared call's launcher, the calls replay the
-    launches of Helion's generated host code (``host.Replay``), with no host code run. Each call here moves
+    launches of Helion's generated host code (``Replay``), with no host code run. Each call here moves
     every argument to new memory, and the replayed launches must be exactly what the host code launches for
     those arguments (run again with replays off): the same kernels, grids, addresses, descriptors and scalars.
     Twins whose kernels take views (``helion_ports.run``'s ``kernel_args``) are replayed from their own
@@ -608,7 +610,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
     module = importlib.import_module(module_name)
     calls, real_run = [], helion_ports.run
 
-    def recording_run(kernel, args, launcher=host.jit_launch, kernel_args=None):
+    def recording_run(kernel, args, launcher=jit_launch, kernel_args=None):
         calls.append((kernel, args, kernel_args))
         return real_run(kernel, args, launcher, kernel_args)
 
@@ -617,22 +619,23 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
             monkeypatch.setattr(twin, "run", recording_run)
     example(module, 2)
     assert calls, "the example launched no Helion kernel"
-    real_record = host.record_replay
+    real_record = record_replay
     for kernel, args, kernel_args in calls:
         variants = [moved(args) for _ in range(5)]
         runs = {}
         for replaying in (True, False):
             if not replaying:
-                monkeypatch.setattr(host, "record_replay", lambda launcher, code, args, **kwargs: (None, code()))
-            launcher, start = host.Launcher("test"), len(launches)
+                monkeypatch.setattr(helion_ports, "record_replay",
+                                    lambda launcher, code, args, **kwargs: (None, code()))
+            launcher, start = Launcher("test"), len(launches)
             results = [real_run(kernel, variant, launcher, kernel_args) for variant in variants]
             runs[replaying] = [(entry[0], normalized(entry[1:])) for entry in launches[start:]]
             # What each call returned, as the position of that argument among its own (None: it returned None).
             runs[replaying].append([next((i for i, arg in enumerate(variant) if arg is result), "other")
                                     if result is not None else None for result, variant in zip(results, variants)])
             if replaying:
-                assert isinstance(launcher.replays[id(kernel)].plan, host.Replay), f"{module_name}: not replayed"
-        monkeypatch.setattr(host, "record_replay", real_record)
+                assert isinstance(launcher.replays[id(kernel)].plan, Replay), f"{module_name}: not replayed"
+        monkeypatch.setattr(helion_ports, "record_replay", real_record)
         assert [kind for kind, _ in runs[True][:-1]] == ["jit", "jit", "fast", "fast", "fast"], runs[True]
         assert "other" not in runs[True][-1], "a call returned something other than one of its arguments"
         assert runs[True] == runs[False], module_name
@@ -641,7 +644,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
 
 
 def fake_capture(monkeypatch, events: list, capturing: list) -> None:
-    """``host``'s graph capture on a CPU: ``torch.cuda.CUDAGraph`` a fake that notes its capture's begin and end and
+    """``graphs``' graph capture on a CPU: ``torch.cuda.CUDAGraph`` a fake that notes its capture's begin and end and
     its replays in ``events`` (each graph with an exec handle of its own, 101, 102, ...), a capture stream by name,
     the current stream being captured while ``capturing[0]``, and no graph kept yet."""
 
@@ -668,12 +671,12 @@ def fake_capture(monkeypatch, events: list, capturing: list) -> None:
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "capture stream")
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
-    monkeypatch.setattr(host, "_graphs", {})
-    monkeypatch.setattr(host, "_capture_streams", {})
+    monkeypatch.setattr(graphs, "_graphs", {})
+    monkeypatch.setattr(graphs, "_capture_streams", {})
 
 
 def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
-    """``host.graphed``: a key's first run is plain, its second is captured (on a stream of its own) and replayed,
+    """``graphs.graphed``: a key's first run is plain, its second is captured (on a stream of its own) and replayed,
     later ones only replay; a capture that fails runs plainly and is never tried again; while the current stream is
     being captured, or on a CPU, every run is plain."""
     events, capturing = [], [False]
@@ -682,14 +685,14 @@ def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
     gpu = torch.device("cuda", 0)
     run = lambda: events.append("run")  # noqa: E731
     for _ in range(4):
-        host.graphed(("key",), run, gpu)
+        graphs.graphed(("key",), run, gpu)
     assert events == ["run", ("on", "capture stream"), "begin", "run", "end", "replay", "replay", "replay"]
 
     events.clear()
     capturing[0] = True
-    host.graphed(("key",), run, gpu)
-    host.graphed(("other",), run, torch.device("cpu"))
-    assert events == ["run", "run"] and ("other",) not in host._graphs
+    graphs.graphed(("key",), run, gpu)
+    graphs.graphed(("other",), run, torch.device("cpu"))
+    assert events == ["run", "run"] and ("other",) not in graphs._graphs
     capturing[0] = False
 
     events.clear()
@@ -700,22 +703,22 @@ def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
             raise RuntimeError("operation not permitted when stream is capturing")
 
     for _ in range(4):
-        host.graphed(("failing",), failing, gpu)
+        graphs.graphed(("failing",), failing, gpu)
     assert events == ["run", ("on", "capture stream"), "begin", "run", "end", "run", "run", "run"]
-    assert host._graphs[("failing",)] == host.NEVER
+    assert graphs._graphs[("failing",)] == graphs.NEVER
 
 
 def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypatch):
     """A cache of tensors that a kept graph may read or write (context-parallel attention's lse buffers and tile
     orders, its twin's span tables: a graph holds their addresses, not the tensors) keeps them up to ``MAX_PREPARED``
-    keys; past that it starts over only after ``host.drop_graphs`` has waited for every device that captured a graph
+    keys; past that it starts over only after ``graphs.drop_graphs`` has waited for every device that captured a graph
     and forgotten every kept graph."""
     cp = importlib.import_module("kraken.fused.context_parallel_attention")
     twin = importlib.import_module("helion_ports.fused.context_parallel_attention")
     synced: list = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: synced.append(index))
-    monkeypatch.setattr(host, "_capture_streams", {0: "capture stream"})
-    monkeypatch.setattr(host, "MAX_PREPARED", 3)
+    monkeypatch.setattr(graphs, "_capture_streams", {0: "capture stream"})
+    monkeypatch.setattr(prepared, "MAX_PREPARED", 3)
     cpu = torch.device("cpu")
     makers = {
         "_lse": (cp, lambda n: cp.lse_buffer(n + 1, cpu)),
@@ -724,17 +727,17 @@ def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypa
     }
     for name, (module, make) in makers.items():
         monkeypatch.setattr(module, name, {})
-        monkeypatch.setattr(host, "_graphs", {("key",): "a kept graph"})
+        monkeypatch.setattr(graphs, "_graphs", {("key",): "a kept graph"})
         synced.clear()
         first = [make(n) for n in range(3)]
-        assert make(0) is first[0] and host._graphs and not synced, f"{name}: under the bound, everything is kept"
+        assert make(0) is first[0] and graphs._graphs and not synced, f"{name}: under the bound, everything is kept"
         make(3)
-        assert not host._graphs and synced == [0], f"{name}: started over with a graph still kept"
+        assert not graphs._graphs and synced == [0], f"{name}: started over with a graph still kept"
         assert len(getattr(module, name)) == 1
 
 
 def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_on_their_streams(monkeypatch):
-    """``host.forked``: the first call runs the plain fork; the second captures the head (then the fork's event
+    """``graphs.forked``: the first call runs the plain fork; the second captures the head (then the fork's event
     record) and the tail (the fork's event wait first, the join's event record last) as two graphs on the capture
     stream; every call from then on launches the head on the current stream and the tail on the side stream, one
     ``cudaGraphLaunch`` each, and ``join`` makes the current stream wait for the join's event. While the current
@@ -770,30 +773,30 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
         ("stream waits", stream, event, flags)) or (0,))
     head, tail = (lambda: events.append("head")), (lambda: events.append("tail"))
     plain = lambda: events.append("plain")  # noqa: E731
-    assert host.forked(("key",), head, tail, plain, Side()) is None
+    assert graphs.forked(("key",), head, tail, plain, Side()) is None
     assert events == ["plain"]
     events.clear()
-    graphs = host.forked(("key",), head, tail, plain, Side())
-    forked, joined = graphs.forked.cuda_event, graphs.joined.cuda_event
-    head_exec, tail_exec = graphs.head.exec, graphs.tail.exec
+    kept = graphs.forked(("key",), head, tail, plain, Side())
+    forked, joined = kept.forked.cuda_event, kept.joined.cuda_event
+    head_exec, tail_exec = kept.head.exec, kept.tail.exec
     assert head_exec != tail_exec
     assert events == ["begin", "head", ("record", forked, "capture stream"), "end",
                       "begin", ("wait", forked, "capture stream"), "tail", ("record", joined, "capture stream"), "end",
                       ("launch", head_exec, 55), ("launch", tail_exec, 77)]
     events.clear()
-    assert host.forked(("key",), head, tail, plain, Side()) is graphs
-    graphs.join(0)
+    assert graphs.forked(("key",), head, tail, plain, Side()) is kept
+    kept.join(0)
     assert events == [("launch", head_exec, 55), ("launch", tail_exec, 77), ("stream waits", 55, joined, 0)]
     events.clear()
     capturing[0] = True  # the caller's capture takes the plain work, even where a graph is kept
-    assert host.forked(("key",), head, tail, plain, Side()) is None
+    assert graphs.forked(("key",), head, tail, plain, Side()) is None
     assert events == ["plain"]
     capturing[0] = False
 
     events.clear()
     errors[0] = cudart.cudaError_t.cudaErrorInvalidValue
     with pytest.raises(RuntimeError, match="cudaGraphLaunch failed"):
-        host.forked(("key",), head, tail, plain, Side())
+        graphs.forked(("key",), head, tail, plain, Side())
     assert events == [("launch", head_exec, 55)]  # the tail is never launched after a failed head
     errors[0] = 0
 
@@ -804,6 +807,6 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
         raise RuntimeError("operation not permitted when stream is capturing")
 
     for _ in range(3):
-        assert host.forked(("failing",), head, failing, plain, Side()) is None
+        assert graphs.forked(("failing",), head, failing, plain, Side()) is None
     assert events[0] == "plain" and events[-2:] == ["plain", "plain"] and "tail" in events
-    assert host._graphs[("failing",)] == host.NEVER
+    assert graphs._graphs[("failing",)] == graphs.NEVER

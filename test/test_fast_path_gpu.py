@@ -97,7 +97,7 @@ def bad_after_warm_worker() -> None:
         assert torch.all(kraken.one_shot_all_reduce(buf) == expected).item()
         assert torch.all(one_shot_all_reduce_bias(x, bias) == expected + 0.5).item()
     # A mistake is caught where a signature is new on every rank (one made on one rank alone in a call whose
-    # signature is warm elsewhere cannot be, without a collective per call: see kraken.host.agreed).
+    # signature is warm elsewhere cannot be, without a collective per call: see kraken.runtime.agreement.agreed).
     x2 = torch.full((16, 512), rank + 1.0, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match=f"bad input on rank {last}: bias must have shape"):
         one_shot_all_reduce_bias(x2, bias[:-1] if bad else bias)

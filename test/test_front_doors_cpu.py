@@ -1,5 +1,5 @@
 """The front doors (``kraken.all_reduce``, ``kraken.fused.all_reduce_bias[_rms_norm]`` and their twins) choose
-one-shot or two-shot as ``kraken.crossover``'s table says, per (size, world size); ``shot`` forces either; and
+one-shot or two-shot as ``kraken.runtime.crossover``'s table says, per (size, world size); ``shot`` forces either; and
 the missing twin, ``helion_ports.comm.all_gather_with_progress``, mirrors its recipe. No GPU needed."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import kraken
 import kraken.fused
 from benchmark import sm90
 from fake_world import FakeWorld
-from kraken import crossover, host
+from kraken.runtime import crossover, groups, prepared, symm
+from kraken.runtime.launcher import jit_launch
 
 K = 1024
 # (op, world size, the largest size that runs one-shot): the table in words (docs/history.md's measurements).
@@ -117,14 +118,14 @@ def two_ranks(monkeypatch):
     sends), CPU tensors standing in for CUDA ones and the symmetric buffers faked: the doors' and the recipes'
     own host code runs, checks, agreement and prepared calls included; launches can be captured
     (``sm90.capture_launches``)."""
-    host.forget_prepared_calls()
+    prepared.forget_prepared_calls()
     world = FakeWorld(monkeypatch)
-    monkeypatch.setattr(host, "check_tensor", lambda *args, **kwargs: None)
-    monkeypatch.setattr(host, "symm_workspace", lambda numel, dtype, device, group, op: torch.zeros(numel, dtype=dtype))
-    monkeypatch.setattr(host, "symm_context", lambda tensor, group, op, name="tensor": host.SymmContext(
+    monkeypatch.setattr(groups, "check_tensor", lambda *args, **kwargs: None)
+    monkeypatch.setattr(symm, "symm_workspace", lambda numel, dtype, device, group, op: torch.zeros(numel, dtype=dtype))
+    monkeypatch.setattr(symm, "symm_context", lambda tensor, group, op, name="tensor": symm.SymmContext(
         0, 2, "fake", (tensor, torch.zeros_like(tensor)), sm90.FAKE_SIGNAL_PADS))
     yield world
-    host.forget_prepared_calls()  # no prepared call built on fakes outlives the test
+    prepared.forget_prepared_calls()  # no prepared call built on fakes outlives the test
 
 
 @pytest.mark.parametrize("package", ["kraken", "helion_ports"])
@@ -136,12 +137,12 @@ def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op)
     assert fn is getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0].split('.')[0]}"), op)  # exported
     calls = recorded_recipes(monkeypatch, package, op)
     world = {"size": 4}
-    monkeypatch.setattr(host, "world_size_of", lambda group, op_name: world["size"])
+    monkeypatch.setattr(groups, "world_size_of", lambda group, op_name: world["size"])
     sizes = (8 * K, 64 * K) if op == "all_reduce" else (16, 32)  # one-shot and two-shot at 4 ranks
     for world_size, size, expected in ((4, sizes[0], "one"), (4, sizes[1], "two"), (2, sizes[1], "one"),
                                        (1, 64 * sizes[1], "one")):
         world["size"] = world_size
-        host.forget_prepared_calls()  # the choice is kept per signature, and the default group's size changed
+        prepared.forget_prepared_calls()  # the choice is kept per signature, and the default group's size changed
         x = torch.empty(size) if op == "all_reduce" else torch.empty(size, 96)
         calls.clear()
         CALLS[op](fn, x, max_blocks=8)  # a key every recipe of the door knows: the door checks the config too
@@ -166,7 +167,7 @@ def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatc
                             lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
         monkeypatch.setattr(recipe, "launch", lambda *args, **kwargs: pytest.fail("a traced door launched"))
     monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
-    monkeypatch.setattr(host, "world_size_of", lambda group, op_name: 4)
+    monkeypatch.setattr(groups, "world_size_of", lambda group, op_name: 4)
     sizes = (8 * K, 64 * K) if op == "all_reduce" else (16, 32)  # one-shot and two-shot at 4 ranks
     for size, expected in zip(sizes, ("one", "two")):
         x = torch.empty(size) if op == "all_reduce" else torch.empty(size, 96)
@@ -191,7 +192,7 @@ RECIPE_FIRST = {  # op -> (a good call's arguments after x, rank 1's bad argumen
 
 def rank_one_bad(argument: str, message: str):
     """``FakeWorld.other``: rank 1 passes its own bad ``argument`` (a shape or layout rank 0 does not have) and its
-    check refused it with ``message``, as ``host.agreed`` reports a local error."""
+    check refused it with ``message``, as ``agreement.agreed`` reports a local error."""
 
     def other(mine):
         signature, _ = mine
@@ -315,12 +316,12 @@ def test_gather_twin_start_launches_only_the_helion_barrier():
     twin = importlib.import_module(f"helion_ports.{GATHER}")
     recipe = importlib.import_module(f"kraken.{GATHER}")
     with sm90.capture_launches() as launches:
-        twin.HelionBarrier(host.jit_launch)(recipe.shard_barrier_kernel, (1,), sm90.FAKE_SIGNAL_PADS, 0, 2,
-                                            BLOCK_ID=recipe.BARRIER_BLOCK, num_warps=recipe.BARRIER_WARPS)
+        twin.HelionBarrier(jit_launch)(recipe.shard_barrier_kernel, (1,), sm90.FAKE_SIGNAL_PADS, 0, 2,
+                                       BLOCK_ID=recipe.BARRIER_BLOCK, num_warps=recipe.BARRIER_WARPS)
     (launch,) = launches
     assert launch.kernel is not recipe.shard_barrier_kernel
     with pytest.raises(AssertionError):
-        twin.HelionBarrier(host.jit_launch)(object(), (1,), sm90.FAKE_SIGNAL_PADS, 0, 2, BLOCK_ID=0)
+        twin.HelionBarrier(jit_launch)(object(), (1,), sm90.FAKE_SIGNAL_PADS, 0, 2, BLOCK_ID=0)
 
 
 @pytest.fixture
@@ -339,7 +340,7 @@ def fake_world():
 @pytest.mark.parametrize("package", ["kraken", "helion_ports"])
 def test_front_doors_trace_to_the_chosen_operators(fake_world, package):
     """Under Dynamo (``torch.export``, strict: no graph break) a front door makes its choice at trace time and
-    leaves the chosen recipe's operator in the graph (``kraken/library.py``), forced choices included."""
+    leaves the chosen recipe's operator in the graph (``kraken/runtime/library.py``), forced choices included."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     comm, fused = (importlib.import_module(f"{package}.{sub}") for sub in ("comm", "fused"))

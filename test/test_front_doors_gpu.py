@@ -31,7 +31,7 @@ def every_rank(seed: int, shape) -> torch.Tensor:
 
 def sizes_around(op: str, world_size: int) -> tuple[int, ...]:
     """1, an odd size, and the last size the table runs one-shot and the next (capped for a shared GPU)."""
-    from kraken import crossover
+    from kraken.runtime import crossover
 
     last = min(crossover.one_shot_up_to(op, world_size), 1 << 20 if op == "all_reduce" else 256)
     return (1, 37, int(last), int(last) + 1)
@@ -39,7 +39,7 @@ def sizes_around(op: str, world_size: int) -> tuple[int, ...]:
 
 def all_reduce_worker(package: str) -> None:
     import kraken
-    from kraken import crossover
+    from kraken.runtime import crossover
 
     comm = importlib.import_module(f"{package}.comm")
     world_size, seed = dist.get_world_size(), 0
@@ -64,7 +64,7 @@ def all_reduce_worker(package: str) -> None:
 
 
 def bias_worker(package: str) -> None:
-    from kraken import crossover
+    from kraken.runtime import crossover
 
     fused = importlib.import_module(f"{package}.fused")
     world_size, seed = dist.get_world_size(), 0

@@ -14,7 +14,7 @@ from benchmark import sm90
 from benchmark.ops import all_gather as all_gather_op
 from benchmark.ops import reduce_scatter as reduce_scatter_op
 from fake_world import FakeWorld
-from kraken import host
+from kraken.runtime import groups, symm
 
 RS = ("kraken.comm.reduce_scatter", "helion_ports.comm.reduce_scatter")
 AG = ("kraken.comm.all_gather", "helion_ports.comm.all_gather")
@@ -38,13 +38,13 @@ def block_ranges(shard: int, cfg: dict) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("path", [RS[0], AG[0]])
 def test_plans_stay_inside_the_pad_and_cover_each_shard_once(path, monkeypatch):
-    monkeypatch.setattr(host, "signal_pad_bytes", lambda: PAD)
+    monkeypatch.setattr(groups, "signal_pad_bytes", lambda: PAD)
     plan = module(path).plan
     for ws in range(2, 9):
         for n in NUMELS:
             shard = n  # all_gather plans its shard; reduce_scatter its input, ws shards
             cfg = plan(n if path == AG[0] else n * ws, ws, {"max_blocks": 100_000})
-            assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(ws, PAD), (ws, n, cfg)
+            assert 1 <= cfg["num_blocks"] <= groups.max_barrier_blocks(ws, PAD), (ws, n, cfg)
             assert cfg["chunk"] % 64 == 0, "every chunk starts 16-byte aligned within its shard"
             bs = cfg["block_size"]
             assert bs & (bs - 1) == 0 and bs <= 8192, "tl.arange needs a power of two"
@@ -200,10 +200,10 @@ class FakeContext:
 @pytest.mark.parametrize("path", RS + AG)
 def test_bad_rows_raise_on_every_rank_before_any_launch(path, monkeypatch):
     """M not divisible by the world size raises a ValueError naming both on every rank (the ranks exchange
-    their verdicts, ``host.agreed``) and before anything is launched. CPU tensors stand in for CUDA."""
+    their verdicts, ``agreement.agreed``) and before anything is launched. CPU tensors stand in for CUDA."""
     mod = module(path)
     recipe = module(path.replace("helion_ports.", "kraken.", 1))
-    real_check = host.check_tensor
+    real_check = groups.check_tensor
 
     def every_check_but_the_device(tensor, name, op):
         try:
@@ -213,9 +213,9 @@ def test_bad_rows_raise_on_every_rank_before_any_launch(path, monkeypatch):
                 raise
 
     world = FakeWorld(monkeypatch)  # rank 1 passes the same arguments
-    monkeypatch.setattr(host, "check_tensor", every_check_but_the_device)
-    monkeypatch.setattr(host, "symm_context", lambda t, group, op: FakeContext(t))
-    monkeypatch.setattr(host, "is_symmetric", lambda tensor: True)  # the CPU stand-ins take the symmetric path
+    monkeypatch.setattr(groups, "check_tensor", every_check_but_the_device)
+    monkeypatch.setattr(symm, "symm_context", lambda t, group, op: FakeContext(t))
+    monkeypatch.setattr(symm, "is_symmetric", lambda tensor: True)  # the CPU stand-ins take the symmetric path
     launches = []
     monkeypatch.setattr(mod, "launch", lambda *args, **kwargs: launches.append(args))
     fn = getattr(mod, path.rsplit(".", 1)[1])

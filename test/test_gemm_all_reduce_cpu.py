@@ -15,7 +15,7 @@ import torch
 
 from benchmark import sm90
 from benchmark.ops import gemm_all_reduce
-from kraken import host
+from kraken.runtime import groups
 
 RECIPE = "kraken.fused.gemm_one_shot_all_reduce"
 TWIN = "helion_ports.fused.gemm_one_shot_all_reduce"
@@ -55,7 +55,7 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size, config
         assert stats["spill_bytes"] == 0, f"{stats['kernel']} spills {stats['spill_bytes']} bytes"
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
     # One epoch barrier round per launch (a release store to each peer's slot, an acquire spin on ours), two for
-    # two-shot, plus the k-split group's CAS round over local pads; none at the end (host.BlockWorkspace). A group
+    # two-shot, plus the k-split group's CAS round over local pads; none at the end (symm.BlockWorkspace). A group
     # of one that keeps its last tile in registers splits its round around the block, the send relaxed.
     cfg = recipe.plan(*shape, world_size, config, sm90.H200_NUM_SMS)
     assert sm90.signal_rounds(t["ptx"]) == (1 if cfg["split_k"] > 1 else 0), dict(sm90.barrier_opcodes(t["ptx"]))
@@ -169,7 +169,7 @@ recipe.epoch_sync, recipe.epoch_send, recipe.epoch_wait, recipe.symm_mem_sync = 
 twin.EPOCH_SYNC = twin.EPOCH_SEND = twin.EPOCH_WAIT = twin.SPLIT_SYNC = "tl.debug_barrier()"
 
 def workspaces(chunk_bytes, dtype, tile, world_size):
-    """Every rank's BlockWorkspace as ``host.BlockWorkspace.context`` views it (132 chunks), NaN-poisoned."""
+    """Every rank's BlockWorkspace as ``symm.BlockWorkspace.context`` views it (132 chunks), NaN-poisoned."""
     size = 1 << max(16, math.ceil(math.log2(chunk_bytes)))
     tile_elems, chunk_elems = math.prod(tile), size // dtype.itemsize
     shape = (2, 132, chunk_elems // tile_elems, *tile)
@@ -238,7 +238,7 @@ def well_formed(cfg: dict, m: int, n: int, k: int, world_size: int) -> bool:
     """Groups of ``split_k`` blocks, at least one tile each; the splits cover k in whole k steps (a forced
     split may leave the last ones empty: they add zeros); every block's slice of rows (two-shot: every rank's
     slice of them) is whole reduce steps."""
-    tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+    tiles = groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
     split, per_split = cfg["split_k"], cfg["k_per_split"]
     shards = recipe.shards_of(cfg["shot"], world_size)
     return (
@@ -256,18 +256,18 @@ def test_plan_stays_inside_the_signal_pad(world_size):
         for config in ({}, {"max_blocks": 100_000}, {"block_m": 16, "block_n": 16, "split_k": 1}, {"split_k": 2},
                        *({"shot": shot} for shot in recipe.SHOTS), {"shot": "two", "block_m": 16, "block_n": 16}):
             cfg = recipe.plan(m, n, k, world_size, config, 100_000)  # an absurd SM count: the pad must bind
-            assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(world_size), (m, n, k, config, cfg)
-            host.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
+            assert 1 <= cfg["num_blocks"] <= groups.max_barrier_blocks(world_size), (m, n, k, config, cfg)
+            groups.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
             assert well_formed(cfg, m, n, k, world_size), (m, n, k, config, cfg)
             cfg = recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
-            tiles = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
+            tiles = groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
             one_per_tile = world_size == 1 and cfg["split_k"] == 1 and "max_blocks" not in config
-            most = tiles if one_per_tile and tiles <= host.max_barrier_blocks(1) else sm90.H200_NUM_SMS
+            most = tiles if one_per_tile and tiles <= groups.max_barrier_blocks(1) else sm90.H200_NUM_SMS
             assert cfg["num_blocks"] <= most and well_formed(cfg, m, n, k, world_size), (m, n, k, config, cfg)
 
 
 def test_plan_with_a_small_signal_pad(monkeypatch):
-    monkeypatch.setattr(host, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
+    monkeypatch.setattr(groups, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
     cfg = recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS)
     assert cfg["num_blocks"] <= 8 and well_formed(cfg, 8192, 8192, 8192, 8)
 
@@ -355,10 +355,10 @@ def test_plan_refuses_bad_config():
 
 
 def test_plan_picks_the_form_by_output_size_and_world_size(monkeypatch):
-    """One-shot up to kraken.crossover's gemm_all_reduce entry (M x N output elements), two-shot above, at 4-8
+    """One-shot up to kraken.runtime.crossover's gemm_all_reduce entry (M x N output elements), two-shot above, at 4-8
     ranks (3 takes 4's entry); at 1-2 ranks always one-shot (two-shot reads as much there), pushing up to
     SKINNY_M rows. ``shot`` forces any form at any world size; the tiles follow the form (pushing: 64 wide)."""
-    from kraken import crossover
+    from kraken.runtime import crossover
 
     def shot(m, n, ws, config=None):
         return recipe.plan(m, n, 4096, ws, config or {}, 132)["shot"]
@@ -439,7 +439,7 @@ def test_bad_input_is_refused_on_the_host(path, name):
 def test_every_forced_form_backend_calls_its_function_with_the_recipes_form(monkeypatch, world_size):
     """The benchmark's forced-form backends (``triton_1shot`` ... ``helion_2shot``) call the recipe or the twin
     with the form the recipe would pick for one-shot at M rows (the twin has no chooser of its own), or two-shot;
-    ``triton_seq`` forces the sequential form (``kraken.crossover``)."""
+    ``triton_seq`` forces the sequential form (``kraken.runtime.crossover``)."""
     recipe = importlib.import_module("kraken.fused.gemm_one_shot_all_reduce")
     monkeypatch.setattr(gemm_all_reduce.dist, "get_world_size", lambda group=None: world_size)
     monkeypatch.setattr(gemm_all_reduce.dist, "get_rank", lambda group=None: 0)

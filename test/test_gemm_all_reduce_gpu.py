@@ -158,7 +158,7 @@ def bad_input(backend: str, module, fn) -> None:
 
 
 def sequential_form(backend: str, fn) -> None:
-    """The sequential form (``kraken.crossover``: cuBLAS, then the SM all-reduce), what the recipe runs where its
+    """The sequential form (``crossover``: cuBLAS, then the SM all-reduce), what the recipe runs where its
     tiles fill the SMs poorly: against float64 on odd shapes, the same on every rank, and replayed from a CUDA graph
     bitwise against eager."""
     for seed, shape in enumerate(ODD_SHAPES[1:], start=900):

@@ -1,4 +1,4 @@
-"""The fused GEMM recipes' forms (``kraken.crossover``): fused or sequential by total rows and world size, forced by
+"""The fused GEMM recipes' forms (``crossover``): fused or sequential by total rows and world size, forced by
 ``form``, agreed across ranks, and the sequential form's result: the collective, then the GEMM. No GPU needed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fake_world import FakeWorld
-from kraken import crossover, host
+from kraken.runtime import crossover, groups, prepared
 
 BF16 = torch.bfloat16
 RECIPES = {  # op -> (kraken module, helion module, whether a holds one rank's rows)
@@ -53,11 +53,11 @@ def test_forced_forms_and_fused_only_calls():
 
 @pytest.fixture
 def two_ranks(monkeypatch):
-    host.forget_prepared_calls()
+    prepared.forget_prepared_calls()
     world = FakeWorld(monkeypatch)
-    monkeypatch.setattr(host, "world_size_of", lambda group, op: 2)
+    monkeypatch.setattr(groups, "world_size_of", lambda group, op: 2)
     yield world
-    host.forget_prepared_calls()
+    prepared.forget_prepared_calls()
 
 
 def collective(op: str, seen: list):

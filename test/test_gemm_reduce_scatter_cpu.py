@@ -12,8 +12,8 @@ import torch
 
 from benchmark import registry, sm90
 from benchmark.ops import gemm_reduce_scatter as op_module
-from kraken import host
 from kraken._gemm_core import flattens
+from kraken.runtime import groups
 
 RECIPE = "kraken.fused.gemm_reduce_scatter"
 TWIN = "helion_ports.fused.gemm_reduce_scatter"
@@ -51,7 +51,7 @@ def test_both_kernels_compile_for_sm90_and_match(world_size, shape, out_dtype):
         assert "wgmma.mma_async" in stats["ptx"], f"{stats['kernel']}: tl.dot did not become wgmma"
         assert stats["shared_bytes"] <= SHARED_MEMORY_BYTES
     # One epoch barrier round per launch (a release store to each peer's slot, an acquire spin on ours; a group of one
-    # sends relaxed: it wrote nothing before); no CAS barrier and none at the end (host.BlockWorkspace).
+    # sends relaxed: it wrote nothing before); no CAS barrier and none at the end (symm.BlockWorkspace).
     send = "st.global.relaxed.sys" if world_size == 1 else "st.global.release.sys"
     epoch_ops = {f"{send}.u32": 1, "ld.global.acquire.sys.u32": 1}
     assert dict(sm90.barrier_opcodes(t["ptx"])) == epoch_ops
@@ -90,7 +90,7 @@ def test_twin_shares_plan_prepare_and_signatures():
 
 
 def test_op_registration():
-    # triton_fused / triton_seq: the recipe's two forms forced (``kraken.crossover``)
+    # triton_fused / triton_seq: the recipe's two forms forced (``kraken.runtime.crossover``)
     assert list(OP.backends) == ["nccl", "torch_fused", "matmul", "triton", "helion", "triton_fused", "triton_seq"]
     assert OP.reference_free == frozenset({"matmul"})  # timed, not compared: it computes every rank's partial
     assert OP.default_shapes == [(1024, 6656, 2560), (2048, 14336, 4096), (8192, 14336, 4096), (256, 8192, 4096),
@@ -119,16 +119,16 @@ def test_plan_fits_the_signal_pad_and_shared_memory(world_size):
         for config in ({}, {"max_blocks": 100_000}, {"block_m": 16, "block_n": 16}):
             for sms in (sm90.H200_NUM_SMS, 100_000):  # an absurd SM count: the pad must bind
                 cfg = recipe.plan(m, n, k, world_size, config, sms)
-                host.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
-                band_tiles = host.cdiv(m // world_size, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
-                assert 1 <= cfg["num_blocks"] <= min(sms, band_tiles, host.max_barrier_blocks(world_size))
-                assert recipe.rounds_of(m, n, world_size, cfg) == host.cdiv(band_tiles, cfg["num_blocks"])
+                groups.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
+                band_tiles = groups.cdiv(m // world_size, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
+                assert 1 <= cfg["num_blocks"] <= min(sms, band_tiles, groups.max_barrier_blocks(world_size))
+                assert recipe.rounds_of(m, n, world_size, cfg) == groups.cdiv(band_tiles, cfg["num_blocks"])
                 assert stage_bytes(cfg) <= 200 * 1024, (m, n, k, cfg)  # + the epilogue's layout conversion
         assert recipe.chunk_tile(recipe.plan(m, n, k, world_size, {}, 132), world_size)[0] == max(world_size - 1, 1)
 
 
 def test_plan_with_a_small_signal_pad(monkeypatch):
-    monkeypatch.setattr(host, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
+    monkeypatch.setattr(groups, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
     assert recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS)["num_blocks"] == 8
 
 

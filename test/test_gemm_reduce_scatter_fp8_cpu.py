@@ -18,7 +18,7 @@ import torch
 from benchmark import registry, sm90
 from benchmark.ops import gemm_reduce_scatter_fp8 as op_module
 from fake_world import FakeWorld
-from kraken import host
+from kraken.runtime import groups
 
 RECIPE = "kraken.fused.gemm_reduce_scatter_fp8"
 TWIN = "helion_ports.fused.gemm_reduce_scatter_fp8"
@@ -107,9 +107,9 @@ def test_plan_fits_the_signal_pad_and_shared_memory(world_size):
         for config in ({}, {"max_blocks": 100_000}, {"block_m": 16, "block_n": 16, "block_k": 32}):
             for sms in (sm90.H200_NUM_SMS, 100_000):
                 cfg = recipe.plan(m, n, k, world_size, config, sms)
-                host.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
-                band_tiles = host.cdiv(m // world_size, cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
-                assert 1 <= cfg["num_blocks"] <= min(sms, band_tiles, host.max_barrier_blocks(world_size))
+                groups.check_barrier_blocks(cfg["num_blocks"], world_size, "test")
+                band_tiles = groups.cdiv(m // world_size, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
+                assert 1 <= cfg["num_blocks"] <= min(sms, band_tiles, groups.max_barrier_blocks(world_size))
                 assert 32 <= cfg["block_k"] <= 128
                 assert stage_bytes(cfg) <= 200 * 1024, (m, n, k, cfg)
 

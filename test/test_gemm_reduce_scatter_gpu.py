@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from benchmark.ops.gemm_all_reduce import rank_operands
 from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
-from kraken import crossover
+from kraken.runtime import crossover
 
 OP = "gemm_reduce_scatter"
 
@@ -140,7 +140,7 @@ def bad_input(backend: str, module, fn) -> None:
 
 
 def sequential_form(backend: str, fn) -> None:
-    """The sequential form (``kraken.crossover``: cuBLAS, then the SM reduce-scatter), what the recipe runs below
+    """The sequential form (``crossover``: cuBLAS, then the SM reduce-scatter), what the recipe runs below
     its crossover at more than one rank: against float64 on odd shapes, and replayed from a CUDA graph bitwise
     against eager."""
     world_size = dist.get_world_size()

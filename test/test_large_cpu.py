@@ -47,7 +47,7 @@ def test_the_epilogue_goes_64_bit_only_past_2_31_elements(module, example, monke
 
 def test_gemm_checks_refuse_past_2_31_only_where_the_recipe_is_not_wide(monkeypatch):
     """``check_inputs`` keeps its 32-bit limit for a recipe that addresses its output in 32 bits; ``wide`` lifts it."""
-    monkeypatch.setattr(_gemm_core.host, "check_tensor", lambda *args, **kwargs: None)  # CPU stand-ins
+    monkeypatch.setattr(_gemm_core.groups, "check_tensor", lambda *args, **kwargs: None)  # CPU stand-ins
     a, b = torch.empty(2**16, 8, dtype=torch.bfloat16, device="meta"), torch.empty(8, 2**15 + 1, dtype=torch.bfloat16,
                                                                                      device="meta")
     with pytest.raises(ValueError, match="more than 2\\*\\*31 - 1 elements"):

@@ -25,7 +25,7 @@ from benchmark import harness, registry, sm90
 from benchmark.cli import parse_args
 from benchmark.ops import moe as moe_op
 from fake_world import FakeWorld
-from kraken import host
+from kraken.runtime import groups, prepared, symm
 from test_fast_path_cpu import WARM_CALLS, same_kind, symmetric_world
 from test_fast_path_cpu import launches as fast_path_launches  # noqa: F401 (a fixture, used by its name)
 
@@ -50,10 +50,10 @@ D, C = module(DISPATCH[0]), module(COMBINE[0])
 @pytest.mark.parametrize("ws", [2, 3, 8])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (37, 2), (128, 8), (4096, 8), (4097, 3)])
 def test_plans_fit_the_pad_and_cover_everything_once(ws, tokens, top_k, monkeypatch):
-    monkeypatch.setattr(host, "signal_pad_bytes", lambda: PAD)
+    monkeypatch.setattr(groups, "signal_pad_bytes", lambda: PAD)
     for max_blocks in (132, 100_000):
         cfg = D.plan(tokens, top_k, 4096, 8 * ws, ws, {"max_blocks": max_blocks})
-        assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(ws, PAD)
+        assert 1 <= cfg["num_blocks"] <= groups.max_barrier_blocks(ws, PAD)
         covered = torch.zeros(tokens * top_k, dtype=torch.int32)
         for b in range(cfg["num_blocks"]):
             start = b * cfg["pairs_per_block"]
@@ -63,7 +63,7 @@ def test_plans_fit_the_pad_and_cover_everything_once(ws, tokens, top_k, monkeypa
         assert cfg["num_chunks"] * D.CHUNK >= tokens * top_k
         assert cfg["e_pad"] >= 8 * ws and cfg["ws_pad"] >= ws
         ccfg = C.plan(tokens, 4096, ws, {"max_blocks": max_blocks})
-        assert 1 <= ccfg["num_blocks"] <= host.max_barrier_blocks(ws, PAD)
+        assert 1 <= ccfg["num_blocks"] <= groups.max_barrier_blocks(ws, PAD)
         covered = torch.zeros(tokens, dtype=torch.int32)
         for b in range(ccfg["num_blocks"]):
             start = b * ccfg["tokens_per_block"]
@@ -176,8 +176,8 @@ def run_case(ws, tokens, hidden, num_experts, top_k, capacity, skewed, bad, seed
     counts = tuple(torch.zeros(ws, cfg["e_pad"], dtype=torch.int32) for _ in range(ws))
     handles, counts_ctxs = [], []
     for r in range(ws):
-        recv_ctx = host.SymmContext(r, ws, "", recv, 0)
-        counts_ctxs.append(host.SymmContext(r, ws, "", counts, 0))
+        recv_ctx = symm.SymmContext(r, ws, "", recv, 0)
+        counts_ctxs.append(symm.SymmContext(r, ws, "", counts, 0))
         handles.append(D.new_handle(all_tokens[r], all_ids[r], num_experts, recv[r], recv_ctx, capacity))
     for _ in range(2):
         for r in range(ws):
@@ -244,7 +244,7 @@ def every_check_but_the_device(real_check):
 def test_dispatch_bad_input_raises_on_every_rank_before_any_launch(path, monkeypatch):
     mod = module(path)
     world = FakeWorld(monkeypatch)  # rank 1 passes the same arguments
-    monkeypatch.setattr(host, "check_tensor", every_check_but_the_device(host.check_tensor))
+    monkeypatch.setattr(groups, "check_tensor", every_check_but_the_device(groups.check_tensor))
     launches = []
     monkeypatch.setattr(mod, "launch", lambda *args, **kwargs: launches.append(args))
     tokens, ids = torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.int64)
@@ -274,7 +274,7 @@ def test_dispatch_bad_input_on_one_rank_raises_on_both(monkeypatch):
         return signature, ("ValueError", "expert_ids has dtype float32; supported: int32, int64")
 
     FakeWorld(monkeypatch, other=other)
-    monkeypatch.setattr(host, "check_tensor", every_check_but_the_device(host.check_tensor))
+    monkeypatch.setattr(groups, "check_tensor", every_check_but_the_device(groups.check_tensor))
     monkeypatch.setattr(D, "buffers", lambda *a: pytest.fail("allocated after a failed agreement"))
     with pytest.raises(ValueError, match="bad input on rank 1: expert_ids has dtype float32"):
         D.moe_dispatch(torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.int64), 4)
@@ -282,9 +282,9 @@ def test_dispatch_bad_input_on_one_rank_raises_on_both(monkeypatch):
 
 def test_combine_checks(monkeypatch):
     FakeWorld(monkeypatch)
-    monkeypatch.setattr(host, "check_tensor", every_check_but_the_device(host.check_tensor))
+    monkeypatch.setattr(groups, "check_tensor", every_check_but_the_device(groups.check_tensor))
     recv = torch.zeros(24, 8, dtype=torch.bfloat16)
-    ctx = host.SymmContext(0, 2, "fake", (recv, recv), 0)
+    ctx = symm.SymmContext(0, 2, "fake", (recv, recv), 0)
     handle = D.new_handle(torch.zeros(6, 8, dtype=torch.bfloat16), torch.zeros(6, 2, dtype=torch.int64), 4, recv, ctx,
                           24)
     for path in COMBINE:
@@ -320,7 +320,7 @@ def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches
     signature is checked and agreed again."""
     launches = fast_path_launches
     counts = symmetric_world(monkeypatch, DISPATCH[0])  # a fake 2-rank world; this process's peers are zeros
-    monkeypatch.setattr(host, "symm_empty", lambda shape, dtype, device, group: torch.zeros(shape, dtype=dtype))
+    monkeypatch.setattr(symm, "symm_empty", lambda shape, dtype, device, group: torch.zeros(shape, dtype=dtype))
     monkeypatch.setattr(D, "_buffers", {})
     combine_plans = []
     real_plan = C.plan
@@ -353,8 +353,8 @@ def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches
             bound = launch_args(rounds[jit_calls - 1][i])
             for rnd in rounds[jit_calls:]:
                 fast = launch_args(rnd[i])
-                # A twin's warm calls replay its launches (host.Replay), as the combine's whole call does
-                # (host.replayed): their tensors go in as their addresses.
+                # A twin's warm calls replay its launches (Replay), as the combine's whole call does
+                # (replayed): their tensors go in as their addresses.
                 replayed = (package == "helion_ports" and i >= 3) or i == 4
                 assert len(fast) >= len(bound) and all(same_kind(a, b, replayed) for a, b in zip(fast, bound)), i
         for r, rnd in enumerate(rounds):
@@ -391,7 +391,7 @@ def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches
                       for v in (value if type(value) is tuple else (value,))]
             assert other.data_ptr() in values and recv.data_ptr() not in values, "launched on the old buffer's peers"
     finally:
-        host.forget_prepared_calls()  # nothing prepared in this fake world serves another test
+        prepared.forget_prepared_calls()  # nothing prepared in this fake world serves another test
 
 
 # ---------------------------------------------------------------------------

@@ -231,8 +231,8 @@ def cuda_graph_and_stress(backend: str) -> None:
             for k, out in enumerate(outs):
                 assert_close(out, refs[(i + 1 - len(outs) + k) % 10], f"{backend} round {i + 1 - len(outs) + k}")
             outs = []
-    # Those dispatches, on the same inputs every tenth call, ran from CUDA graphs (host.graphed) once warm.
-    graphs = importlib.import_module("kraken.host")._graphs
+    # Those dispatches, on the same inputs every tenth call, ran from CUDA graphs (graphs.graphed) once warm.
+    graphs = importlib.import_module("kraken.runtime.graphs")._graphs
     assert any(isinstance(e, torch.cuda.CUDAGraph) and key[1] in {x.data_ptr() for x, _, _ in sets}
                for key, e in graphs.items()), f"{backend}: no dispatch was replayed from a graph"
 

@@ -25,7 +25,7 @@ import torch
 
 from benchmark import registry, sm90
 from benchmark.ops.all_reduce_bias import example_launch
-from kraken import host
+from kraken.runtime import groups
 
 FAMILY = [
     "one_shot_all_reduce_bias",
@@ -194,7 +194,7 @@ def test_plans_cover_every_unit_once_and_fit_the_pad(name):
             total = tokens if name.endswith("rms_norm") else tokens * hidden
             where = f"{name} ws={world_size} {tokens}x{hidden} {cfg}"
             assert sorted(units) == list(range(total)), f"{where}: not an exact cover"
-            assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(world_size, PAD_BYTES), where
+            assert 1 <= cfg["num_blocks"] <= groups.max_barrier_blocks(world_size, PAD_BYTES), where
             if "shard" in cfg and not name.endswith("rms_norm"):
                 assert cfg["shard"] % 64 == 0 and cfg["chunk"] % 64 == 0, f"{where}: 16-byte alignment"
             if name == "one_shot_all_reduce_bias_rms_norm" and tokens:

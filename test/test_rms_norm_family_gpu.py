@@ -12,7 +12,7 @@ each assert on their own section of the collected report. Checks:
   NaN-poisoned workspace (every element read was written in this call), and
   through the public function (bitwise equal); the front doors
   (``triton_auto``/``helion_auto``: no ``prepare`` of their own) through their
-  public call, bitwise equal to the recipe ``kraken.crossover`` chooses, called
+  public call, bitwise equal to the recipe ``kraken.runtime.crossover`` chooses, called
   directly; every rank's result bitwise identical;
 * rms_norm (single GPU, Triton and Helion) against float64, poisoned output;
 * eps: a large eps changes the result exactly as the reference says;
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from benchmark import registry
 from benchmark.ops.all_reduce_bias import EPS, parameters, rank_values
-from kraken import crossover
+from kraken.runtime import crossover
 from gpu_utils import DTYPES, POISON, assert_close, heartbeat, needs_gpus, rel_err, run_on_gpus
 
 pytestmark = needs_gpus
@@ -69,7 +69,7 @@ def fused_modules(op: registry.Op) -> dict[str, str]:
 
 def is_front_door(module_path: str) -> bool:
     """A front door (``kraken.fused.all_reduce_bias[_rms_norm]``, its twin): one-shot or two-shot by
-    ``kraken.crossover``, with no ``prepare``/``launch`` of a workspace of its own."""
+    ``kraken.runtime.crossover``, with no ``prepare``/``launch`` of a workspace of its own."""
     return module_path.rsplit(".", 1)[1] in crossover.FAMILY
 
 

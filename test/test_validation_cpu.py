@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fake_world import FakeWorld
-from kraken import host
+from kraken.runtime import agreement, groups, symm
 
 ENTRY_POINTS = [
     ("kraken.comm.one_shot_all_reduce", "one_shot_all_reduce"),
@@ -38,33 +38,33 @@ def test_tensor_checks(module, name):
 
 def test_group_checks():
     with pytest.raises(ValueError, match="not initialized"):
-        host.resolve_group(None, "op")
+        groups.resolve_group(None, "op")
     with pytest.raises(ValueError, match="needs a group of 1 to 8 ranks"):
-        host.check_world_size(0, "op")
+        groups.check_world_size(0, "op")
     with pytest.raises(ValueError, match="got world size 9"):
-        host.check_world_size(9, "op")
+        groups.check_world_size(9, "op")
     for ws in range(1, 9):
-        host.check_world_size(ws, "op")
+        groups.check_world_size(ws, "op")
 
 
 def test_group_lookup_errors(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         with pytest.raises(ValueError, match="no process group is named"):
-            host.resolve_group("nope", "op")
+            groups.resolve_group("nope", "op")
         with pytest.raises(TypeError, match="group must be"):
-            host.resolve_group(3, "op")
+            groups.resolve_group(3, "op")
     finally:
         dist.destroy_process_group()
 
 
 def test_signal_pad_budget():
     pad = 9216  # torch 2.11's default: 2304 slots
-    assert host.max_barrier_blocks(2, pad) == 1152
-    assert host.max_barrier_blocks(8, pad) == 288
-    host.check_barrier_blocks(288, 8, "op", pad)
+    assert groups.max_barrier_blocks(2, pad) == 1152
+    assert groups.max_barrier_blocks(8, pad) == 288
+    groups.check_barrier_blocks(288, 8, "op", pad)
     with pytest.raises(ValueError, match=r"needs 289 barrier block ids x 8 ranks = 2312 signal slots.*holds 2304"):
-        host.check_barrier_blocks(289, 8, "op", pad)
+        groups.check_barrier_blocks(289, 8, "op", pad)
 
 
 @pytest.mark.parametrize("module", ["kraken.comm.one_shot_all_reduce", "kraken.comm.two_shot_all_reduce"])
@@ -73,7 +73,7 @@ def test_plans_stay_inside_the_pad_at_every_world_size(module):
     for ws in range(2, 9):
         for numel in (1, 7, 4095, 1 << 20, 1 << 28):
             cfg = plan(numel, ws, {"max_blocks": 100_000})
-            assert 1 <= cfg["num_blocks"] <= host.max_barrier_blocks(ws)
+            assert 1 <= cfg["num_blocks"] <= groups.max_barrier_blocks(ws)
             covered = cfg["num_blocks"] * cfg["chunk"] * (ws if "shard" in cfg else 1)
             assert covered >= numel, f"{module} ws={ws} numel={numel}: grid covers only {covered}"
     with pytest.raises(TypeError, match="unknown config keys"):
@@ -88,16 +88,16 @@ def test_workspace_sizes_are_agreed_before_growing(monkeypatch):
     class FakeGroup:
         group_name = "fake"
 
-    monkeypatch.setattr(host, "resolve_group", lambda group, op: FakeGroup())
-    monkeypatch.setattr(host, "_agree", lambda signature, pg, op: calls.append(("agree", signature)))
-    monkeypatch.setattr(host, "symm_empty", lambda size, dtype, device, pg: calls.append(("grow", size))
+    monkeypatch.setattr(groups, "resolve_group", lambda group, op: FakeGroup())
+    monkeypatch.setattr(agreement, "_agree", lambda signature, pg, op: calls.append(("agree", signature)))
+    monkeypatch.setattr(symm, "symm_empty", lambda size, dtype, device, pg: calls.append(("grow", size))
                         or torch.empty(size, dtype=dtype))
-    monkeypatch.setattr(host, "_workspaces", {})
-    monkeypatch.setattr(host, "_agreed", set())
+    monkeypatch.setattr(symm, "_workspaces", {})
+    monkeypatch.setattr(agreement, "_agreed", set())
     device = torch.device("cpu")
-    assert host.symm_workspace(5000, torch.float32, device, None, "op").numel() == 5000
-    assert host.symm_workspace(5000, torch.float32, device, None, "op").numel() == 5000  # no new collective
-    assert host.symm_workspace(100, torch.float32, device, None, "op").numel() == 100  # fits: agree only
+    assert symm.symm_workspace(5000, torch.float32, device, None, "op").numel() == 5000
+    assert symm.symm_workspace(5000, torch.float32, device, None, "op").numel() == 5000  # no new collective
+    assert symm.symm_workspace(100, torch.float32, device, None, "op").numel() == 100  # fits: agree only
     assert calls == [("agree", ("workspace elements", 5000, "torch.float32")), ("grow", 8192),
                      ("agree", ("workspace elements", 100, "torch.float32"))]
     # A rank whose agreement fails (ranks disagree) never reaches the allocation.
@@ -105,9 +105,9 @@ def test_workspace_sizes_are_agreed_before_growing(monkeypatch):
         calls.append(("agree", signature))
         raise ValueError("ranks disagree")
 
-    monkeypatch.setattr(host, "_agree", disagree)
+    monkeypatch.setattr(agreement, "_agree", disagree)
     with pytest.raises(ValueError, match="ranks disagree"):
-        host.symm_workspace(1 << 20, torch.float32, device, None, "op")
+        symm.symm_workspace(1 << 20, torch.float32, device, None, "op")
     assert calls[-1] == ("agree", ("workspace elements", 1 << 20, "torch.float32"))  # and no "grow" after it
 
 
@@ -120,14 +120,14 @@ def test_agreed_raises_on_every_rank_when_one_rank_is_wrong(monkeypatch):
     # Rank 1 alone has a bad bias (same shapes as ours: its check failed on something else).
     world = FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "bias has dtype float16 but x has float32")))
     with pytest.raises(ValueError, match=r"^op: bad input on rank 1: bias has dtype float16 but x has float32$"):
-        with host.agreed("op", None, bias=bias, eps=1e-6):
+        with agreement.agreed("op", None, bias=bias, eps=1e-6):
             pass  # our own checks pass
     assert world.exchanges == 1
     # The failed agreement is not remembered: the same call exchanges again (and the peer is fixed now).
     world.other = None
-    with host.agreed("op", None, bias=bias, eps=1e-6):
+    with agreement.agreed("op", None, bias=bias, eps=1e-6):
         pass
-    with host.agreed("op", None, bias=bias, eps=1e-6):
+    with agreement.agreed("op", None, bias=bias, eps=1e-6):
         pass
     assert world.exchanges == 2  # one more exchange, then a set lookup
 
@@ -135,11 +135,11 @@ def test_agreed_raises_on_every_rank_when_one_rank_is_wrong(monkeypatch):
 def test_agreed_names_every_failing_rank_and_keeps_the_error_type(monkeypatch):
     FakeWorld(monkeypatch, other=lambda mine: mine)  # the peer fails the same way
     with pytest.raises(TypeError, match=r"^op: bad input on ranks 0, 1: x must be a torch.Tensor$"):
-        with host.agreed("op", None, x=[1.0]):
+        with agreement.agreed("op", None, x=[1.0]):
             _fail(TypeError("op: x must be a torch.Tensor"))
     FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "eps must be >= 0")))
     with pytest.raises(ValueError, match=r"rank 0: x is wrong; rank 1: eps must be >= 0"):
-        with host.agreed("op", None, x=torch.zeros(2)):
+        with agreement.agreed("op", None, x=torch.zeros(2)):
             _fail(TypeError("op: x is wrong"))
 
 
@@ -148,26 +148,26 @@ def test_agreed_names_what_differs_between_ranks(monkeypatch):
     FakeWorld(monkeypatch, other=other)
     x = torch.zeros(4, 5120, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"ranks disagree on the input's shape/dtype \(x: rank 0 \('tensor', \(4, 5120\)"):
-        with host.agreed("op", None, x=x, eps=1e-6):
+        with agreement.agreed("op", None, x=x, eps=1e-6):
             pass
 
 
 def test_agreed_after_success_raises_locally_without_a_collective(monkeypatch):
     world = FakeWorld(monkeypatch)
-    with host.agreed("op", None, n=3):
+    with agreement.agreed("op", None, n=3):
         pass
     with pytest.raises(ValueError, match="only here"):
-        with host.agreed("op", None, n=3):
+        with agreement.agreed("op", None, n=3):
             _fail(ValueError("only here"))
     assert world.exchanges == 1
 
 
 def test_signature_of_describes_arguments():
     t = torch.zeros(3, 4, dtype=torch.float16)
-    assert host.signature_of(t) == ("tensor", (3, 4), "float16", "cpu", True)
-    assert host.signature_of(t.t())[-1] is False
-    assert host.signature_of({"b": 1, "a": torch.bfloat16}) == (("a", "torch.bfloat16"), ("b", 1))
-    assert host.signature_of([1, None, "x"]) == (1, None, "x") and host.signature_of(object()) == "object"
+    assert agreement.signature_of(t) == ("tensor", (3, 4), "float16", "cpu", True)
+    assert agreement.signature_of(t.t())[-1] is False
+    assert agreement.signature_of({"b": 1, "a": torch.bfloat16}) == (("a", "torch.bfloat16"), ("b", 1))
+    assert agreement.signature_of([1, None, "x"]) == (1, None, "x") and agreement.signature_of(object()) == "object"
 
 
 def test_agreed_reports_bad_input_and_disagreement_together(monkeypatch):
@@ -176,5 +176,5 @@ def test_agreed_reports_bad_input_and_disagreement_together(monkeypatch):
     FakeWorld(monkeypatch, other=other)
     with pytest.raises(ValueError, match=r"bad input on rank 1: M = 9 rows do not split evenly over 2 ranks; "
                                          r"and ranks disagree on the input's shape/dtype \(m: rank 0 8, rank 1 9\)"):
-        with host.agreed("op", None, m=8):
+        with agreement.agreed("op", None, m=8):
             pass

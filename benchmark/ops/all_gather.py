@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
-from kraken import host
+from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 
 RECIPE = "comm.all_gather"
@@ -28,7 +28,7 @@ def make_inputs(shape, dtype, seed):
         raise ValueError(f"all_gather: NUMEL = {numel} is not divisible by the world size {world_size}")
     gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
     values = torch.randn(numel // world_size, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
-    symm = host.symm_workspace(values.numel(), dtype, values.device, None, "all_gather")
+    symm = symm_workspace(values.numel(), dtype, values.device, None, "all_gather")
     symm.copy_(values)
     return {"symm": symm, "plain": values}
 

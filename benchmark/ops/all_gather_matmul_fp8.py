@@ -133,7 +133,7 @@ def scaled_mm(i):
 
 
 def fused(package: str, form: str | None = None):
-    """The recipe (``package`` kraken) or its twin in the form ``kraken.crossover`` chooses, or ``form``."""
+    """The recipe (``package`` kraken) or its twin in the form ``kraken.runtime.crossover`` chooses, or ``form``."""
     path = f"{package}.{RECIPE}"
     fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
     if form is None:

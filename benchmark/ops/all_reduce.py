@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
-from kraken import host
+from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 
 ONE_SHOT = "comm.one_shot_all_reduce"
 TWO_SHOT = "comm.two_shot_all_reduce"
-AUTO = "comm.all_reduce"  # the front door: one-shot or two-shot by kraken.crossover
+AUTO = "comm.all_reduce"  # the front door: one-shot or two-shot by kraken.runtime.crossover
 
 
 def make_inputs(shape, dtype, seed):
@@ -22,7 +22,7 @@ def make_inputs(shape, dtype, seed):
     rank = dist.get_rank()
     gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
     values = torch.randn(numel, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
-    symm = host.symm_workspace(numel, dtype, values.device, None, "all_reduce")
+    symm = symm_workspace(numel, dtype, values.device, None, "all_reduce")
     symm.copy_(values)
     return {"symm": symm, "plain": values}
 

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
-from kraken import host
+from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 from kraken.comm.one_shot_all_reduce import one_shot_all_reduce
 from kraken.fused.rms_norm import rms_norm
 
 EPS = 1e-5
 FUSED = "fused.{shot}_shot_all_reduce_bias{norm}"
-AUTO = "fused.all_reduce_bias{norm}"  # the front doors: one-shot or two-shot by kraken.crossover
+AUTO = "fused.all_reduce_bias{norm}"  # the front doors: one-shot or two-shot by kraken.runtime.crossover
 EXAMPLE_SHAPE = (7, 1000)  # odd in both dimensions: row and column tails
 
 
@@ -57,7 +57,7 @@ def make_inputs(shape, dtype, seed):
     bias, weight = parameters(hidden, dtype, seed)
     # The chain's input in symmetric memory. The fused kernels stage x into this same workspace,
     # so it keeps holding x's values between backends.
-    symm = host.symm_workspace(x.numel(), dtype, x.device, None, "all_reduce_bias").view(shape)
+    symm = symm_workspace(x.numel(), dtype, x.device, None, "all_reduce_bias").view(shape)
     symm.copy_(x)
     return {"x": x, "bias": bias, "weight": weight, "eps": EPS, "symm": symm, "nccl": x.clone()}
 

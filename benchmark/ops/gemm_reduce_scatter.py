@@ -74,7 +74,7 @@ def matmul(i):
 
 
 def fused(package: str, form: str | None = None):
-    """The recipe (``package`` kraken) or its twin (helion_ports) in the form ``kraken.crossover`` chooses, or
+    """The recipe (``package`` kraken) or its twin (helion_ports) in the form ``kraken.runtime.crossover`` chooses, or
     ``form`` ("fused": the overlapping kernel; "sequential": the SM-driven collective and cuBLAS one after the
     other)."""
     path = f"{package}.{RECIPE}"

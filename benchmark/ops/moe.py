@@ -34,7 +34,7 @@ import triton
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
-from kraken import host
+from kraken.runtime.symm import SymmContext
 
 DISPATCH, COMBINE = "comm.moe_dispatch", "comm.moe_combine"
 SHAPE_FORMAT = "TxHxExKxSKEW"
@@ -189,8 +189,8 @@ def example_handle(module_path: str, world_size: int, shape, rank: int | None = 
     cfg = dispatch.plan(num_tokens, top_k, hidden, num_experts, world_size, {})
     recv = tuple(torch.empty(capacity, hidden, dtype=torch.bfloat16) for _ in range(world_size))
     counts = tuple(torch.empty(world_size, cfg["e_pad"], dtype=torch.int32) for _ in range(world_size))
-    recv_ctx = host.SymmContext(rank, world_size, "", recv, FAKE_SIGNAL_PADS)
-    counts_ctx = host.SymmContext(rank, world_size, "", counts, FAKE_SIGNAL_PADS)
+    recv_ctx = SymmContext(rank, world_size, "", recv, FAKE_SIGNAL_PADS)
+    counts_ctx = SymmContext(rank, world_size, "", counts, FAKE_SIGNAL_PADS)
     tokens = torch.randn(num_tokens, hidden).to(torch.bfloat16)
     ids = torch.randint(0, num_experts, (num_tokens, top_k))
     handle = dispatch.new_handle(tokens, ids, num_experts, recv[rank], recv_ctx, capacity)

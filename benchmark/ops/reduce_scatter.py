@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
-from kraken import host
+from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 
 RECIPE = "comm.reduce_scatter"
@@ -27,7 +27,7 @@ def make_inputs(shape, dtype, seed):
         raise ValueError(f"reduce_scatter: NUMEL = {numel} is not divisible by the world size {world_size}")
     gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
     values = torch.randn(numel, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
-    symm = host.symm_workspace(numel, dtype, values.device, None, "reduce_scatter")
+    symm = symm_workspace(numel, dtype, values.device, None, "reduce_scatter")
     symm.copy_(values)
     return {"symm": symm, "plain": values}
 

@@ -11,6 +11,7 @@ from .two_shot_all_reduce import two_shot_all_reduce
 
 __all__ = ["all_gather", "all_gather_with_progress", "all_reduce", "moe_combine", "moe_dispatch", "one_shot_all_reduce", "reduce_scatter", "two_shot_all_reduce"]
 
-from kraken.library import install_front_doors  # noqa: E402  (after the exports it wraps)
+from kraken.runtime.library import install_front_doors  # noqa: E402  (after the exports it wraps)
 
-install_front_doors(__name__)  # each recipe above: a torch.library operator under torch.compile (kraken/library.py)
+# Each recipe above: a torch.library operator under torch.compile (kraken/runtime/library.py).
+install_front_doors(__name__)

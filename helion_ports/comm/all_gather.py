@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, flat_view, run, stage, views
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm import staging
 from kraken.comm.all_gather import plan, prepare, prepare_call  # shared with the Triton recipe
+from kraken.runtime import staging
+from kraken.runtime.launcher import jit_launch
 
 # The barriers: "peers' shards are ready" (acquire) and "done reading peers" (release).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -72,7 +72,7 @@ def launch(
     chunk: int,
     wide: bool = False,  # unused: Helion picks 64-bit indices itself from the tensors' sizes
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.all_gather.launch`` (an ordinary ``x`` is staged by a

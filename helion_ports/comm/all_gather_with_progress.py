@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, run
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather_with_progress import (  # shared with the Triton recipe
     BARRIER_BLOCK, BARRIER_WARPS, GatherInProgress, barrier_launcher, prepare, shard_barrier_kernel,
 )
 from kraken.comm.all_gather_with_progress import start as recipe_start
+from kraken.runtime import prepared
+from kraken.runtime.launcher import jit_launch
 
 # "Every write before this is visible to the peers, and theirs to everything after it on this stream."
 SYNC = SYMM_MEM_SYNC[(True, True)]
@@ -60,7 +61,7 @@ def anchor() -> torch.Tensor:
     return tensor
 
 
-def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=host.jit_launch, group_name: str = "") -> None:
+def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=jit_launch, group_name: str = "") -> None:
     """One cross-rank barrier on the current stream (one block, one warp); mirrors the recipe's ``barrier``
     (``group_name``: Helion's ``hl.ProcessGroupName``, unused by the recipe)."""
     run(compiled(), (anchor(), signal_pad_ptrs, rank, world_size, group_name), launcher)
@@ -78,11 +79,11 @@ class HelionBarrier:
         barrier(signal_pad_ptrs, rank, world_size, self.launcher, self.group_name)
 
 
-@functools.lru_cache(maxsize=host.MAX_PREPARED)
+@functools.lru_cache(maxsize=prepared.MAX_PREPARED)
 def helion_barrier(launcher, group_name: str = "") -> HelionBarrier:
     """The ``HelionBarrier`` over ``launcher``, one per (launcher, group name): the recipe's exchange replays a
-    graph kept per launcher object (``host.graphed``), which a new object per call would never find. Bounded as
-    the prepared calls are (``host.MAX_PREPARED``): the all-gather + matmul twins pass their prepared calls'
+    graph kept per launcher object (``graphs.graphed``), which a new object per call would never find. Bounded as
+    the prepared calls are (``prepared.MAX_PREPARED``): the all-gather + matmul twins pass their prepared calls'
     launchers, which must not outlive those calls here."""
     return HelionBarrier(launcher, group_name)
 
@@ -96,7 +97,7 @@ def start(
     stage_from: torch.Tensor | None = None,
     snapshot: torch.Tensor | None = None,
     stage_launch: Callable[[], None] | None = None,
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     flag_own: bool = True,
 ) -> GatherInProgress:
     """The recipe's ``start`` with the Helion barrier; mirrors ``kraken.comm.all_gather_with_progress.start``."""

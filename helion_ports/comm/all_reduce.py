@@ -1,4 +1,4 @@
-"""Helion twin of ``kraken.comm.all_reduce``: the same choice (``kraken.crossover``, the same ``plan``)
+"""Helion twin of ``kraken.comm.all_reduce``: the same choice (``kraken.runtime.crossover``, the same ``plan``)
 between the Helion twins of the one-shot and two-shot all-reduce; same arguments, same result."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from kraken import crossover, host
 from kraken.comm.all_reduce import OP, door_call, plan  # the choice, the plans and the call are the recipe door's
+from kraken.runtime import crossover
+from kraken.runtime.launcher import jit_launch
 
 ONE_SHOT = importlib.import_module("helion_ports.comm.one_shot_all_reduce")
 TWO_SHOT = importlib.import_module("helion_ports.comm.two_shot_all_reduce")
@@ -25,7 +26,7 @@ def launch(
     rank: int,
     shot: str,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     **launch_cfg,
 ) -> torch.Tensor:
     """Launch the twin ``plan`` chose; mirrors ``kraken.comm.all_reduce.launch``."""

@@ -18,10 +18,10 @@ import helion.language as hl
 import torch
 
 from helion_ports import flat_kernel, run
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.moe_combine import combine  # shared with the Triton recipe
 from kraken.comm.moe_dispatch import MoEHandle
+from kraken.runtime.launcher import jit_launch
 
 # The barriers: "peers' expert outputs are written" (acquire) and "done reading peers" (release).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -83,7 +83,7 @@ def launch(
     num_blocks: int,
     tokens_per_block: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.moe_combine.launch``."""
     ctx = handle.recv_context

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, run, views
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.moe_dispatch import MoEHandle, dispatch, route  # shared with the Triton recipe
+from kraken.runtime import symm
+from kraken.runtime.launcher import jit_launch
 
 # "My rows are visible to their owners; the peers' rows for me have landed."
 SYNC_END = SYMM_MEM_SYNC[(True, True)]
@@ -84,7 +85,7 @@ def launch(
     tokens: torch.Tensor,
     expert_ids: torch.Tensor,
     handle: MoEHandle,
-    counts_ctx: host.SymmContext,
+    counts_ctx: symm.SymmContext,
     rank: int,
     rows: int,
     block_h: int,
@@ -92,7 +93,7 @@ def launch(
     num_blocks: int,
     pairs_per_block: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     **routing,
 ) -> MoEHandle:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.moe_dispatch.launch``."""

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import copy_into, flat_kernel, run, stage, views
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm import staging
 from kraken.comm.two_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
+from kraken.runtime import staging
+from kraken.runtime.launcher import jit_launch
 
 # "Peers' inputs are ready" (acquire), then "my pushes are visible / yours are" (release + acquire).
 SYNC_START = SYMM_MEM_SYNC[(False, True)]
@@ -77,7 +77,7 @@ def launch(
     chunk: int,
     wide: bool = False,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch`` (an ordinary

@@ -30,6 +30,7 @@ __all__ = [
     "two_shot_all_reduce_bias_rms_norm",
 ]
 
-from kraken.library import install_front_doors  # noqa: E402  (after the exports it wraps)
+from kraken.runtime.library import install_front_doors  # noqa: E402  (after the exports it wraps)
 
-install_front_doors(__name__)  # each recipe above: a torch.library operator under torch.compile (kraken/library.py)
+# Each recipe above: a torch.library operator under torch.compile (kraken/runtime/library.py).
+install_front_doors(__name__)

@@ -40,13 +40,13 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel, run
 from helion_ports.comm.all_gather import all_gather as helion_all_gather
-from kraken import host
 from kraken._gemm_core import flattens
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul import (  # noqa: F401 (shared with the recipe)
     OP, call, outputs, plan, prepare, tma_inputs,
 )
+from kraken.runtime.launcher import jit_launch
 
 # The flag (a pointer expression in the snippet): progress + index.
 WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
@@ -175,7 +175,7 @@ def launch_matmul(
     num_warps: int,
     num_stages: int,
     num_blocks: int,
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """The GEMM alone, on TMA-ready operands (``tma_inputs``; my rows ``a``, the peers' in ``gathered``); mirrors
     the recipe's ``launch_matmul``."""
@@ -206,7 +206,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul.launch`` (the
     same gather on the copy engine, then this GEMM)."""

@@ -24,12 +24,12 @@ import torch.distributed as dist
 from helion_ports import run
 from helion_ports.comm.all_gather import all_gather as helion_all_gather
 from helion_ports.fused.all_gather_matmul import compiled  # the bf16 twin's kernel, scaled
-from kraken import host
 from kraken._gemm_core import tma_fp8
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul_fp8 import (  # noqa: F401 (shared with the recipe)
     OP, OUT_DTYPE, b_operand, buffer_views, call, plan, prepare, row_bytes, stage,
 )
+from kraken.runtime.launcher import jit_launch
 
 # Per load/store of one tile loop, in program order: the rows (a's or the buffer's) and b through TMA; the row and
 # column scales and the store to out through pointers.
@@ -55,7 +55,7 @@ def launch_matmul(
     num_warps: int,
     num_stages: int,
     num_blocks: int,
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """The GEMM alone; mirrors the recipe's ``launch_matmul``: my rows from ``a`` (TMA-ready, ``tma_fp8``) and
     ``scale_a``, the peers' rows and scales from the gather buffer."""
@@ -91,7 +91,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul_fp8.launch``."""
     b, b_trans = b_operand(b, b_layout)

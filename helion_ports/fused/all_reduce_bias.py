@@ -1,4 +1,4 @@
-"""Helion twin of ``kraken.fused.all_reduce_bias``: the same choice (``kraken.crossover``, the same ``plan``)
+"""Helion twin of ``kraken.fused.all_reduce_bias``: the same choice (``kraken.runtime.crossover``, the same ``plan``)
 between the Helion twins of the one-shot and two-shot recipes; same arguments, same result."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from kraken import crossover, host
 from kraken.fused.all_reduce_bias import OP, checked_choice, plan  # the choice and the plans are the recipe's
 from kraken.fused.one_shot_all_reduce_bias import door_call
+from kraken.runtime import crossover
+from kraken.runtime.launcher import jit_launch
 
 ONE_SHOT = importlib.import_module("helion_ports.fused.one_shot_all_reduce_bias")
 TWO_SHOT = importlib.import_module("helion_ports.fused.two_shot_all_reduce_bias")
@@ -29,7 +30,7 @@ def launch(
     rank: int,
     shot: str,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     **launch_cfg,
 ) -> torch.Tensor:
     """Launch the twin ``plan`` chose; mirrors ``kraken.fused.all_reduce_bias.launch``."""

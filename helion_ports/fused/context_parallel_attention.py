@@ -2,7 +2,7 @@
 
 The K/V exchange is the recipe's (``start_kv_gather``: copy-engine copies, stream memory operations and
 two one-block barrier kernels, all host code), and so are ``plan`` and its tiles, ``prepare`` (kept per
-signature, with its ``host.Launcher``), the sequence layout helpers and the host side of ``launch`` (the
+signature, with its ``Launcher``), the sequence layout helpers and the host side of ``launch`` (the
 recipe's, with these kernels; they launch through ``helion_ports.run``). The two attention kernels mirror
 the recipe's two.
 
@@ -53,7 +53,6 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, run
-from kraken import host
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC, GMEM_WAIT_EACH_THREAD
 from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with the recipe)
     OP,
@@ -72,6 +71,8 @@ from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with
     tile_order,
     unshard_sequence,
 )
+from kraken.runtime import graphs, groups, prepared
+from kraken.runtime.launcher import jit_launch
 
 # A masked key's score is the recipe's ``MASKED_SCORE`` (-1e30), written as a literal in the body: Helion reads a
 # module constant used in device code as ``_source_module.NAME`` after ``import helion_ports.fused.
@@ -440,7 +441,7 @@ def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None
     def capped(triton_kernel, grid, *kernel_args, **meta):
         return launcher(triton_kernel, grid, *kernel_args, **meta, **options)
 
-    kept = getattr(launcher, "bound", None)  # a prepared call's host.Launcher keeps its bound kernel
+    kept = getattr(launcher, "bound", None)  # a prepared call's Launcher keeps its bound kernel
     bound = kept.get(id(kernel)) if kept is not None else None
     if bound is None:
         bound = kernel.bind(args)
@@ -465,8 +466,8 @@ def spans(chunk: int, block_n: int, kv_block: int, rank: int, world_size: int, p
         rows = [(chunk, whole, both - whole)]
         rows += [(src % world_size * 2 * kv_block, src // world_size, src % world_size * pieces)
                  for src in range(rank + 1, rank + world_size)]
-        if len(_spans) >= host.MAX_PREPARED:
-            host.drop_graphs()  # (a kept graph may read the tables dropped here)
+        if len(_spans) >= prepared.MAX_PREPARED:
+            graphs.drop_graphs()  # (a kept graph may read the tables dropped here)
             _spans.clear()
         table = _spans[key] = torch.tensor(rows, dtype=torch.int32).to(device)
     return table
@@ -474,7 +475,7 @@ def spans(chunk: int, block_n: int, kv_block: int, rank: int, world_size: int, p
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-                     pieces: int, num_blocks: int, split_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
+                     pieces: int, num_blocks: int, split_blocks: int, launcher=jit_launch) -> torch.Tensor:
     """The attention kernels alone; mirrors the recipe's ``launch_attention`` (its orders and its split)."""
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -491,7 +492,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         k_src, v_src = (k, v) if world_size == 1 else (gathered, gathered[0, 1])
         args = (q.view(-1, head_dim), k_src, v_src, out.view(-1, head_dim), lse, progress, order,
                 batch * heads * s_local, gathered.shape[0] * 2 * batch * kv_heads, batch * kv_heads, s_local,
-                host.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size, causal, wait,
+                groups.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size, causal, wait,
                 chunk % full["block_m"] == 0, not causal and s_local % full["block_n"] != 0, full["block_m"],
                 full["block_n"])
         kernel = compiled(False, False, full["block_m"], full["block_n"], full["num_warps"], full["num_stages"])
@@ -516,7 +517,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
            block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-           pieces: int, num_blocks: int, split_blocks: int, group_name: str = "", launcher=host.jit_launch,
+           pieces: int, num_blocks: int, split_blocks: int, group_name: str = "", launcher=jit_launch,
            attention=None) -> torch.Tensor:
     """Launch on prepared arguments (no checks): the recipe's ``launch`` (the same K/V exchange on the copy engine)
     with this kernel (``attention`` None)."""

@@ -23,7 +23,7 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
   ranks; then a second ``hl.grid(rounds)`` sums every rank's partial (from the local
   ``workspace`` with ``push``, else from ``flat_peers[r]``, every rank's workspace as one
   flat view, at one offset tensor as the recipe's ``peers[r] + offsets``), and the block's parity flips and
-  its epoch count advances at the end (``host.BlockWorkspace``: no trailing barrier);
+  its epoch count advances at the end (``symm.BlockWorkspace``: no trailing barrier);
 * ``keep_last`` (the recipe's ``KEEP_LAST``, ``keeps_last``): the last round is its own GEMM tile
   loop, which also holds the epoch barrier and that tile's sum (my partial from registers, the
   peer's from memory), before the earlier rounds' reduce.
@@ -45,12 +45,12 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run, views
 from helion_ports.comm.all_reduce import all_reduce as helion_all_reduce
-from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT, SYMM_MEM_SYNC
 from kraken._gemm_core import tma_operands
 from kraken.fused.gemm_one_shot_all_reduce import (  # shared with the recipe
     PUSH, call, chunk_tile, keeps_last, plan, prepare, rounds_of, shards_of,
 )
+from kraken.runtime.launcher import jit_launch
 
 # Both barriers are "my writes are visible to you, yours to me" (release + acquire): the k-split
 # group's CAS barrier over local pads, then the ranks' epoch barrier over the workspace's own pad.
@@ -309,7 +309,7 @@ def launch(
     num_groups: int,
     k_per_split: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_one_shot_all_reduce.launch``.
 

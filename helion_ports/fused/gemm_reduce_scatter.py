@@ -15,7 +15,7 @@ The structure mirrors the Triton recipe one to one (``plan`` and ``prepare`` are
   (the kraken PTX through ``hl.inline_triton``; a group of one splits it around the band, as the
   recipe), then the peers' partials from the local ``workspace`` added in slot order and the band's
   rows stored to ``out`` with a mask;
-* the block's parity flips and its epoch count advances at the end (``host.BlockWorkspace``: no
+* the block's parity flips and its epoch count advances at the end (``symm.BlockWorkspace``: no
   trailing barrier).
 
 The body also serves the fp8 twin (``b_trans``, ``scaled`` and the scales; off and None here, and
@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run
-from kraken import host
 from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT
 from kraken._gemm_core import tma_operands
 from helion_ports.comm.reduce_scatter import reduce_scatter as helion_reduce_scatter
 from kraken.fused.gemm_reduce_scatter import call, chunk_tile, plan, prepare, rounds_of  # shared with the recipe
+from kraken.runtime.launcher import jit_launch
 
 __all__ = ["chunk_tile", "gemm_reduce_scatter", "launch", "plan", "prepare", "rounds_of"]
 
@@ -168,7 +168,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_reduce_scatter.launch``.
 

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run
-from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter_body  # the bf16 twin's, scaled
-from kraken import host
 from helion_ports.comm.reduce_scatter import reduce_scatter as helion_reduce_scatter
+from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter_body  # the bf16 twin's, scaled
 from kraken.fused.gemm_reduce_scatter_fp8 import (  # shared with the recipe
     OP, b_operand, call, chunk_tile, plan, prepare, rounds_of, tma_a,
 )
+from kraken.runtime.launcher import jit_launch
 
 __all__ = ["chunk_tile", "gemm_reduce_scatter_fp8", "launch", "plan", "prepare", "rounds_of"]
 
@@ -70,7 +70,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.gemm_reduce_scatter_fp8.launch``
     (``peers[rank]`` also goes in as ``workspace`` under its own storage: see the bf16 twin)."""

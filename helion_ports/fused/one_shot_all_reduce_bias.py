@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run, views
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import plan, prepare, signature, staged_call  # shared with the recipe
+from kraken.runtime.launcher import jit_launch
 
 # "My staged chunk is visible / yours is" (release + acquire), then "done reading yours" (release).
 SYNC_STAGED = SYMM_MEM_SYNC[(True, True)]
@@ -85,7 +85,7 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.one_shot_all_reduce_bias.launch``."""
     # `workspace` through its own storage object: see helion_ports.own_storage. The workspace is flat already.

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
 from helion_ports import flat_kernel, own_storage, run, views
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
 from kraken.fused.one_shot_all_reduce_bias_rms_norm import plan, prepare, signature  # shared with the recipe
+from kraken.runtime.launcher import jit_launch
 
 # "My staged rows are visible / yours are" (release + acquire), then "done reading yours" (release).
 SYNC_STAGED = SYMM_MEM_SYNC[(True, True)]
@@ -93,7 +93,7 @@ def launch(
     num_blocks: int,
     rows_per_block: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     # `workspace` through its own storage object: see helion_ports.own_storage.

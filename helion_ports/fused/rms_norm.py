@@ -20,8 +20,8 @@ import helion.language as hl
 import torch
 
 from helion_ports import flat_kernel, run
-from kraken import host
 from kraken.fused.rms_norm import plan, prepare  # shared with the Triton recipe
+from kraken.runtime.launcher import jit_launch
 
 
 def rms_normalize(h: torch.Tensor, weight_row: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,7 +46,7 @@ def compiled(num_warps: int) -> helion.Kernel:
 
 
 def launch(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int, launcher=host.jit_launch
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int, launcher=jit_launch
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.rms_norm.launch``."""
     if x.shape[0] > 0:

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run, views
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
 from kraken.fused.two_shot_all_reduce_bias import plan, prepare, signature  # shared with the recipe
+from kraken.runtime.launcher import jit_launch
 
 # Both barriers: "my writes are visible to you" (release) and "yours to me" (acquire).
 SYNC = SYMM_MEM_SYNC[(True, True)]
@@ -96,7 +96,7 @@ def launch(
     shard: int,
     chunk: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.two_shot_all_reduce_bias.launch``."""
     # `workspace` through its own storage object: see helion_ports.own_storage.

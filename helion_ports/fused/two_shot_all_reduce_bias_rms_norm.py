@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from helion_ports import flat_kernel, own_storage, run, views
-from kraken import host
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
 from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare, signature  # shared with the recipe
+from kraken.runtime import groups
+from kraken.runtime.launcher import jit_launch
 
 # Both barriers: "my writes are visible to you" (release) and "yours to me" (acquire).
 SYNC = SYMM_MEM_SYNC[(True, True)]
@@ -114,14 +115,14 @@ def launch(
     shard: int,
     chunk: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     tokens, hidden = x.shape
     # `workspace` through its own storage object: see helion_ports.own_storage.
     args = (
         x, bias, weight, float(eps), own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks, shard, chunk,
-        rank, min((rank + 1) * shard, tokens), len(peers), host.next_power_of_2(hidden), group_name,
+        rank, min((rank + 1) * shard, tokens), len(peers), groups.next_power_of_2(hidden), group_name,
     )
     run(compiled(num_warps), args, launcher, region_args)
     return out

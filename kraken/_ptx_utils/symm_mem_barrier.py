@@ -261,7 +261,7 @@ def epoch_sync(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch)
     Round ``epoch`` (counting up from 1 over the pad's life, the same on every rank) of
     block ``block_id``: every thread's earlier writes are visible to the peers, and theirs
     to every thread after it. Only for pads no other barrier uses (see ``EPOCH_SYNC_PTX``);
-    ``host.BlockWorkspace`` keeps the count per block.
+    ``kraken.runtime.symm.BlockWorkspace`` keeps the count per block.
     """
     tl.debug_barrier()
     _epoch_asm(_EPOCH_SYNC, signal_pad_ptrs, block_id, rank, world_size, epoch)

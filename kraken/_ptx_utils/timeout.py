@@ -10,8 +10,8 @@ spins and a timer read and compare per failed attempt (``python -m benchmark.tim
 what that does to the recipes' time per call).
 
 The report page is host memory mapped for the GPU at the fixed virtual address ``REPORT_ADDRESS``
-(``kraken.host.arm_barrier_timeout`` maps it and starts a watchdog thread that prints the report and
-exits the process). A trap leaves the CUDA context unusable, so the report travels through host
+(``kraken.runtime.timeout.arm_barrier_timeout`` maps it and starts a watchdog thread that prints the
+report and exits the process). A trap leaves the CUDA context unusable, so the report travels through host
 memory, not through anything the host would have to read back from the GPU. The address is a
 constant so that the PTX text, and with it the compiled-kernel caches of Triton and Helion, is the
 same in every process.

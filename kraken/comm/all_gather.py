@@ -20,7 +20,7 @@ uses barrier slot ``b``:
 3. barrier (release): "I am done reading your shard", so when the kernel
    returns every rank may overwrite its input.
 
-An ordinary tensor (not in symmetric memory) is staged (``kraken.comm.staging``):
+An ordinary tensor (not in symmetric memory) is staged (``kraken.runtime.staging``):
 block ``b`` first copies chunk ``b`` of it into kraken's symmetric workspace,
 and its first barrier releases those writes; the peers are the workspace.
 """
@@ -32,11 +32,11 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._blocks import copy_slice
 from kraken._ptx_utils import symm_mem_sync
-from kraken.comm import staging
 from kraken.comm.reduce_scatter import shard_plan
+from kraken.runtime import agreement, groups, staging
+from kraken.runtime.launcher import jit_launch
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): the best at 4M and 32M
 # bf16 output elements (19.4 and 108.1 us).
@@ -94,7 +94,7 @@ def launch(
     chunk: int,
     wide: bool = False,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
@@ -117,7 +117,7 @@ def launch(
 def plan(shard: int, world_size: int, config: dict, itemsize: int = 2) -> dict:
     """Resolve the launch configuration for a ``shard``-element input of ``itemsize``-byte elements
     (shared with the Helion port)."""
-    return shard_plan(shard, world_size, host.resolve_config(config, DEFAULT_CONFIG, "all_gather"), itemsize)
+    return shard_plan(shard, world_size, groups.resolve_config(config, DEFAULT_CONFIG, "all_gather"), itemsize)
 
 
 def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
@@ -128,16 +128,16 @@ def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
 
 def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
     """Validate and agree (first call of a signature), plan."""
-    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
-        host.check_tensor(tensor, "tensor", op)
-        world_size = host.world_size_of(group, op)
+    with agreement.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
+        groups.check_tensor(tensor, "tensor", op)
+        world_size = groups.world_size_of(group, op)
         check_shape(tuple(tensor.shape), world_size, op)
         launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
-        host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
+        groups.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
     return launch_cfg
 
 
-# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
+# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.runtime.staging.
 prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 

@@ -34,10 +34,10 @@ The protocol (CUDA-graph safe, no host round trip):
 * replays: from its second call with the same pointers (a gather in place, my shard my own chunk of a
   symmetric ``out``, as the GEMM consumers' prepared buffers; a standalone gather whose fresh ``out`` and
   ``progress`` come back at the same addresses), a call with nothing to stage is two CUDA graphs
-  (``host.ForkedGraph``): the reset and the fork's event on the current stream, and on the side stream the
+  (``graphs.ForkedGraph``): the reset and the fork's event on the current stream, and on the side stream the
   fork's wait, the exchange (the barriers, copies and flag writes above) and the join's event, two host calls
   where there were a dozen; ``wait()`` is one. A call that stages replays its exchange after the staging
-  (``host.graphed``). The same operations either way;
+  (``graphs.graphed``). The same operations either way;
 * my own rows: copied locally to ``out`` after the peers' chunks (those are what a
   consumer waits for; it can read its own rows from ``shard`` without waiting) and
   flagged like the others, unless the consumer reads them from its own copy (``start``'s
@@ -64,8 +64,9 @@ from torch._C._distributed_c10d import _SymmetricMemory
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._ptx_utils import symm_mem_sync
+from kraken.runtime import graphs, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch
 
 OP = "all_gather_with_progress"
 BARRIER_BLOCK = 0
@@ -80,7 +81,7 @@ def shard_barrier_kernel(signal_pad_ptrs, rank, world_size: tl.constexpr, BLOCK_
     symm_mem_sync(signal_pad_ptrs, BLOCK_ID, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
 
 
-def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=host.jit_launch) -> None:
+def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=jit_launch) -> None:
     """One cross-rank barrier on the current stream (one block, one warp)."""
     launcher(shard_barrier_kernel, (1,), signal_pad_ptrs, rank, world_size, BLOCK_ID=BARRIER_BLOCK,
              num_warps=BARRIER_WARPS)
@@ -203,7 +204,7 @@ class GatherInProgress:
     progress: torch.Tensor  # int32[world_size] (then one per staged piece, for all_gather_matmul)
     stream: torch.cuda.Stream  # the side stream the copies run on
     order: tuple[int, ...]  # the ranks in the order their chunks are copied (own first)
-    graphs: host.ForkedGraph | None = None  # what launched the call, if its graphs did: the join is theirs
+    graphs: graphs.ForkedGraph | None = None  # what launched the call, if its graphs did: the join is theirs
 
     def wait(self) -> torch.Tensor:
         """Make the current stream wait for every copy and the closing barrier; returns ``out``.
@@ -218,7 +219,7 @@ class GatherInProgress:
 
 
 def check_progress(progress: torch.Tensor, world_size: int, device: torch.device, op: str) -> None:
-    host.check_tensor(progress, "progress", op, (torch.int32,), ndim=1)
+    groups.check_tensor(progress, "progress", op, (torch.int32,), ndim=1)
     if progress.numel() != world_size or progress.device != device:
         raise ValueError(f"{op}: progress must be int32[{world_size}] on {device}, got {progress.numel()} on {progress.device}")
 
@@ -241,32 +242,32 @@ def all_gather_with_progress(
     return start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress, launcher=barrier_launcher(ctx))
 
 
-_barrier_launchers: dict[tuple[int, int, int], host.Launcher] = {}
+_barrier_launchers: dict[tuple[int, int, int], Launcher] = {}
 
 
-def barrier_launcher(ctx: host.SymmContext) -> host.Launcher:
+def barrier_launcher(ctx: symm.SymmContext) -> Launcher:
     """The launcher of a shard's barriers, kept per (signal pad, rank, world size): the barrier kernels' every
-    argument (``host.Launcher``'s condition), so later calls skip Triton's (or Helion's) binding, two per call."""
+    argument (``Launcher``'s condition), so later calls skip Triton's (or Helion's) binding, two per call."""
     key = (ctx.signal_pad_ptrs, ctx.rank, ctx.world_size)
     launcher = _barrier_launchers.get(key)
     if launcher is None:
-        launcher = _barrier_launchers[key] = host.Launcher(OP)
+        launcher = _barrier_launchers[key] = Launcher(OP)
     return launcher
 
 
-@host.per_signature(lambda shard, group: (OP, group, host.tensor_key(shard, address=True)))
-def shard_context(shard: torch.Tensor, group) -> host.SymmContext:
+@prepared.per_signature(lambda shard, group: (OP, group, prepared.tensor_key(shard, address=True)))
+def shard_context(shard: torch.Tensor, group) -> symm.SymmContext:
     """The shard's checks and its symmetric context (the peers), kept per signature: the shard's address finds its
     peers, and a symmetric tensor stays alive once rendezvoused (its context holds it), so the address is never
     another tensor's."""
-    host.check_tensor(shard, "shard", OP, host.SUPPORTED_DTYPES + (torch.int32, torch.uint8))
+    groups.check_tensor(shard, "shard", OP, groups.SUPPORTED_DTYPES + (torch.int32, torch.uint8))
     if shard.dim() < 1 or shard.shape[0] == 0:
         raise ValueError(f"{OP}: shard must have at least one row, got shape {tuple(shard.shape)}")
-    return host.symm_context(shard, group, OP, name="shard")
+    return symm.symm_context(shard, group, OP, name="shard")
 
 
 def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torch.Tensor | None
-            ) -> tuple[host.SymmContext, torch.Tensor, torch.Tensor]:
+            ) -> tuple[symm.SymmContext, torch.Tensor, torch.Tensor]:
     """Check the arguments and find the peers (shared with the Helion twin): the shard's symmetric context
     (``shard_context``), and ``out`` and ``progress``, allocated where not given (checked where given)."""
     ctx = shard_context(shard, group)
@@ -274,7 +275,7 @@ def prepare(shard: torch.Tensor, group, out: torch.Tensor | None, progress: torc
     if out is None:  # (``new_empty``: half the host time of ``torch.empty`` with a dtype and a device)
         out = shard.new_empty(shape)
     else:
-        host.check_tensor(out, "out", OP, (shard.dtype,))
+        groups.check_tensor(out, "out", OP, (shard.dtype,))
         if tuple(out.shape) != shape or out.device != shard.device:
             raise ValueError(f"{OP}: out must be {shape} on {shard.device}, got {tuple(out.shape)} on {out.device}")
     if progress is None:
@@ -317,7 +318,7 @@ def exchange(peers: tuple[torch.Tensor, ...], signal_pad_ptrs: int, rank: int, o
 # gather buffers) touches the same buffers, flags and signal pads on every call of a prepared call: its launches,
 # copies and flag writes (two barriers, and one write unless ``flag_own`` is off, at world size 1; 2 (world_size - 1)
 # more operations beyond) are replayed from CUDA graphs, one graph launch where each was a host call (with the reset,
-# the fork and the join's record, when nothing is staged: ``host.ForkedGraph``). So is a standalone gather's (its own
+# the fork and the join's record, when nothing is staged: ``graphs.ForkedGraph``). So is a standalone gather's (its own
 # rows' copy too) whenever its ``out`` and ``progress`` come back at addresses seen before. Key: the launcher, the
 # pads, the rank and every pointer touched.
 
@@ -331,11 +332,11 @@ def start(
     stage_from: torch.Tensor | None = None,
     snapshot: torch.Tensor | None = None,
     stage_launch: Callable[[], None] | None = None,
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     flag_own: bool = True,
 ) -> GatherInProgress:
     """``all_gather_with_progress`` on checked arguments: ``peers`` (every rank's shard, ``peers[rank]`` mine) and
-    ``signal_pad_ptrs`` as ``host.symm_context`` gives them.
+    ``signal_pad_ptrs`` as ``symm.symm_context`` gives them.
 
     For consumers that gather in place (``all_gather_matmul``): ``stage_from``, an ordinary tensor, is first
     copied into my shard, for the peers (and ``snapshot``) to read; it is not flagged. The copy engine copies it
@@ -374,14 +375,14 @@ def start(
         # The whole call from a pair of graphs kept per pointer set (a gather in place touches only a prepared
         # call's buffers; a fresh ``out`` and ``progress`` mostly come back at the same addresses from torch's
         # allocator): the reset on the current stream, the exchange on the side stream, the fork and the join's
-        # record in them (``host.ForkedGraph``).
+        # record in them (``graphs.ForkedGraph``).
         def plain() -> None:
             reset_()
             fork(side)
             with on_stream(side):
                 exchange_()
 
-        return GatherInProgress(out, progress, side, order, host.forked(key, reset_, exchange_, plain, side))
+        return GatherInProgress(out, progress, side, order, graphs.forked(key, reset_, exchange_, plain, side))
     reset_()
     fork(side)
     with on_stream(side):
@@ -390,7 +391,7 @@ def start(
         if stage:
             stage_launch()
         if snapshot is None:  # after the staging, the exchange from a graph kept per pointer set, as above
-            host.graphed(key, exchange_, shard.device)
+            graphs.graphed(key, exchange_, shard.device)
         else:
             exchange_()
     return GatherInProgress(out, progress, side, order)

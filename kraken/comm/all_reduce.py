@@ -1,7 +1,7 @@
 """The all-reduce front door: one-shot or two-shot, chosen for the caller.
 
 ``all_reduce(tensor, group)`` sums a symmetric tensor over the group with the recipe that wins at
-its size and world size (``kraken.crossover``: one-shot while the message is latency-bound, two-shot
+its size and world size (``kraken.runtime.crossover``: one-shot while the message is latency-bound, two-shot
 from the crossover on). ``shot="one"`` / ``shot="two"`` forces either; every other config key goes to
 the chosen recipe. Nothing here launches a kernel of its own: the door keeps its own prepared call per
 call signature (``door_call``; symmetric or staged, as the recipes do), whose first call checks the input
@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from kraken import crossover, host
-from kraken.comm import staging
+from kraken.runtime import agreement, crossover, groups, staging
+from kraken.runtime.launcher import jit_launch
 
 OP = "all_reduce"
 # The recipes' modules (``kraken.comm`` exports their functions under the modules' names).
@@ -41,13 +41,14 @@ def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> d
     """A door's first call of a signature under ``op`` (its own name, or its twin's: each door agrees on its own
     first calls): the input checked as the recipes check it and agreed across ranks (``staged`` included), then
     the choice and the chosen recipe's plan (``crossover.checked_plan``: the launch configuration with ``shot``)."""
-    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # one rank's bad input: every rank raises
-        host.check_tensor(tensor, "tensor", op)
+    # one rank's bad input: every rank raises
+    with agreement.agreed(op, group, tensor=tensor, staged=staged, config=config):
+        groups.check_tensor(tensor, "tensor", op)
         return crossover.checked_plan(op, plan, (tensor.numel(),), group, config)
 
 
-# The doors' own prepared calls, per signature and door name (``kraken.comm.staging``): (the peers' symmetric
-# context, the chosen recipe's launch configuration with ``shot`` and a ``host.Launcher``, staged or not).
+# The doors' own prepared calls, per signature and door name (``kraken.runtime.staging``): (the peers' symmetric
+# context, the chosen recipe's launch configuration with ``shot`` and a ``Launcher``, staged or not).
 _, _, prepare_call = staging.prepares(check)
 
 
@@ -70,7 +71,7 @@ def launch(
     rank: int,
     shot: str,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     **launch_cfg,
 ) -> torch.Tensor:
     """Launch the recipe ``plan`` chose on prepared arguments; returns the sum: ``out`` (one-shot), or
@@ -82,7 +83,7 @@ def launch(
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
-    """The sum of ``tensor`` over the group, one-shot or two-shot as ``kraken.crossover`` says.
+    """The sum of ``tensor`` over the group, one-shot or two-shot as ``kraken.runtime.crossover`` says.
 
     ``tensor``: any shape, contiguous, bf16/fp16/fp32, on the GPU; in symmetric memory (``kraken.symm_empty``,
     with ``group``) it is read in place, otherwise staged inside the kernel, as the recipes do. Returns the

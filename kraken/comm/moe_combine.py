@@ -30,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.moe_dispatch import MoEHandle
+from kraken.runtime import agreement, groups, prepared
+from kraken.runtime.launcher import Launcher, jit_launch
+from kraken.runtime.replay import replayed
 
 # Up to 4 blocks per SM: the combine is a gather bound by loads in flight, and one 8-warp block per SM kept too
 # few. On one H200 (4096 tokens x 7168, top-8 of 64, world size 1) 132 blocks ran at 52% of a copy of the
@@ -98,10 +100,10 @@ def launch(
     num_blocks: int,
     tokens_per_block: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks; the expert outputs are in ``handle.recv``); the same
-    signature as the Helion port's ``launch``. ``launcher``: the prepared call's ``host.Launcher``, or Triton's."""
+    signature as the Helion port's ``launch``. ``launcher``: the prepared call's ``Launcher``, or Triton's."""
     ctx = handle.recv_context
     launcher(
         combine_kernel, (num_blocks,), out, weights, handle.slots, ctx.peers, ctx.signal_pad_ptrs, out.shape[0],
@@ -113,12 +115,12 @@ def launch(
 
 def plan(num_tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """The persistent grid (shared with the Helion twin): block b combines tokens ``b * tokens_per_block ..``."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "moe_combine")
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "moe_combine")
     tokens = cfg["tokens"]
-    num_blocks = host.persistent_grid(host.cdiv(num_tokens, tokens), cfg["max_blocks"], world_size)
-    tokens_per_block = host.round_up(host.cdiv(num_tokens, num_blocks), tokens)
+    num_blocks = groups.persistent_grid(groups.cdiv(num_tokens, tokens), cfg["max_blocks"], world_size)
+    tokens_per_block = groups.round_up(groups.cdiv(num_tokens, num_blocks), tokens)
     return {"tokens": tokens, "block_h": min(cfg["block_h"], triton.next_power_of_2(hidden)),
-            "num_warps": cfg["num_warps"], "num_blocks": max(1, host.cdiv(num_tokens, tokens_per_block)),
+            "num_warps": cfg["num_warps"], "num_blocks": max(1, groups.cdiv(num_tokens, tokens_per_block)),
             "tokens_per_block": tokens_per_block}
 
 
@@ -126,11 +128,11 @@ def check_inputs(expert_out, handle, weights, op: str) -> None:
     if not isinstance(handle, MoEHandle):
         raise TypeError(f"{op}: handle must be the MoEHandle moe_dispatch returned, got {type(handle).__name__}")
     recv = handle.recv
-    host.check_tensor(expert_out, "expert_out", op, dtypes=(recv.dtype,), ndim=2)
+    groups.check_tensor(expert_out, "expert_out", op, dtypes=(recv.dtype,), ndim=2)
     if tuple(expert_out.shape) != tuple(recv.shape):
         raise ValueError(f"{op}: expert_out has shape {tuple(expert_out.shape)}; the dispatch's receive buffer is "
                          f"{tuple(recv.shape)} (capacity x hidden)")
-    host.check_tensor(weights, "weights", op, dtypes=WEIGHT_DTYPES, ndim=2)
+    groups.check_tensor(weights, "weights", op, dtypes=WEIGHT_DTYPES, ndim=2)
     if tuple(weights.shape) != tuple(handle.slots.shape):
         raise ValueError(f"{op}: weights has shape {tuple(weights.shape)}; the dispatch routed "
                          f"{tuple(handle.slots.shape)} (tokens x top-k)")
@@ -145,30 +147,30 @@ def combine_key(expert_out, handle, weights, op: str, config: dict) -> tuple:
     and signal pads, which ``combine``'s replay keeps as constants). A handle of another type is not cached
     (``prepare`` says what is wrong)."""
     if not isinstance(handle, MoEHandle):
-        raise TypeError("not a MoEHandle")  # host.per_signature: skip the cache
-    return (op, handle.group_name, host.tensor_key(expert_out), host.tensor_key(weights), handle.pairs,
-            host.tensor_key(handle.recv, address=True), host.config_key(config))
+        raise TypeError("not a MoEHandle")  # prepared.per_signature: skip the cache
+    return (op, handle.group_name, prepared.tensor_key(expert_out), prepared.tensor_key(weights), handle.pairs,
+            prepared.tensor_key(handle.recv, address=True), prepared.config_key(config))
 
 
-@host.per_signature(combine_key)
+@prepared.per_signature(combine_key)
 def prepare(expert_out, handle, weights, op: str, config: dict) -> dict:
     """Validate and agree (first call of a signature), plan; ``launch``'s keyword arguments with the prepared
-    call's ``host.Launcher``, kept per signature."""
+    call's ``Launcher``, kept per signature."""
     group = handle.group_name if isinstance(handle, MoEHandle) else None
-    with host.agreed(op, group, expert_out=expert_out, weights=weights, config=config,
-                     handle=handle.slots if isinstance(handle, MoEHandle) else handle):
+    with agreement.agreed(op, group, expert_out=expert_out, weights=weights, config=config,
+                          handle=handle.slots if isinstance(handle, MoEHandle) else handle):
         check_inputs(expert_out, handle, weights, op)
-        world_size = host.world_size_of(group, op)
+        world_size = groups.world_size_of(group, op)
         cfg = plan(weights.shape[0], expert_out.shape[1], world_size, config)
-        host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
-    return {**cfg, "group_name": handle.group_name, "launcher": host.Launcher(op)}
+        groups.check_barrier_blocks(cfg["num_blocks"], world_size, op)
+    return {**cfg, "group_name": handle.group_name, "launcher": Launcher(op)}
 
 
 def combine(launch, op: str, expert_out: torch.Tensor, handle: MoEHandle, weights: torch.Tensor,
             config: dict) -> torch.Tensor:
     """``moe_combine`` with a given ``launch`` (the recipe's or its twin's) under the name ``op``: the prepared
     call (a dictionary lookup once warm), the copy into ``recv`` when ``expert_out`` is not it, a new output, and
-    the launch, replayed from the prepared call's second call on (``host.replayed``: this call's output, weights
+    the launch, replayed from the prepared call's second call on (``replayed``: this call's output, weights
     and routing tensor, where the slots lie; the receive buffer's peers and pads, which the prepared call's key
     fixes, as constants)."""
     cfg = prepare(expert_out, handle, weights, op, config)
@@ -176,8 +178,8 @@ def combine(launch, op: str, expert_out: torch.Tensor, handle: MoEHandle, weight
     if expert_out.data_ptr() != recv.data_ptr():
         recv.copy_(expert_out)
     out = expert_out.new_empty((weights.shape[0], expert_out.shape[1]))
-    return host.replayed(cfg["launcher"], launch, (out, weights, handle.routing),  # the slots lie in routing
-                         lambda: launch(out, weights, handle, ctx.rank, **cfg), (ctx,))
+    return replayed(cfg["launcher"], launch, (out, weights, handle.routing),  # the slots lie in routing
+                    lambda: launch(out, weights, handle, ctx.rank, **cfg), (ctx,))
 
 
 def moe_combine(expert_out: torch.Tensor, handle: MoEHandle, weights: torch.Tensor, **config) -> torch.Tensor:

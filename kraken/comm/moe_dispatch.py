@@ -43,9 +43,9 @@ dispatch of the same shape, so finish with one (combine it) before dispatching t
 Steps 1 and 3 and the bookkeeping of 2 are shared with the Helion twin, which ports step 4.
 
 The host fast path (docs/design.md): the first call of a signature checks and agrees, plans, finds
-the buffers and makes the routing scratch (``prepare``, kept by ``host.per_signature``); a warm call
+the buffers and makes the routing scratch (``prepare``, kept by ``prepared.per_signature``); a warm call
 looks that up, allocates its handle (one allocation) and launches the four kernels through the
-prepared call's ``host.Launcher``. The scratch is consumed within a call, in stream order, as the
+prepared call's ``Launcher``. The scratch is consumed within a call, in stream order, as the
 symmetric ``counts`` and ``recv`` of the shape are shared by its calls.
 """
 
@@ -59,8 +59,9 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._ptx_utils import symm_mem_sync
+from kraken.runtime import agreement, graphs, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch
 
 DEFAULT_CONFIG = {"rows": 4, "block_h": 1024, "num_warps": 8, "max_blocks": 132}
 CHUNK = 128  # (token, k) pairs per program of the histogram and slots kernels
@@ -239,7 +240,7 @@ class MoEHandle:
     routing: torch.Tensor
     pairs: tuple[int, int]  # (tokens, top-k): the dispatch's expert_ids' shape, and ``slots``'s
     recv: torch.Tensor
-    recv_context: host.SymmContext
+    recv_context: symm.SymmContext
     num_experts: int
     capacity: int
     group_name: str
@@ -272,15 +273,15 @@ def plan(num_tokens: int, top_k: int, hidden: int, num_experts: int, world_size:
          itemsize: int = 2) -> dict:
     """The launch configuration (shared with the Helion twin): routing chunks, padded sizes, the copy's
     persistent grid (block b copies pairs ``b * pairs_per_block ..``, whole rows)."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "moe_dispatch")
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "moe_dispatch")
     num_pairs = num_tokens * top_k
     rows = cfg["rows"]
     block_h = min(cfg["block_h"], triton.next_power_of_2(hidden))
-    num_blocks = host.persistent_grid(host.cdiv(num_pairs, rows), cfg["max_blocks"], world_size)
-    pairs_per_block = host.round_up(host.cdiv(num_pairs, num_blocks), rows)
-    num_blocks = max(1, host.cdiv(num_pairs, pairs_per_block))
+    num_blocks = groups.persistent_grid(groups.cdiv(num_pairs, rows), cfg["max_blocks"], world_size)
+    pairs_per_block = groups.round_up(groups.cdiv(num_pairs, num_blocks), rows)
+    num_blocks = max(1, groups.cdiv(num_pairs, pairs_per_block))
     return {
-        "num_chunks": max(1, host.cdiv(num_pairs, CHUNK)),
+        "num_chunks": max(1, groups.cdiv(num_pairs, CHUNK)),
         "e_pad": max(16, triton.next_power_of_2(num_experts)),
         "ws_pad": max(2, triton.next_power_of_2(world_size)),
         "rows": rows, "block_h": block_h, "num_warps": cfg["num_warps"],
@@ -290,8 +291,8 @@ def plan(num_tokens: int, top_k: int, hidden: int, num_experts: int, world_size:
 
 def check_routing(tokens, expert_ids, num_experts, capacity, world_size: int, op: str) -> int:
     """Checks of the arguments besides the tensors' own; returns the capacity to use."""
-    host.check_tensor(tokens, "tokens", op, ndim=2)
-    host.check_tensor(expert_ids, "expert_ids", op, dtypes=ID_DTYPES, ndim=2)
+    groups.check_tensor(tokens, "tokens", op, ndim=2)
+    groups.check_tensor(expert_ids, "expert_ids", op, dtypes=ID_DTYPES, ndim=2)
     if expert_ids.shape[0] != tokens.shape[0]:
         raise ValueError(f"{op}: expert_ids has {expert_ids.shape[0]} rows but tokens has {tokens.shape[0]}")
     if expert_ids.device != tokens.device:
@@ -315,20 +316,20 @@ def check_routing(tokens, expert_ids, num_experts, capacity, world_size: int, op
     return capacity
 
 
-_buffers: dict[tuple, tuple[torch.Tensor, host.SymmContext, host.SymmContext]] = {}
+_buffers: dict[tuple, tuple[torch.Tensor, symm.SymmContext, symm.SymmContext]] = {}
 
 
 def buffers(capacity: int, hidden: int, dtype: torch.dtype, e_pad: int, device: torch.device, group,
-            op: str) -> tuple[torch.Tensor, host.SymmContext, host.SymmContext]:
+            op: str) -> tuple[torch.Tensor, symm.SymmContext, symm.SymmContext]:
     """The symmetric ``recv [capacity, hidden]`` and ``counts [world_size, e_pad]`` of this shape, cached (a
     collective the first time: call it only after the ranks agreed on the arguments)."""
-    pg = host.resolve_group(group, op)
+    pg = groups.resolve_group(group, op)
     key = (device, pg.group_name, capacity, hidden, dtype, e_pad)
     if key not in _buffers:
         world_size = dist.get_world_size(pg)
-        recv = host.symm_empty((capacity, hidden), dtype, device, pg)
-        counts = host.symm_empty((world_size, e_pad), torch.int32, device, pg)
-        _buffers[key] = (recv, host.symm_context(recv, pg, op, "recv"), host.symm_context(counts, pg, op, "counts"))
+        recv = symm.symm_empty((capacity, hidden), dtype, device, pg)
+        counts = symm.symm_empty((world_size, e_pad), torch.int32, device, pg)
+        _buffers[key] = (recv, symm.symm_context(recv, pg, op, "recv"), symm.symm_context(counts, pg, op, "counts"))
     return _buffers[key]
 
 
@@ -343,31 +344,31 @@ def routing_scratch(num_pairs: int, num_chunks: int, e_pad: int, device: torch.d
 @dataclass(frozen=True)
 class PreparedDispatch:
     """A dispatch signature's prepared call (``prepare``): the buffers, the capacity, and ``launch``'s keyword
-    arguments (the plan, the routing scratch, the ``host.Launcher``)."""
+    arguments (the plan, the routing scratch, the ``Launcher``)."""
 
     recv: torch.Tensor
-    recv_context: host.SymmContext
-    counts_context: host.SymmContext
+    recv_context: symm.SymmContext
+    counts_context: symm.SymmContext
     capacity: int
     launch_cfg: dict
 
 
-@host.per_signature(lambda tokens, expert_ids, num_experts, group, capacity, op, config: (
-    op, group, host.tensor_key(tokens), host.tensor_key(expert_ids), host.scalar_key(num_experts),
-    host.scalar_key(capacity), host.config_key(config)))
+@prepared.per_signature(lambda tokens, expert_ids, num_experts, group, capacity, op, config: (
+    op, group, prepared.tensor_key(tokens), prepared.tensor_key(expert_ids), prepared.scalar_key(num_experts),
+    prepared.scalar_key(capacity), prepared.config_key(config)))
 def prepare(tokens, expert_ids, num_experts, group, capacity, op: str, config: dict) -> PreparedDispatch:
-    """Validate (``host.agreed``: bad input on any rank raises on every rank), plan, find the buffers, make the
-    routing scratch and the launcher; kept per signature (``host.per_signature``)."""
-    with host.agreed(op, group, tokens=tokens, expert_ids=expert_ids, num_experts=num_experts, capacity=capacity,
-                     config=config):
-        world_size = host.world_size_of(group, op)
+    """Validate (``agreement.agreed``: bad input on any rank raises on every rank), plan, find the buffers, make the
+    routing scratch and the launcher; kept per signature (``prepared.per_signature``)."""
+    with agreement.agreed(op, group, tokens=tokens, expert_ids=expert_ids, num_experts=num_experts, capacity=capacity,
+                          config=config):
+        world_size = groups.world_size_of(group, op)
         capacity = check_routing(tokens, expert_ids, num_experts, capacity, world_size, op)
         num_tokens, hidden = tokens.shape
         cfg = plan(num_tokens, expert_ids.shape[1], hidden, num_experts, world_size, config, tokens.element_size())
-        host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
+        groups.check_barrier_blocks(cfg["num_blocks"], world_size, op)
     recv, recv_ctx, counts_ctx = buffers(capacity, hidden, tokens.dtype, cfg["e_pad"], tokens.device, group, op)
     scratch = routing_scratch(expert_ids.numel(), cfg["num_chunks"], cfg["e_pad"], tokens.device)
-    launch_cfg = {**cfg, "scratch": scratch, "group_name": recv_ctx.group_name, "launcher": host.Launcher(op)}
+    launch_cfg = {**cfg, "scratch": scratch, "group_name": recv_ctx.group_name, "launcher": Launcher(op)}
     return PreparedDispatch(recv, recv_ctx, counts_ctx, capacity, launch_cfg)
 
 
@@ -379,12 +380,12 @@ def new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity) -> MoE
     return MoEHandle(routing, tuple(expert_ids.shape), recv, recv_ctx, num_experts, capacity, recv_ctx.group_name)
 
 
-def route(expert_ids: torch.Tensor, handle: MoEHandle, counts_ctx: host.SymmContext, rank: int, num_chunks: int,
-          e_pad: int, ws_pad: int, scratch: tuple[torch.Tensor, ...] | None = None, launcher=host.jit_launch,
+def route(expert_ids: torch.Tensor, handle: MoEHandle, counts_ctx: symm.SymmContext, rank: int, num_chunks: int,
+          e_pad: int, ws_pad: int, scratch: tuple[torch.Tensor, ...] | None = None, launcher=jit_launch,
           **_) -> None:
     """Steps 1-3 (histogram, count exchange + prefix sums, slots): fills the handle's slots, recv counts and
     offsets and status. Shared by the recipe and its twin. ``scratch``: ``routing_scratch``'s tensors (made here
-    when not given); ``launcher``: the prepared call's ``host.Launcher``, or Triton's own launch."""
+    when not given); ``launcher``: the prepared call's ``Launcher``, or Triton's own launch."""
     world_size = len(counts_ctx.peers)
     num_pairs = expert_ids.numel()
     hist, chunk_base, place = scratch or routing_scratch(num_pairs, num_chunks, e_pad, expert_ids.device)
@@ -405,7 +406,7 @@ def launch(
     tokens: torch.Tensor,
     expert_ids: torch.Tensor,
     handle: MoEHandle,
-    counts_ctx: host.SymmContext,
+    counts_ctx: symm.SymmContext,
     rank: int,
     rows: int,
     block_h: int,
@@ -413,7 +414,7 @@ def launch(
     num_blocks: int,
     pairs_per_block: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     **routing,
 ) -> MoEHandle:
     """Launch on prepared arguments (no checks): ``route`` (``routing``: its keyword arguments, the plan's
@@ -436,9 +437,9 @@ def dispatch(launch, op: str, tokens, expert_ids, num_experts, group, capacity, 
     call = prepare(tokens, expert_ids, num_experts, group, capacity, op, config)
     handle = new_handle(tokens, expert_ids, num_experts, call.recv, call.recv_context, call.capacity)
     # Four launches per call: replayed from one CUDA graph per pointer set (the handle's tensors are one allocation).
-    host.graphed((call.launch_cfg["launcher"], tokens.data_ptr(), expert_ids.data_ptr(), handle.routing.data_ptr()),
-                 lambda: launch(tokens, expert_ids, handle, call.counts_context, call.recv_context.rank,
-                                **call.launch_cfg), tokens.device)
+    graphs.graphed((call.launch_cfg["launcher"], tokens.data_ptr(), expert_ids.data_ptr(), handle.routing.data_ptr()),
+                   lambda: launch(tokens, expert_ids, handle, call.counts_context, call.recv_context.rank,
+                                  **call.launch_cfg), tokens.device)
     if check_status:
         check(handle)
     return call.recv, handle.recv_counts, handle
@@ -447,7 +448,7 @@ def dispatch(launch, op: str, tokens, expert_ids, num_experts, group, capacity, 
 def check(handle: MoEHandle) -> None:
     """Raise on every rank if any rank dropped pairs past capacity or passed bad expert ids (a collective
     that synchronises with the device: not inside a CUDA graph capture)."""
-    pg = host.resolve_group(handle.group_name, "moe_dispatch")
+    pg = groups.resolve_group(handle.group_name, "moe_dispatch")
     everyone = torch.empty((dist.get_world_size(pg), 2), dtype=torch.int32, device=handle.status.device)
     dist.all_gather_into_tensor(everyone.view(-1), handle.status.view(-1), group=pg)  # flat: any backend takes it
     problems = []

@@ -16,7 +16,7 @@ chunks. Block ``b`` of every rank handles chunk ``b`` and uses barrier slot
 3. barrier (release): "I am done reading your buffer", so when the kernel
    returns every rank may overwrite its input.
 
-An ordinary tensor (not in symmetric memory) is staged (``kraken.comm.staging``):
+An ordinary tensor (not in symmetric memory) is staged (``kraken.runtime.staging``):
 block ``b`` copies chunk ``b`` of it into kraken's symmetric workspace before
 its first barrier, which then also releases those writes; the peers are the
 workspace. A symmetric tensor is read in place.
@@ -29,10 +29,10 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._blocks import copy_slice
 from kraken._ptx_utils import symm_mem_sync
-from kraken.comm import staging
+from kraken.runtime import agreement, groups, staging
+from kraken.runtime.launcher import jit_launch
 
 # Tuned on 2x H200 with benchmark/tune.py (within 3% of the best config at every size, 4K..4M bf16).
 DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 64}
@@ -82,13 +82,13 @@ def launch(
     chunk: int,
     wide: bool = False,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
     ``wide``: the tensor has more than 2**31 - 1 elements (64-bit offsets). ``group_name`` is unused here;
-    Helion takes it as its ``hl.ProcessGroupName``. ``launcher``: the prepared call's ``host.Launcher`` (the
+    Helion takes it as its ``hl.ProcessGroupName``. ``launcher``: the prepared call's ``Launcher`` (the
     host fast path), or Triton's own launch. ``x``: an ordinary input to stage into ``peers[rank]`` (the
     workspace) first; None when the peers are the input.
     """
@@ -103,25 +103,25 @@ def launch(
 
 def plan(numel: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce")
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce")
     block_size = cfg["block_size"]
-    num_blocks = host.persistent_grid(host.cdiv(numel, block_size), cfg["max_blocks"], world_size)
-    chunk = host.round_up(host.cdiv(numel, num_blocks), block_size)
+    num_blocks = groups.persistent_grid(groups.cdiv(numel, block_size), cfg["max_blocks"], world_size)
+    chunk = groups.round_up(groups.cdiv(numel, num_blocks), block_size)
     return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk,
             "wide": numel > MAX_INDEX}
 
 
 def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
     """Validate and agree (first call of a signature), plan."""
-    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
-        host.check_tensor(tensor, "tensor", op)
-        world_size = host.world_size_of(group, op)
+    with agreement.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
+        groups.check_tensor(tensor, "tensor", op)
+        world_size = groups.world_size_of(group, op)
         launch_cfg = plan(tensor.numel(), world_size, config)
-        host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
+        groups.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
     return launch_cfg
 
 
-# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
+# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.runtime.staging.
 prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 

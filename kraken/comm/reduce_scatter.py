@@ -18,7 +18,7 @@ chunks. Block ``b`` of every rank handles chunk ``b`` and uses barrier slot ``b`
 3. barrier (release): "I am done reading your buffer", so when the kernel
    returns every rank may overwrite its input.
 
-An ordinary tensor (not in symmetric memory) is staged (``kraken.comm.staging``):
+An ordinary tensor (not in symmetric memory) is staged (``kraken.runtime.staging``):
 block ``b`` first copies chunk ``b`` of every shard (what each owner's block
 ``b`` reads) into kraken's symmetric workspace, and its first barrier releases
 those writes; the peers are the workspace.
@@ -37,10 +37,10 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._blocks import copy_slice
 from kraken._ptx_utils import symm_mem_sync
-from kraken.comm import staging
+from kraken.runtime import agreement, groups, staging
+from kraken.runtime.launcher import jit_launch
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): within 0.3% of the best
 # at 4M and 32M bf16 elements (19.4 and 109.1 us).
@@ -104,7 +104,7 @@ def launch(
     chunk: int,
     wide: bool = False,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
@@ -126,7 +126,7 @@ def launch(
 def plan(numel: int, world_size: int, config: dict, itemsize: int = 2) -> dict:
     """Resolve the launch configuration for ``numel`` input elements of ``itemsize`` bytes
     (shared with the Helion port)."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "reduce_scatter")
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "reduce_scatter")
     return shard_plan(numel // world_size, world_size, cfg, itemsize)
 
 
@@ -136,8 +136,8 @@ def shard_plan(shard: int, world_size: int, cfg: dict, itemsize: int) -> dict:
     per_rank_bytes = 1 << ((MAX_BYTES_PER_THREAD // world_size).bit_length() - 1)  # a power of two
     per_peer = max(1, per_rank_bytes // itemsize)  # values per thread and rank
     block_size = min(cfg["block_size"], per_peer * 32 * cfg["num_warps"])
-    num_blocks = host.persistent_grid(host.cdiv(shard, block_size), cfg["max_blocks"], world_size)
-    chunk = host.round_up(host.cdiv(shard, num_blocks), CHUNK_ALIGN)
+    num_blocks = groups.persistent_grid(groups.cdiv(shard, block_size), cfg["max_blocks"], world_size)
+    chunk = groups.round_up(groups.cdiv(shard, num_blocks), CHUNK_ALIGN)
     return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk,
             "wide": world_size * shard > MAX_INDEX}
 
@@ -155,16 +155,16 @@ def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
 
 def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
     """Validate and agree (first call of a signature), plan."""
-    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
-        host.check_tensor(tensor, "tensor", op)
-        world_size = host.world_size_of(group, op)
+    with agreement.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
+        groups.check_tensor(tensor, "tensor", op)
+        world_size = groups.world_size_of(group, op)
         check_shape(tuple(tensor.shape), world_size, op)
         launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
-        host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
+        groups.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
     return launch_cfg
 
 
-# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
+# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.runtime.staging.
 prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 

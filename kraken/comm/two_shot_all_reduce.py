@@ -18,7 +18,7 @@ Block ``b`` of every rank covers the same slice of its own shard and uses
 barrier slot ``b``; a block's final barrier therefore waits for exactly the
 peers' blocks that pushed into the slices it covers.
 
-An ordinary tensor (not in symmetric memory) is staged (``kraken.comm.staging``):
+An ordinary tensor (not in symmetric memory) is staged (``kraken.runtime.staging``):
 block ``b`` first copies slice ``b`` of every shard into kraken's symmetric
 workspace (what the owners' block ``b`` reads), the kernel reduces in place in
 the workspace, and block ``b`` ends by copying slice ``b`` of every shard of the
@@ -34,10 +34,10 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._blocks import block_range, copy_slice
 from kraken._ptx_utils import symm_mem_sync
-from kraken.comm import staging
+from kraken.runtime import agreement, groups, staging
+from kraken.runtime.launcher import jit_launch
 
 # Tuned on 2x H200 with benchmark/tune.py (within 3% of the best config at every size, 4K..4M bf16).
 DEFAULT_CONFIG = {"block_size": 4096, "num_warps": 16, "max_blocks": 132}
@@ -100,7 +100,7 @@ def launch(
     chunk: int,
     wide: bool = False,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
@@ -121,13 +121,13 @@ def launch(
 
 def plan(numel: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce")
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce")
     # A thread holds one load per peer in flight; past ~32 values per thread the compiler spills
     # (world size 8), so the block shrinks as the world grows.
     block_size = min(cfg["block_size"], MAX_VALUES_PER_THREAD * 32 * cfg["num_warps"] // world_size)
-    shard = host.round_up(host.cdiv(numel, world_size), SHARD_ALIGN)
-    num_blocks = host.persistent_grid(host.cdiv(shard, block_size), cfg["max_blocks"], world_size)
-    chunk = host.round_up(host.cdiv(shard, num_blocks), SHARD_ALIGN)
+    shard = groups.round_up(groups.cdiv(numel, world_size), SHARD_ALIGN)
+    num_blocks = groups.persistent_grid(groups.cdiv(shard, block_size), cfg["max_blocks"], world_size)
+    chunk = groups.round_up(groups.cdiv(shard, num_blocks), SHARD_ALIGN)
     return {
         "block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks,
         "shard": shard, "chunk": chunk, "wide": world_size * shard > MAX_INDEX,
@@ -136,15 +136,15 @@ def plan(numel: int, world_size: int, config: dict) -> dict:
 
 def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
     """Validate and agree (first call of a signature), plan."""
-    with host.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
-        host.check_tensor(tensor, "tensor", op)
-        world_size = host.world_size_of(group, op)
+    with agreement.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
+        groups.check_tensor(tensor, "tensor", op)
+        world_size = groups.world_size_of(group, op)
         launch_cfg = plan(tensor.numel(), world_size, config)
-        host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
+        groups.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
     return launch_cfg
 
 
-# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.comm.staging.
+# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.runtime.staging.
 prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 

@@ -52,7 +52,6 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import crossover, host
 from kraken._ptx_utils import wait_async
 from kraken._gemm_core import (
     INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, balanced_grid, flattens, mainloop,
@@ -60,6 +59,8 @@ from kraken._gemm_core import (
 )
 from kraken.comm.all_gather import all_gather as sm_all_gather
 from kraken.comm.all_gather_with_progress import start as start_gather
+from kraken.runtime import agreement, crossover, graphs, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
 
 OP = "all_gather_matmul"
 # The GEMM core's tiles, the 128x128 ones 6 stages deep (as cuBLAS runs them at M = 256; one H200, world size 1,
@@ -202,7 +203,7 @@ def launch_matmul(
     num_warps: int,
     num_stages: int,
     num_blocks: int,
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """The GEMM alone, on TMA-ready operands (``tma_inputs``; my rows ``a``, the peers' in ``gathered``): the
     consumer of the flags in ``progress``."""
@@ -211,8 +212,8 @@ def launch_matmul(
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
-        host.tma_operand(a, [block_m, block_k]), host.tma_operand(gathered, [block_m, block_k]),
-        host.tma_operand(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
+        tma_operand(a, [block_m, block_k]), tma_operand(gathered, [block_m, block_k]),
+        tma_operand(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
         FLATTEN=flattens(block_m, block_n), WIDE=out.numel() > MAX_INDEX, num_warps=num_warps, num_stages=num_stages,
     )
@@ -238,7 +239,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -265,7 +266,8 @@ def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: in
     SM but ``RESERVED_SMS`` (the GEMM waits on flags in local memory and uses no signal pad), never more blocks than
     tiles, balanced (``balanced_grid``). (cfg, num_blocks)."""
     def fills(cfg: dict) -> bool:
-        return world_size * host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
+        return (world_size * groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
+                >= MIN_TILES_PER_SM * num_sms)
 
     tiles = next((cfg for cfg in tile_configs if fills(cfg)), None)
     if tiles is None:
@@ -277,7 +279,7 @@ def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: in
         if value < least or value & (value - 1):
             raise ValueError(f"{op}: {key} must be a power of two{f' >= {least}' if key != 'group_m' else ''}, "
                              f"got {value}")
-    num_tiles = world_size * host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
+    num_tiles = world_size * groups.cdiv(max(m, 1), cfg["block_m"]) * groups.cdiv(max(n, 1), cfg["block_n"])
     sms = max(1, num_sms - RESERVED_SMS)
     max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
     return cfg, balanced_grid(num_tiles, max_blocks)
@@ -288,7 +290,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
 
     The tiles and the persistent grid of ``tile_plan``.
     """
-    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     cfg, num_blocks = tile_plan(m, n, k, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP)
     if cfg["b_layout"] not in B_LAYOUTS:
         raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
@@ -309,49 +311,50 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
             raise ValueError(f"{op}: empty operand (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
     if not isinstance(b, torch.Tensor):
         raise TypeError(f"{op}: b must be a torch.Tensor, got {type(b).__name__}")
-    host.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
+    groups.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
     if b.dtype not in INPUT_DTYPES or b.dim() != 2:
         raise ValueError(f"{op}: b must be a 2-D bfloat16 or float16 tensor, got {b.dtype} of shape {tuple(b.shape)}")
     if a.device.type != "cuda" or b.device != a.device:
         raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
 
 
-@host.per_signature(lambda a, b, group, op, config, return_a: (
-    op, group, host.tensor_key(a), host.tensor_key(b), host.scalar_key(return_a), host.config_key(config)))
+@prepared.per_signature(lambda a, b, group, op, config, return_a: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.scalar_key(return_a),
+    prepared.config_key(config)))
 def chosen(a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool):
-    """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``)."""
+    """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``)."""
     return crossover.fused_prepared(op, a, b, group, True, True, config, check_sequential,
                                     lambda fused_config: prepare(a, b, group, op, fused_config, return_a))
 
 
 def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
-    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
+    """The sequential form's checks (``kraken.runtime.crossover.form`` runs them inside its agreement)."""
     check_inputs(a, b, op)
 
 
-@host.per_signature(lambda a, b, group, op, config, return_a: (
-    op, group, host.tensor_key(a), host.tensor_key(b), host.scalar_key(return_a),
-    host.config_key(config)))
+@prepared.per_signature(lambda a, b, group, op, config, return_a: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.scalar_key(return_a),
+    prepared.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool
-) -> tuple[host.SymmContext, dict]:
+) -> tuple[symm.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer [world_size * M, K']
-    (K' = K padded for TMA; a slice of ``host.symm_workspace``), and the launch arguments but the outputs
+    (K' = K padded for TMA; a slice of ``symm.symm_workspace``), and the launch arguments but the outputs
     (every rank's own chunk of it as ``peers``, ``gathered``, ``progress``, the config); kept per signature."""
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
-    with host.agreed(op, group, a=a, b=b, return_a=return_a, config=config):
+    with agreement.agreed(op, group, a=a, b=b, return_a=return_a, config=config):
         check_inputs(a, b, op)
         (m, k), n = a.shape, b.shape[1]
-        world_size = host.world_size_of(group, op)
+        world_size = groups.world_size_of(group, op)
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
         cfg = plan(m, n, k, world_size, config, num_sms)
-    pg = host.resolve_group(group, op)
-    k_tma = host.round_up(k, 16 // a.element_size())
-    gathered = host.symm_workspace(world_size * m * k_tma, a.dtype, a.device, pg, op).view(world_size * m, k_tma)
-    ctx = host.symm_context(gathered, pg, op, name="gather buffer")
+    pg = groups.resolve_group(group, op)
+    k_tma = groups.round_up(k, 16 // a.element_size())
+    gathered = symm.symm_workspace(world_size * m * k_tma, a.dtype, a.device, pg, op).view(world_size * m, k_tma)
+    ctx = symm.symm_context(gathered, pg, op, name="gather buffer")
     chunks = chunk_views(ctx, m)
     progress = progress_flags(world_size, a.device)
-    return ctx, {"peers": chunks, "gathered": gathered, "progress": progress, **cfg, "launcher": host.Launcher(op)}
+    return ctx, {"peers": chunks, "gathered": gathered, "progress": progress, **cfg, "launcher": Launcher(op)}
 
 
 def outputs(a: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor, return_a: bool) -> dict:
@@ -363,7 +366,7 @@ def outputs(a: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor, return_a: 
 _chunks: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def chunk_views(ctx: host.SymmContext, m: int) -> tuple[torch.Tensor, ...]:
+def chunk_views(ctx: symm.SymmContext, m: int) -> tuple[torch.Tensor, ...]:
     """Rank r's own chunk (rows r * m ...) of rank r's gather buffer, for every r (cached)."""
     key = tuple(p.data_ptr() for p in ctx.peers) + (m, ctx.peers[0].shape[1])
     if key not in _chunks:
@@ -395,7 +398,7 @@ def all_gather_matmul(
     ``a`` [M, K]: this rank's rows, an ordinary contiguous CUDA tensor, bf16 or fp16, the same shape on
     every rank; ``b`` [K, N] in any layout. ``config`` overrides the tiles (``block_m``, ``block_n``,
     ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks`` and ``b_layout`` (see ``plan``);
-    ``form="fused"`` or ``"sequential"`` forces the form ``kraken.crossover`` would choose by size.
+    ``form="fused"`` or ``"sequential"`` forces the form ``kraken.runtime.crossover`` would choose by size.
     """
     return call(launch, OP, a, b, group, return_a, config, sm_all_gather)
 
@@ -403,9 +406,9 @@ def all_gather_matmul(
 def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: bool, config: dict, all_gather
          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``all_gather_matmul`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the name
-    ``op``, in the form ``kraken.crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of ``a``,
+    ``op``, in the form ``crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of ``a``,
     then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch; its fork, the
-    gather's exchange, the GEMM and a join are replayed from one CUDA graph per pointer set (``host.graphed``)."""
+    gather's exchange, the GEMM and a join are replayed from one CUDA graph per pointer set (``graphs.graphed``)."""
     prepared = chosen(a, b, group, op, config, return_a)
     if prepared == crossover.SEQUENTIAL:
         gathered = all_gather(a, group)
@@ -414,7 +417,8 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: boo
     ctx, cfg = prepared
     new = outputs(a, b, cfg["gathered"], return_a)
     out, a_out = new["out"], new["a_out"]
-    host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(), a_out is not None and a_out.data_ptr()),
-                 lambda: launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new,
-                                group_name=ctx.group_name), a.device)
+    graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(),
+                    a_out is not None and a_out.data_ptr()),
+                   lambda: launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new,
+                                  group_name=ctx.group_name), a.device)
     return out if not return_a else (a_out[:, :a.shape[1]], out)

@@ -46,7 +46,6 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import crossover, host
 from kraken._gemm_core import FP8, MAX_INDEX, flattens, tma_fp8
 from kraken._gemm_core import check_fp8_inputs as check_inputs
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
@@ -57,6 +56,8 @@ from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul import (  # noqa: F401 (RESERVED_SMS: the plan's, used by tests)
     GROUP_M, RESERVED_SMS, all_gather_matmul_kernel, chunk_views, progress_flags, tile_plan,
 )
+from kraken.runtime import agreement, crossover, graphs, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
 
 OP = "all_gather_matmul_fp8"
 OUT_DTYPE = torch.bfloat16
@@ -80,7 +81,7 @@ DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_
 def row_bytes(k: int) -> int:
     """Bytes per gathered row: K fp8 values rounded up to 16, the fp32 scale in its own 16 bytes, the row
     rounded up to ``ROW_ALIGN``."""
-    return host.round_up(host.round_up(k, 16) + SCALE_BYTES, ROW_ALIGN)
+    return groups.round_up(groups.round_up(k, 16) + SCALE_BYTES, ROW_ALIGN)
 
 
 _views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -94,10 +95,10 @@ def buffer_views(gathered: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     key = (gathered.data_ptr(), gathered.shape, gathered.dtype, k)
     views = _views.get(key)
     if views is None:
-        if len(_views) >= host.MAX_PREPARED:
+        if len(_views) >= prepared.MAX_PREPARED:
             _views.clear()
         values = gathered.view(FP8)[:, :k]
-        scales = gathered.view(torch.float32)[:, host.round_up(k, 16) // 4]
+        scales = gathered.view(torch.float32)[:, groups.round_up(k, 16) // 4]
         views = _views[key] = (values, scales)
     return views
 
@@ -135,12 +136,12 @@ STAGE_BLOCK_M, STAGE_BLOCK_K, STAGE_WARPS = 16, 512, 4
 
 
 def stage(a: torch.Tensor, scale_a: torch.Tensor, own_values: torch.Tensor, own_scales: torch.Tensor,
-          launcher=host.jit_launch) -> None:
+          launcher=jit_launch) -> None:
     """This rank's rows and their scales (a per-tensor scale into every row) into its chunk of the gather
     buffer (``buffer_views``), on the current stream (``launch`` calls it on the gather's side stream): one
     kernel."""
     m, k = a.shape
-    grid = (host.cdiv(m, STAGE_BLOCK_M), host.cdiv(k, STAGE_BLOCK_K))
+    grid = (groups.cdiv(m, STAGE_BLOCK_M), groups.cdiv(k, STAGE_BLOCK_K))
     launcher(stage_kernel, grid, a.view(torch.uint8), scale_a,
              own_values.view(torch.uint8), own_scales, m, k, own_values.stride(0), own_scales.stride(0),
              SCALE_ROWWISE=int(scale_a.numel() > 1), BLOCK_M=STAGE_BLOCK_M, BLOCK_K=STAGE_BLOCK_K,
@@ -166,7 +167,7 @@ def launch_matmul(
     num_warps: int,
     num_stages: int,
     num_blocks: int,
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """The GEMM alone: my rows from ``a`` (a TMA-ready fp8 [M, K], ``tma_fp8``) and ``scale_a``, the peers' from
     the gather buffer (bytes, [world_size * M, ``row_bytes(k)``]), a TMA-ready ``b`` (``b_operand``): the
@@ -176,8 +177,8 @@ def launch_matmul(
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
-        host.tma_operand(a, [block_m, block_k]), host.tma_operand(values, [block_m, block_k]),
-        host.tma_operand(b, b_box), out, progress, scales, scale_a, scale_b, m, n, k, scales.stride(0),
+        tma_operand(a, [block_m, block_k]), tma_operand(values, [block_m, block_k]),
+        tma_operand(b, b_box), out, progress, scales, scale_a, scale_b, m, n, k, scales.stride(0),
         rank, world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
         SCALED=True, A_ROWWISE=int(scale_a.numel() > 1), B_COLWISE=int(scale_b.numel() > 1),
         FLATTEN=flattens(block_m, block_n), num_warps=num_warps, num_stages=num_stages,
@@ -207,7 +208,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -233,7 +234,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows. The bf16
     recipe's ``tile_plan`` over this recipe's ``TILE_CONFIGS``: the largest that gives ``MIN_TILES_PER_SM`` of
     the SMs a tile, a persistent grid of at most one block per SM but ``RESERVED_SMS``."""
-    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     cfg, num_blocks = tile_plan(m, n, k, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP,
                                 least_block_k=32, operand_bytes=1)
     if cfg["block_k"] > MAX_BLOCK_K:
@@ -244,12 +245,12 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
 
 
-@host.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
-    host.config_key(config)))
+@prepared.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.tensor_key(scale_a),
+    prepared.tensor_key(scale_b), prepared.config_key(config)))
 def chosen(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, op: str,
            config: dict):
-    """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
+    """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
     sequential only where ``torch._scaled_mm`` takes K and N (multiples of 16)."""
     sequential_ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] % 16 == 0 for t in (a, b))
     return crossover.fused_prepared(op, a, b, group, True, sequential_ok, config, check_sequential,
@@ -259,7 +260,7 @@ def chosen(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: tor
 
 def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str, scale_a: torch.Tensor,
                      scale_b: torch.Tensor) -> None:
-    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
+    """The sequential form's checks (``kraken.runtime.crossover.form`` runs them inside its agreement)."""
     check_inputs(a, b, scale_a, scale_b, op)
 
 
@@ -278,33 +279,33 @@ def gather_then_scaled_mm(all_gather, a: torch.Tensor, b: torch.Tensor, scale_a:
     return torch._scaled_mm(values, b_cols, rows, col_scales, out_dtype=OUT_DTYPE)
 
 
-@host.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
-    host.config_key(config)))
+@prepared.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.tensor_key(scale_a),
+    prepared.tensor_key(scale_b), prepared.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, op: str, config: dict
-) -> tuple[host.SymmContext, dict]:
+) -> tuple[symm.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer (bytes,
-    [world_size * M, ``row_bytes(K)``], a slice of ``host.symm_workspace``), and the launch arguments but
+    [world_size * M, ``row_bytes(K)``], a slice of ``symm.symm_workspace``), and the launch arguments but
     the output (every rank's own chunk of it as ``peers``, this rank's as fp8 values and fp32 scales,
     ``progress``, the config); kept per signature."""
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
-    with host.agreed(op, group, a=a, b=b, scale_a=scale_a, scale_b=scale_b, config=config):
+    with agreement.agreed(op, group, a=a, b=b, scale_a=scale_a, scale_b=scale_b, config=config):
         check_inputs(a, b, scale_a, scale_b, op)
         (m, k), n = a.shape, b.shape[1]
-        world_size = host.world_size_of(group, op)
+        world_size = groups.world_size_of(group, op)
         if max(world_size * m * max(row_bytes(k), n), k * n) > MAX_INDEX:
             raise ValueError(f"{op}: the gathered a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
         cfg = plan(m, n, k, world_size, config, num_sms)
-    pg = host.resolve_group(group, op)
+    pg = groups.resolve_group(group, op)
     width = row_bytes(k)
-    gathered = host.symm_workspace(world_size * m * width, torch.uint8, a.device, pg, op).view(world_size * m, width)
-    ctx = host.symm_context(gathered, pg, op, name="gather buffer")
+    gathered = symm.symm_workspace(world_size * m * width, torch.uint8, a.device, pg, op).view(world_size * m, width)
+    ctx = symm.symm_context(gathered, pg, op, name="gather buffer")
     chunks = chunk_views(ctx, m)
     own_values, own_scales = buffer_views(chunks[ctx.rank], k)
     return ctx, {"peers": chunks, "gathered": gathered, "own_values": own_values, "own_scales": own_scales,
-                 "progress": progress_flags(world_size, a.device), **cfg, "launcher": host.Launcher(op)}
+                 "progress": progress_flags(world_size, a.device), **cfg, "launcher": Launcher(op)}
 
 
 def all_gather_matmul_fp8(
@@ -323,7 +324,7 @@ def all_gather_matmul_fp8(
     element or [M, 1] (each rank its own); ``scale_b`` float32, one element or [1, N]. ``config`` overrides
     the tiles (``block_m``, ``block_n``, ``block_k``, ``num_warps``, ``num_stages``, ``group_m``),
     ``max_blocks`` and ``b_layout`` (see ``plan`` and ``B_LAYOUTS``); ``form="fused"`` or ``"sequential"`` forces
-    the form ``kraken.crossover`` would choose by size.
+    the form ``kraken.runtime.crossover`` would choose by size.
     """
     return call(launch, OP, a, b, scale_a, scale_b, group, config, sm_all_gather)
 
@@ -331,15 +332,16 @@ def all_gather_matmul_fp8(
 def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
          config: dict, all_gather) -> torch.Tensor:
     """``all_gather_matmul_fp8`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the
-    name ``op``, in the form ``kraken.crossover`` chooses. Sequential: ``gather_then_scaled_mm``. Fused: the prepared
+    name ``op``, in the form ``crossover`` chooses. Sequential: ``gather_then_scaled_mm``. Fused: the prepared
     call, the new output, and the launch; its fork, the gather's exchange, the GEMM and a join are replayed from one
-    CUDA graph per pointer set (``host.graphed``)."""
+    CUDA graph per pointer set (``graphs.graphed``)."""
     prepared = chosen(a, b, scale_a, scale_b, group, op, config)
     if prepared == crossover.SEQUENTIAL:
         return gather_then_scaled_mm(all_gather, a, b, scale_a, scale_b, group)
     ctx, cfg = prepared
     out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=OUT_DTYPE, device=a.device)
-    host.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(), out.data_ptr()),
-                 lambda: launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out,
-                                **cfg, group_name=ctx.group_name), a.device)
+    graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
+                    out.data_ptr()),
+                   lambda: launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out,
+                                  **cfg, group_name=ctx.group_name), a.device)
     return out

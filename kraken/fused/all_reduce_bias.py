@@ -1,7 +1,7 @@
 """The all-reduce + bias front door: the one-shot or two-shot fused recipe, chosen for the caller.
 
 ``all_reduce_bias(x, bias, group)`` runs ``one_shot_all_reduce_bias`` or ``two_shot_all_reduce_bias``,
-whichever wins at ``x``'s token count and the world size (``kraken.crossover``, the bias family's
+whichever wins at ``x``'s token count and the world size (``kraken.runtime.crossover``, the bias family's
 row). Both return a new tensor and leave ``x`` as it was, so the choice changes only the time.
 ``shot="one"`` / ``shot="two"`` forces either; every other config key goes to the chosen recipe.
 
@@ -20,9 +20,10 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from kraken import crossover, host
 from kraken.fused.one_shot_all_reduce_bias import door_call, staged_workspace
 from kraken.fused.rms_norm import check_inputs
+from kraken.runtime import agreement, crossover, prepared
+from kraken.runtime.launcher import jit_launch
 
 OP = "all_reduce_bias"
 ONE_SHOT = importlib.import_module("kraken.fused.one_shot_all_reduce_bias")
@@ -37,13 +38,13 @@ def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
 def checked_choice(name: str):
     """``choose(x, bias, group, config)``: (the recipe for this call signature, its preparation of the signature
     under ``name``), checked and agreed on its first call (a lookup after). ``name``: the op its errors name, this
-    door's or its twin's: each door agrees on its own first calls (``host.agreed`` remembers agreed signatures per
+    door's or its twin's: each door agrees on its own first calls (``agreement.agreed`` remembers agreed signatures per
     op name)."""
 
-    @host.per_signature(lambda x, bias, group, config: (
-        name, group, host.tensor_key(x), host.tensor_key(bias), host.config_key(config)))
+    @prepared.per_signature(lambda x, bias, group, config: (
+        name, group, prepared.tensor_key(x), prepared.tensor_key(bias), prepared.config_key(config)))
     def choose(x, bias, group, config: dict) -> tuple[str, tuple]:
-        with host.agreed(name, group, x=x, config=config, bias=bias):  # one rank's bad input: every rank raises
+        with agreement.agreed(name, group, x=x, config=config, bias=bias):  # one rank's bad input: every rank raises
             hidden = check_inputs(name, x, {"bias": bias})
             launch_cfg = crossover.checked_plan(name, plan, (x.numel() // hidden, hidden), group, config)
         shot = launch_cfg.pop("shot")
@@ -65,7 +66,7 @@ def launch(
     rank: int,
     shot: str,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     **launch_cfg,
 ) -> torch.Tensor:
     """Launch the recipe ``plan`` chose on prepared arguments (its workspace: ``peers``)."""
@@ -77,7 +78,7 @@ def launch(
 def all_reduce_bias(
     x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
-    """``sum over ranks of x`` + ``bias``, a new tensor, one-shot or two-shot as ``kraken.crossover`` says.
+    """``sum over ranks of x`` + ``bias``, a new tensor, one-shot or two-shot as ``kraken.runtime.crossover`` says.
 
     Arguments as ``one_shot_all_reduce_bias`` (``x`` [..., hidden], any contiguous CUDA tensor; ``bias``
     [hidden], the same on every rank). ``config``: ``shot="one"|"two"`` forces a recipe; the rest

@@ -2,7 +2,7 @@
 
 ``all_reduce_bias_rms_norm(x, bias, weight, eps, group)`` runs ``one_shot_all_reduce_bias_rms_norm`` or
 ``two_shot_all_reduce_bias_rms_norm``, whichever wins at ``x``'s token count and the world size
-(``kraken.crossover``, the bias family's row). Both return a new tensor and leave ``x`` as it was.
+(``kraken.runtime.crossover``, the bias family's row). Both return a new tensor and leave ``x`` as it was.
 ``shot="one"`` / ``shot="two"`` forces either; every other config key goes to the chosen recipe.
 Checked and agreed across ranks on the door's own first call of each signature, as
 ``kraken.fused.all_reduce_bias`` says.
@@ -15,9 +15,10 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from kraken import crossover, host
 from kraken.fused.one_shot_all_reduce_bias import door_call, staged_workspace
 from kraken.fused.rms_norm import check_inputs
+from kraken.runtime import agreement, crossover, prepared
+from kraken.runtime.launcher import jit_launch
 
 OP = "all_reduce_bias_rms_norm"
 ONE_SHOT = importlib.import_module("kraken.fused.one_shot_all_reduce_bias_rms_norm")
@@ -34,11 +35,11 @@ def checked_choice(name: str):
     signature under ``name``), checked and agreed on its first call (a lookup after); ``name``: the op its errors
     name (see ``kraken.fused.all_reduce_bias``)."""
 
-    @host.per_signature(lambda x, bias, weight, eps, group, config: (
-        name, group, host.tensor_key(x), host.tensor_key(bias), host.tensor_key(weight), host.scalar_key(eps),
-        host.config_key(config)))
+    @prepared.per_signature(lambda x, bias, weight, eps, group, config: (
+        name, group, prepared.tensor_key(x), prepared.tensor_key(bias), prepared.tensor_key(weight),
+        prepared.scalar_key(eps), prepared.config_key(config)))
     def choose(x, bias, weight, eps, group, config: dict) -> tuple[str, tuple]:
-        with host.agreed(name, group, x=x, eps=eps, config=config, bias=bias, weight=weight):
+        with agreement.agreed(name, group, x=x, eps=eps, config=config, bias=bias, weight=weight):
             hidden = check_inputs(name, x, {"bias": bias, "weight": weight}, eps)
             launch_cfg = crossover.checked_plan(name, plan, (x.numel() // hidden, hidden), group, config)
         shot = launch_cfg.pop("shot")
@@ -62,7 +63,7 @@ def launch(
     rank: int,
     shot: str,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
     **launch_cfg,
 ) -> torch.Tensor:
     """Launch the recipe ``plan`` chose on prepared arguments (its workspace: ``peers``)."""
@@ -80,7 +81,7 @@ def all_reduce_bias_rms_norm(
     **config,
 ) -> torch.Tensor:
     """RMSNorm(``sum over ranks of x`` + ``bias``) * ``weight``, a new tensor, one-shot or two-shot as
-    ``kraken.crossover`` says.
+    ``kraken.runtime.crossover`` says.
 
     Arguments as ``one_shot_all_reduce_bias_rms_norm``. ``config``: ``shot="one"|"two"`` forces a recipe;
     the rest overrides its config.

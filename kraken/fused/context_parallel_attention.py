@@ -48,10 +48,10 @@ chunk ``cq`` and a key chunk ``ck``, keys are all visible if ``ck < cq``, causal
 shard that a query row sees are a prefix: of its own shard, those up to its own position; of a peer's, none, the
 first chunk or both. Without ``causal``, rank r holds the r-th contiguous ``1 / world_size`` of the sequence.
 
-Host: ``prepare`` (checks, agreement across ranks, plan, the gather buffer's context and flags, a ``host.Launcher``)
-is kept per call signature (``host.per_signature``; docs/design.md, "The host fast path"); a warm call allocates
+Host: ``prepare`` (checks, agreement across ranks, plan, the gather buffer's context and flags, a ``Launcher``)
+is kept per call signature (``prepared.per_signature``; docs/design.md, "The host fast path"); a warm call allocates
 its output and queues the exchange and the attention kernels through the launcher: from the second call with the
-same pointers, as one CUDA graph launch (``host.graphed``; ``attention_on_gathered`` alike).
+same pointers, as one CUDA graph launch (``graphs.graphed``; ``attention_on_gathered`` alike).
 
 GQA: ``k``, ``v`` may have fewer heads than ``q`` (a divisor); query head ``h`` reads kv head
 ``h // (heads // kv_heads)``. ``attention_on_gathered`` runs the same kernel on K/V that are all
@@ -73,11 +73,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kraken import host
 from kraken._ptx_utils import wait_async, wait_each_thread
 from kraken.comm.all_gather_with_progress import (
     LANDED, GatherInProgress, barrier, copy_order, copy_stream, fork, on_stream, reset_flags, set_flag,
 )
+from kraken.runtime import agreement, graphs, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch
 
 OP = "context_parallel_attention"
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -522,7 +523,7 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     ``blocks_per_sm`` blocks per SM but ``RESERVED_SMS`` SMs' worth, never more blocks than query tiles; without causal
     at one rank ``FULL_ONE_RANK_WAVES`` times that (no flag waits).
     ``piece_rows``: the (batch, kv head) rows of each flagged piece of a peer's K/V."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     defaults = default_tiles(head_dim, world_size, causal)
     cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in defaults.items()}}
     for key in ("block_m", "block_n"):
@@ -544,9 +545,9 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     if pieces < 1:
         raise ValueError(f"{OP}: pieces must be >= 1, got {pieces}")
     kv_rows = batch * kv_heads
-    piece_rows = host.cdiv(kv_rows, min(pieces, kv_rows))
+    piece_rows = groups.cdiv(kv_rows, min(pieces, kv_rows))
     chunk = s_local // 2 if causal else s_local
-    num_tiles = batch * heads * (2 if causal else 1) * host.cdiv(max(chunk, 1), cfg["block_m"])
+    num_tiles = batch * heads * (2 if causal else 1) * groups.cdiv(max(chunk, 1), cfg["block_m"])
     slots = cfg["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
     if not causal and world_size == 1:  # no flag to wait for (``FULL_ONE_RANK_WAVES``)
         slots *= FULL_ONE_RANK_WAVES
@@ -556,7 +557,7 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     # ``split_blocks`` as without causal; at one rank from ``SPLIT_LONG`` rows on, one block per tile.
     split_blocks = 0
     if causal and head_dim in SPLIT_HEAD_DIMS:
-        split_tiles = batch * heads * 2 * host.cdiv(max(chunk, 1), FULL_TILES[head_dim]["block_m"])
+        split_tiles = batch * heads * 2 * groups.cdiv(max(chunk, 1), FULL_TILES[head_dim]["block_m"])
         split_slots = FULL_TILES[head_dim]["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
         if world_size == 1:
             split_slots = split_tiles if s_local >= SPLIT_LONG else split_slots * SPLIT_ONE_RANK_WAVES
@@ -566,10 +567,10 @@ def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, wor
     if world_size == 1 and cfg["pieces"] is None:
         # No peer piece to wait for: pieces only group the tiles that ``tile_order`` sorts longest first. Two tiles
         # per block in each, so the short tiles of one piece never end the launch while long ones remain.
-        piece_rows = max(piece_rows, min(kv_rows, host.cdiv(2 * num_blocks, num_tiles // kv_rows)))
+        piece_rows = max(piece_rows, min(kv_rows, groups.cdiv(2 * num_blocks, num_tiles // kv_rows)))
     keys = ("block_m", "block_n", "num_warps", "num_stages")
     return {**{key: cfg[key] for key in keys}, "maxnreg": register_cap(cfg["blocks_per_sm"], cfg["num_warps"]),
-            "piece_rows": piece_rows, "pieces": host.cdiv(kv_rows, piece_rows), "num_blocks": num_blocks,
+            "piece_rows": piece_rows, "pieces": groups.cdiv(kv_rows, piece_rows), "num_blocks": num_blocks,
             "split_blocks": split_blocks}
 
 
@@ -586,10 +587,10 @@ def check_inputs(q, k, v, causal, scale, op: str) -> None:
     for name, tensor in named:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-    # host.check_tensor's checks, but every one on all three before the device (the last, below).
+    # groups.check_tensor's checks, but every one on all three before the device (the last, below).
     for name, tensor in named:
         if tensor.dtype not in INPUT_DTYPES:
-            host.check_tensor(tensor, name, op, INPUT_DTYPES)  # raises, naming the dtype
+            groups.check_tensor(tensor, name, op, INPUT_DTYPES)  # raises, naming the dtype
     for name, tensor in named:
         if tensor.dim() != 4:
             raise ValueError(f"{op}: {name} must be 4-D, got shape {tuple(tensor.shape)}")
@@ -618,7 +619,7 @@ def check_inputs(q, k, v, causal, scale, op: str) -> None:
                               or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"{op}: scale must be a positive finite number or None, got {scale!r}")
     for name, tensor in named:
-        host.check_tensor(tensor, name, op, INPUT_DTYPES, ndim=4)  # the device
+        groups.check_tensor(tensor, name, op, INPUT_DTYPES, ndim=4)  # the device
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"{op}: q, k and v must be on the same device, got {q.device}, {k.device} and {v.device}")
 
@@ -644,7 +645,7 @@ def descriptors(q, k, v, gathered, block_m: int, block_n: int):
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-                     pieces: int, num_blocks: int, split_blocks: int, launcher=host.jit_launch) -> torch.Tensor:
+                     pieces: int, num_blocks: int, split_blocks: int, launcher=jit_launch) -> torch.Tensor:
     """The attention kernels alone: every rank's K/V from ``gathered`` [world_size, 2, batch * kv_heads, S_local,
     head_dim] (mine where ``stage_own`` put them; at one rank ``k`` and ``v`` themselves), waiting on ``progress`` if
     ``wait``: the warp-specialized kernel without causal, or under causal at ``SPLIT_HEAD_DIMS`` (``split_blocks``)
@@ -668,7 +669,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
         launcher(
             full_attention_kernel, (grid,),
             q, k_src, v_src, out, lse, progress, order, batch * heads * s_local, batch * kv_heads, s_local,
-            order.shape[0], host.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size,
+            order.shape[0], groups.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size,
             CAUSAL=causal, WAIT=wait, WHOLE=chunk % full["block_m"] == 0,
             TAIL=not causal and s_local % full["block_n"] != 0,
             HEAD_DIM=head_dim, BLOCK_M=full["block_m"], BLOCK_N=full["block_n"], num_warps=full["num_warps"],
@@ -705,7 +706,7 @@ def full_order(batch: int, heads: int, kv_heads: int, s_local: int, causal: bool
     causal, piece by piece. Under causal, with peers: piece by piece, its rounds of ``grid`` tiles snaked (the static
     schedule's blocks get even sums); at one rank no tile waits, so one piece, longest first, snaked, or, with a block
     per tile (``SPLIT_LONG``), kv head by kv head, longest first (the tiles running at once share K/V in L2)."""
-    tiles = batch * heads * 2 * host.cdiv(s_local // 2, block_m) if causal else 0
+    tiles = batch * heads * 2 * groups.cdiv(s_local // 2, block_m) if causal else 0
     rows = piece_rows if world_size > 1 or not causal else (1 if grid == tiles else batch * kv_heads)
     return tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, rows, device,
                       grid if causal and grid < tiles else 0)
@@ -719,8 +720,8 @@ def lse_buffer(rows: int, device) -> torch.Tensor:
     ``MERGE`` (cached per size and device, as ``progress_flags``: the two kernels use it in stream order)."""
     key = (rows, device)
     if key not in _lse:
-        if len(_lse) >= host.MAX_PREPARED:
-            host.drop_graphs()  # (a kept graph may write the buffers dropped here)
+        if len(_lse) >= prepared.MAX_PREPARED:
+            graphs.drop_graphs()  # (a kept graph may write the buffers dropped here)
             _lse.clear()
         _lse[key] = torch.empty(rows, dtype=torch.float32, device=device)
     return _lse[key]
@@ -743,7 +744,7 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
     order = _orders.get(key)
     if order is None:
         halves = 2 if causal else 1
-        tiles_per_chunk = host.cdiv(max(s_local // halves, 1), block_m)
+        tiles_per_chunk = groups.cdiv(max(s_local // halves, 1), block_m)
         position = torch.arange(halves * tiles_per_chunk)
         half = halves - 1 - position // tiles_per_chunk  # the later half first
         m0 = (tiles_per_chunk - 1 - position % tiles_per_chunk if causal else position) * block_m  # from its last
@@ -756,8 +757,8 @@ def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m:
                       tile_m0, torch.full_like(bh, piece))
             stacked = torch.stack(fields, -1)  # [position, head, field]: position-major under causal, else head-major
             tiles.append((stacked if causal else stacked.transpose(0, 1)).reshape(-1, 5))
-        if len(_orders) >= host.MAX_PREPARED:
-            host.drop_graphs()  # (a kept graph may read the orders dropped here)
+        if len(_orders) >= prepared.MAX_PREPARED:
+            graphs.drop_graphs()  # (a kept graph may read the orders dropped here)
             _orders.clear()
         order = torch.cat(tiles)
         if blocks:
@@ -794,7 +795,7 @@ def exchange_plan(peers, gathered, rank: int, piece_rows: int, pieces: int) -> t
         copies = tuple((src * pieces + p, tuple((gathered[src, kv, begin:end], peers[src][kv, begin:end])
                                                 for kv in (0, 1)))
                        for p, (begin, end) in enumerate(rows) for src in order[1:])
-        if len(_exchange_plans) >= host.MAX_PREPARED:  # as many as the prepared calls it serves (a bound)
+        if len(_exchange_plans) >= prepared.MAX_PREPARED:  # as many as the prepared calls it serves (a bound)
             _exchange_plans.clear()
         hit = _exchange_plans[key] = (peers, gathered, (order, peers[rank][0], peers[rank][1], copies))
     return hit[2]
@@ -808,7 +809,7 @@ def stage_own(k: torch.Tensor, v: torch.Tensor, my_k: torch.Tensor, my_v: torch.
 
 
 def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank: int, piece_rows: int,
-                    pieces: int, launcher=host.jit_launch) -> GatherInProgress:
+                    pieces: int, launcher=jit_launch) -> GatherInProgress:
     """Stage my ``k``, ``v`` into my chunk of the symmetric ``gathered`` and copy every peer's K/V into
     ``gathered`` on the copy engine, piece by piece, flagging each (see the module docstring). ``peers[r]``:
     rank r's own chunk [2, batch * kv_heads, S_local, head_dim] of rank r's gather buffer. ``launcher`` launches
@@ -834,7 +835,7 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
            block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-           pieces: int, num_blocks: int, split_blocks: int, group_name: str = "", launcher=host.jit_launch,
+           pieces: int, num_blocks: int, split_blocks: int, group_name: str = "", launcher=jit_launch,
            attention=None) -> torch.Tensor:
     """Launch on prepared arguments (no checks): the K/V exchange, then the attention kernel, ``attention`` (this
     recipe's ``launch_attention`` by default; the Helion twin passes its own). ``group_name`` is unused here."""
@@ -858,41 +859,41 @@ def progress_flags(count: int, device: torch.device) -> torch.Tensor:
     return _flags[key]
 
 
-@host.per_signature(lambda q, k, v, group, op, causal, scale, config: (
-    op, group, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.scalar_key(causal),
-    host.scalar_key(scale), host.config_key(config)))
-def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple[host.SymmContext, dict]:
+@prepared.per_signature(lambda q, k, v, group, op, causal, scale, config: (
+    op, group, prepared.tensor_key(q), prepared.tensor_key(k), prepared.tensor_key(v), prepared.scalar_key(causal),
+    prepared.scalar_key(scale), prepared.config_key(config)))
+def prepare(q, k, v, group, op: str, causal: bool, scale, config: dict) -> tuple[symm.SymmContext, dict]:
     """Validate, plan, and find the buffers: the context of the symmetric gather buffer (a slice of
-    ``host.symm_workspace``) and the launch arguments but the output (every rank's own chunk of the buffer as
+    ``symm.symm_workspace``) and the launch arguments but the output (every rank's own chunk of the buffer as
     ``peers``, ``gathered``, ``progress``, the plan, the ``launcher``); kept per signature."""
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
-    with host.agreed(op, group, q=q, k=k, v=v, causal=causal, scale=scale, config=config):
+    with agreement.agreed(op, group, q=q, k=k, v=v, causal=causal, scale=scale, config=config):
         check_inputs(q, k, v, causal, scale, op)  # (the device last: a CUDA tensor from here on)
-        world_size = host.world_size_of(group, op)
+        world_size = groups.world_size_of(group, op)
         check_sizes(q, k, world_size, op)
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         batch, heads, s_local, head_dim = q.shape
         cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
-    pg = host.resolve_group(group, op)
+    pg = groups.resolve_group(group, op)
     shape = (world_size, 2, k.shape[0] * k.shape[1], k.shape[2], k.shape[3])
-    gathered = host.symm_workspace(math.prod(shape), k.dtype, k.device, pg, op).view(shape)
-    ctx = host.symm_context(gathered, pg, op, name="K/V gather buffer")
+    gathered = symm.symm_workspace(math.prod(shape), k.dtype, k.device, pg, op).view(shape)
+    ctx = symm.symm_context(gathered, pg, op, name="K/V gather buffer")
     progress = progress_flags(progress_size(world_size, cfg["pieces"]), q.device)
     peers = tuple(p[r] for r, p in enumerate(ctx.peers))  # rank r's own chunk of rank r's buffer
     return ctx, {"peers": peers, "gathered": gathered, "progress": progress, **cfg,
-                 "launcher": host.Launcher(op)}
+                 "launcher": Launcher(op)}
 
 
 def attend_to_sequence(q, k, v, group, causal: bool, scale, config: dict, op: str = OP,
                        attention=None) -> torch.Tensor:
     """``context_parallel_attention`` of the recipe (``attention`` None) or of the Helion twin (its op name and its
     ``launch_attention``): the prepared call, a new output, the launch: the flags' reset, the fork, the exchange, the
-    attention kernels and the join, replayed from one CUDA graph per pointer set (``host.graphed``)."""
+    attention kernels and the join, replayed from one CUDA graph per pointer set (``graphs.graphed``)."""
     ctx, cfg = prepare(q, k, v, group, op, causal, scale, config)
     out = torch.empty_like(q)
-    host.graphed((cfg["launcher"], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()),
-                 lambda: launch(q, k, v, out=out, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
-                                scale=scale, **cfg, group_name=ctx.group_name, attention=attention), q.device)
+    graphs.graphed((cfg["launcher"], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()),
+                   lambda: launch(q, k, v, out=out, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
+                                  scale=scale, **cfg, group_name=ctx.group_name, attention=attention), q.device)
     return out
 
 
@@ -926,16 +927,16 @@ def check_gathered(gathered, k, rank: int, op: str) -> None:
                          f"[world_size, {', '.join(map(str, shape))}], got {tuple(gathered.shape)}")
     if not 0 <= rank < gathered.shape[0]:
         raise ValueError(f"{op}: rank {rank} is not in 0 .. {gathered.shape[0] - 1}")
-    host.check_tensor(gathered, "gathered", op, (k.dtype,), ndim=5)
+    groups.check_tensor(gathered, "gathered", op, (k.dtype,), ndim=5)
     if gathered.device != k.device:
         raise ValueError(f"{op}: gathered must be on {k.device}, got {gathered.device}")
 
 
-@host.per_signature(lambda q, k, v, gathered, rank, op, causal, scale, config: (
-    op, host.tensor_key(q), host.tensor_key(k), host.tensor_key(v), host.tensor_key(gathered), rank,
-    host.scalar_key(causal), host.scalar_key(scale), host.config_key(config)))
+@prepared.per_signature(lambda q, k, v, gathered, rank, op, causal, scale, config: (
+    op, prepared.tensor_key(q), prepared.tensor_key(k), prepared.tensor_key(v), prepared.tensor_key(gathered), rank,
+    prepared.scalar_key(causal), prepared.scalar_key(scale), prepared.config_key(config)))
 def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, scale,
-                        config: dict) -> tuple[dict, torch.Tensor, host.Launcher]:
+                        config: dict) -> tuple[dict, torch.Tensor, Launcher]:
     """``attention_on_gathered``'s checks and plan, its (never read) flags and its launcher; kept per signature."""
     check_inputs(q, k, v, causal, scale, op)
     check_gathered(gathered, k, rank, op)
@@ -944,13 +945,13 @@ def prepare_on_gathered(q, k, v, gathered, rank: int, op: str, causal: bool, sca
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     batch, heads, s_local, head_dim = q.shape
     cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
-    return cfg, progress_flags(progress_size(world_size, cfg["pieces"]), q.device), host.Launcher(op)
+    return cfg, progress_flags(progress_size(world_size, cfg["pieces"]), q.device), Launcher(op)
 
 
 def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict, op: str = OP,
                 attention=None) -> torch.Tensor:
     """``attention_on_gathered`` of the recipe (``attention`` None) or of the Helion twin: the flags' reset, my K/V
-    staged, the attention kernels, replayed from one CUDA graph per pointer set (``host.graphed``)."""
+    staged, the attention kernels, replayed from one CUDA graph per pointer set (``graphs.graphed``)."""
     cfg, progress, launcher = prepare_on_gathered(q, k, v, gathered, rank, op, causal, scale, config)
     out = torch.empty_like(q)
 
@@ -961,8 +962,8 @@ def on_gathered(q, k, v, gathered, rank: int, causal: bool, scale, config: dict,
         (attention or launch_attention)(q, k, v, gathered, out, progress, rank, gathered.shape[0], causal, scale, False,
                                         **cfg, launcher=launcher)
 
-    host.graphed((launcher, q.data_ptr(), k.data_ptr(), v.data_ptr(), gathered.data_ptr(), out.data_ptr()), run,
-                 q.device)
+    graphs.graphed((launcher, q.data_ptr(), k.data_ptr(), v.data_ptr(), gathered.data_ptr(), out.data_ptr()), run,
+                   q.device)
     return out
 
 

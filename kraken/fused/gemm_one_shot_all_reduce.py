@@ -41,14 +41,14 @@ block waits for another, the grid is one block per tile (``ONE_RANK_TILE_PER_BLO
 rounds.
 
 Which form (``plan``; ``shot`` in ``config`` forces one): two-shot where the output is large enough for
-its bytes to matter at 4-8 ranks (``kraken.crossover``, the ``gemm_all_reduce`` row, by M x N);
+its bytes to matter at 4-8 ranks (``kraken.runtime.crossover``, the ``gemm_all_reduce`` row, by M x N);
 else one-shot, pushing for up to ``SKINNY_M`` rows at up to ``PUSH_MAX_WORLD_SIZE`` ranks. Pushing
 keeps the NVLink round trip of remote loads out of the tail (M = 64 on 2 H200s: 13.9 us against 14.8
 for the best tiles pulling). At 4 ranks pushing to 3 peers was slower than pulling from them, so
 only 2 ranks push. The cost is memory, a slot per rank (``world_size`` times the output, twice), and
 registers: an address per element and peer, which made the Helion twin spill on the 128x256 tiles
 of large M, where the exchange is a small part of the time and the recipe pulls. No barrier at the
-end: the workspace is a ``host.BlockWorkspace``, so the next launch writes the other half while a
+end: the workspace is a ``symm.BlockWorkspace``, so the next launch writes the other half while a
 peer may still be reading this one.
 
 The workspace holds partials in ``out_dtype``: fp32 partials for an fp32 output
@@ -66,12 +66,14 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import crossover, host
 from kraken._gemm_core import (  # noqa: F401 (OUT_DTYPES, SKINNY_M: this recipe's, used by tests)
     OUT_DTYPES, SKINNY_M, TILE_CONFIGS, check_inputs, mainloop, skinny_or_large_tiles, tile_coords, tma_operands,
 )
 from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait, symm_mem_sync
 from kraken.comm.all_reduce import all_reduce as sm_all_reduce
+from kraken.runtime import agreement, crossover, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
+from kraken.runtime.replay import prepared_launch
 
 # Tiles: ``kraken._gemm_core.skinny_or_large_tiles`` (swept on 2x H200, ``probe`` runs of the recipe and its
 # twin, ``python -m benchmark.tune``), and for this recipe: ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of
@@ -79,7 +81,7 @@ from kraken.comm.all_reduce import all_reduce as sm_all_reduce
 # fence and meet half as often (13.9 us against 14.3 for the whole fused kernel), so those tiles take no
 # k split. Skinny tiles push at world size 2 (``PUSH_MAX_WORLD_SIZE``); at 4, pushing to 3 peers was
 # slower than pulling from them (M = 256: 53.8 us against 42.3), so they pull there.
-# Larger M pulls, and at 4-8 ranks outputs above ``kraken.crossover``'s ``gemm_all_reduce`` entry run two-shot,
+# Larger M pulls, and at 4-8 ranks outputs above ``kraken.runtime.crossover``'s ``gemm_all_reduce`` entry run two-shot,
 # on the pulling tiles. With too few tiles for the SMs (small N), ``split_k`` cuts k so that tiles x split_k
 # fills them (up to ``MAX_SPLIT_K``).
 # Any key may be overridden per call. ``max_blocks`` None: one block per SM. ``shot``, ``split_k``, ``reduce_m``
@@ -97,7 +99,7 @@ SHOTS = (ONE, PUSH, TWO)
 # a persistent grid sends all but its last tile through the workspace and back (one H200, CUDA graphs, bf16 out, x
 # cuBLAS, against HEAD in one process: 2048x4096x4096 1.106-1.108 -> 1.078-1.079, 8192x4096x4096 1.126-1.129 -> 1.079;
 # 1024 rows, one tile per SM already, 1.060-1.063 either way). The block ids stay within the pad's
-# (``host.BlockWorkspace`` keeps a parity and an epoch for each); more tiles than that keep the persistent grid.
+# (``symm.BlockWorkspace`` keeps a parity and an epoch for each); more tiles than that keep the persistent grid.
 ONE_RANK_TILE_PER_BLOCK = True
 # The reduce tile holds about this many values per thread (fp32 sums, and loads from up to 4 ranks in flight).
 REDUCE_VALUES_PER_THREAD = 64
@@ -118,7 +120,7 @@ def gemm_one_shot_all_reduce_kernel(
     workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, tiles per chunk, slots, BLOCK_M, BLOCK_N], out_dtype
     peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
     parity_ptr,  # int32[chunks]: the half of the workspace block b writes in this launch
-    epochs_ptr,  # int32[chunks]: the barrier rounds block b has completed (host.BlockWorkspace)
+    epochs_ptr,  # int32[chunks]: the barrier rounds block b has completed (symm.BlockWorkspace)
     out_ptr,  # [M, N]
     signal_pad_ptrs,
     split_pad_ptrs,  # local pads: the k-split group's barrier
@@ -267,7 +269,7 @@ def gemm_one_shot_all_reduce_kernel(
                     owner = peers[j % world_size]
                     summed = tl.load(owner + chunk + rnd * TILE + rows[:, None] * BLOCK_N + cols[None, :])
                     store_rows(out_ptr, m0 + rows, n0 + cols, summed, M, N)
-    # The next launch writes the other half: no "done reading" barrier needed (host.BlockWorkspace).
+    # The next launch writes the other half: no "done reading" barrier needed (symm.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
     tl.store(epochs_ptr + block, epoch + (2 if SHARDS > 1 else 1))
 
@@ -295,7 +297,7 @@ def launch(
     num_groups: int,
     k_per_split: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -307,7 +309,7 @@ def launch(
     workspace = peers[rank]
     launcher(
         gemm_one_shot_all_reduce_kernel, (num_blocks,),
-        host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, [block_k, block_n]),
+        tma_operand(a, [block_m, block_k]), tma_operand(b, [block_k, block_n]),
         partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
         *workspace.stride()[:2], num_groups, k_per_split, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m, PUSH=shot == PUSH,
@@ -338,7 +340,7 @@ def one_shot_form(m: int, world_size: int) -> str:
 
 
 def choose_shot(m: int, n: int, world_size: int) -> str:
-    """The form for an M x N output: two-shot above ``kraken.crossover``'s ``gemm_all_reduce`` entry, else
+    """The form for an M x N output: two-shot above ``kraken.runtime.crossover``'s ``gemm_all_reduce`` entry, else
     one-shot (``one_shot_form``)."""
     if crossover.choose(OP, m * n, world_size) == crossover.TWO:
         return TWO
@@ -353,7 +355,7 @@ def default_config(m: int, n: int, k: int, num_sms: int, world_size: int, shot: 
     # Pushing 64-row tiles takes them 64 wide (fewer pushes); a group of one pushes nothing: 32 wide, twice the
     # blocks streaming b (M = 64, 4096 x 4096 on one H200: 10.3 us against 10.9).
     cfg = {**skinny_or_large_tiles(m, n, k, num_sms, shot == PUSH and world_size > 1), "shot": shot}
-    if m <= SKINNY_M and host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) >= SKINNY_FILL * num_sms:
+    if m <= SKINNY_M and groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"]) >= SKINNY_FILL * num_sms:
         cfg["split_k"] = 1
     return cfg
 
@@ -361,7 +363,7 @@ def default_config(m: int, n: int, k: int, num_sms: int, world_size: int, shot: 
 def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int, max_split: int = MAX_SPLIT_K) -> int:
     """The largest power-of-two k split (<= ``max_split``) whose blocks all fit the grid at once and
     divide k's tiles evenly, at least ``MIN_K_TILES_PER_SPLIT`` each."""
-    k_tiles, split = host.cdiv(k, block_k), 1
+    k_tiles, split = groups.cdiv(k, block_k), 1
     while (
         2 * split <= max_split
         and num_tiles * 2 * split <= max_blocks
@@ -392,7 +394,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     and within the signal pad's budget; group g owns tiles g, g + num_groups, ...; at one rank with no k split,
     one block per tile, one-shot (``ONE_RANK_TILE_PER_BLOCK``).
     """
-    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     shot = config.get("shot")
     if shot is not None and shot not in SHOTS:
         raise ValueError(f"{OP}: shot must be one of {', '.join(map(repr, SHOTS))} (or absent: chosen by shape), "
@@ -403,14 +405,14 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     for key in ("block_m", "block_n", "block_k"):
         if cfg[key] < 16 or not _power_of_two(cfg[key]):
             raise ValueError(f"{OP}: {key} must be a power of two >= 16, got {cfg[key]}")
-    num_tiles = host.cdiv(max(m, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
+    num_tiles = groups.cdiv(max(m, 1), cfg["block_m"]) * groups.cdiv(max(n, 1), cfg["block_n"])
     max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
-    max_blocks = host.persistent_grid(num_sms, max_blocks, world_size)
+    max_blocks = groups.persistent_grid(num_sms, max_blocks, world_size)
     if cfg["split_k"] is None:  # two-shot: every rank's slice of the block's rows at least one row
         max_split = min(MAX_SPLIT_K, cfg["block_m"] // shards)
         cfg["split_k"] = split_k_for(num_tiles, k, cfg["block_k"], max_blocks, max_split)
     split = cfg["split_k"]
-    if not _power_of_two(split) or split > min(host.MAX_WORLD_SIZE, cfg["block_m"] // shards, max_blocks):
+    if not _power_of_two(split) or split > min(groups.MAX_WORLD_SIZE, cfg["block_m"] // shards, max_blocks):
         rows = "block_m" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
         raise ValueError(f"{OP}: split_k must be a power of two <= min(8, {rows}, blocks), got {split}")
     shard_m = cfg["block_m"] // split // shards
@@ -423,7 +425,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     # block's chunk of the workspace, and there are chunks for one block per SM.
     solo = (ONE_RANK_TILE_PER_BLOCK and world_size == 1 and split == 1 and cfg["max_blocks"] is None
             and cfg["shot"] != TWO)
-    if solo and num_tiles <= host.max_barrier_blocks(1):
+    if solo and num_tiles <= groups.max_barrier_blocks(1):
         num_groups = num_tiles  # one tile per block (``ONE_RANK_TILE_PER_BLOCK``)
     else:
         num_groups = min(num_tiles, max_blocks // split)
@@ -432,13 +434,13 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
         **{key: cfg[key] for key in keys},
         "num_blocks": num_groups * split,
         "num_groups": num_groups,
-        "k_per_split": host.cdiv(host.cdiv(k, cfg["block_k"]), split) * cfg["block_k"],
+        "k_per_split": groups.cdiv(groups.cdiv(k, cfg["block_k"]), split) * cfg["block_k"],
     }
 
 
 def rounds_of(m: int, n: int, cfg: dict) -> int:
     """Rounds of the persistent loop (``plan``'s ``cfg``): the tiles each group takes."""
-    return host.cdiv(host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]), cfg["num_groups"])
+    return groups.cdiv(groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"]), cfg["num_groups"])
 
 
 def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
@@ -448,34 +450,34 @@ def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
     return (world_size if cfg["shot"] == PUSH else 1, cfg["block_m"], cfg["block_n"])
 
 
-@host.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, host.config_key(config)))
+@prepared.per_signature(lambda a, b, group, out_dtype, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), out_dtype, prepared.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
-) -> tuple[host.SymmContext, dict]:
+) -> tuple[symm.SymmContext, dict]:
     """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
-    ``host.BlockWorkspace`` viewed as [2, chunks, tiles per chunk, slots, BLOCK_M, BLOCK_N] of
+    ``symm.BlockWorkspace`` viewed as [2, chunks, tiles per chunk, slots, BLOCK_M, BLOCK_N] of
     ``out_dtype`` (``chunk_tile``)."""
     # The first call of each signature checks that every rank passes the same shapes and valid ones.
-    with host.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
+    with agreement.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
         check_inputs(a, b, out_dtype, op)
         (m, k), n = a.shape, b.shape[1]
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        world_size = host.world_size_of(group, op)
+        world_size = groups.world_size_of(group, op)
         cfg = plan(m, n, k, world_size, config, num_sms)
-        host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
+        groups.check_barrier_blocks(cfg["num_blocks"], world_size, op)
     tile = chunk_tile(cfg, world_size)
     chunk_bytes = rounds_of(m, n, cfg) * math.prod(tile) * out_dtype.itemsize
-    workspace = host.block_workspace(chunk_bytes, a.device, group, op)
+    workspace = symm.block_workspace(chunk_bytes, a.device, group, op)
     ctx = workspace.context(out_dtype, tile)
     split_args = {
         "parity": workspace.parity,
         "epochs": workspace.epochs,
-        "partials": host.local_scratch((workspace.num_chunks, 2, *tile[1:]) if cfg["split_k"] > 1 else (1,),
+        "partials": symm.local_scratch((workspace.num_chunks, 2, *tile[1:]) if cfg["split_k"] > 1 else (1,),
                                        torch.float32, a.device),
-        "split_pad_ptrs": host.local_barrier_pads(a.device),
+        "split_pad_ptrs": symm.local_barrier_pads(a.device),
     }
-    return ctx, {**split_args, **cfg, "launcher": host.Launcher(op)}
+    return ctx, {**split_args, **cfg, "launcher": Launcher(op)}
 
 
 def gemm_one_shot_all_reduce(
@@ -490,7 +492,7 @@ def gemm_one_shot_all_reduce(
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or
     fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms, world_size)``
     (the form, ``shot="one"`` / ``"push"`` / ``"two"``, and tiles) and the chosen ``split_k``/``reduce_m``/
-    ``max_blocks`` (see ``plan``); ``form="fused"`` or ``"sequential"`` forces the form ``kraken.crossover`` would
+    ``max_blocks`` (see ``plan``); ``form="fused"`` or ``"sequential"`` forces the form ``crossover`` would
     choose by size.
     """
     return call(launch, OP, a, b, group, out_dtype, config, sm_all_reduce)
@@ -499,7 +501,7 @@ def gemm_one_shot_all_reduce(
 def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, config: dict,
          all_reduce) -> torch.Tensor:
     """``gemm_one_shot_all_reduce`` with a given ``launch`` and ``all_reduce`` (the recipe's or its twin's front door)
-    under the name ``op``, in the form ``kraken.crossover`` chooses: sequential, cuBLAS then ``all_reduce`` (one- or
+    under the name ``op``, in the form ``crossover`` chooses: sequential, cuBLAS then ``all_reduce`` (one- or
     two-shot by size: the sum in fp32, rounded once), only where the output dtype is ``a``'s; else the prepared
     call and its launch."""
     prepared = chosen(a, b, group, out_dtype, op, config)
@@ -507,13 +509,13 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: to
         return all_reduce(torch.matmul(a, b), group)
     ctx, launch_cfg = prepared
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)
+    return prepared_launch(launch, (a, b), ctx, launch_cfg, out)
 
 
-@host.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, host.config_key(config)))
+@prepared.per_signature(lambda a, b, group, out_dtype, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), out_dtype, prepared.config_key(config)))
 def chosen(a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict):
-    """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
+    """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
     sequential only where the output dtype is ``a``'s."""
     sequential_ok = isinstance(a, torch.Tensor) and a.dtype == out_dtype
     return crossover.fused_prepared(op, a, b, group, False, sequential_ok, config, check_sequential,
@@ -522,14 +524,14 @@ def chosen(a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: 
 
 
 def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
-    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
+    """The sequential form's checks (``kraken.runtime.crossover.form`` runs them inside its agreement)."""
     check_inputs(a, b, a.dtype, op)
 
 
 # The fused kernel runs one block per output tile (or per k slice of one). Above ``SKINNY_M`` rows the tensor
 # cores bind, and where its tiles leave more than a quarter of the SMs' last wave idle (512x5120x5120: 80 tiles
 # of 128x256 on 132 SMs), cuBLAS, which splits such shapes its own way, then the all-reduce is the faster form
-# (``kraken.crossover``). Up to ``SKINNY_M`` rows streaming ``b`` binds, whatever the wave's fill.
+# (``kraken.runtime.crossover``). Up to ``SKINNY_M`` rows streaming ``b`` binds, whatever the wave's fill.
 MIN_WAVE_FILL = 0.75
 
 
@@ -541,5 +543,5 @@ def fills_poorly(a: torch.Tensor, b: torch.Tensor, world_size: int) -> bool:
         return False
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     cfg = plan(m, n, k, world_size, {}, num_sms)
-    units = host.cdiv(m, cfg["block_m"]) * host.cdiv(n, cfg["block_n"]) * cfg["split_k"]
-    return units / (host.cdiv(units, num_sms) * num_sms) < MIN_WAVE_FILL
+    units = groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"]) * cfg["split_k"]
+    return units / (groups.cdiv(units, num_sms) * num_sms) < MIN_WAVE_FILL

@@ -7,7 +7,7 @@ summed product, rows ``[rank * M / ws, (rank + 1) * M / ws)``. Each band is cut 
 rows, so the blocks running at once share ``a`` rows and ``b`` columns in L2). The
 grid is persistent: block ``b`` takes tiles ``j = b, b + blocks, ...`` of *every* band,
 the same ``j`` on every rank, so block ``b`` of a rank exchanges only with block ``b``
-of the others (``host.BlockWorkspace``: block ``b`` writes only chunk ``b``).
+of the others (``symm.BlockWorkspace``: block ``b`` writes only chunk ``b``).
 
 1. Peers' bands, owners ``rank + 1, rank + 2, ...`` (so the ranks do not all push to
    one peer at once): GEMM each tile (``kraken._gemm_core.mainloop``) and push the
@@ -39,13 +39,15 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import crossover, host
 from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too)
     MAX_INDEX, SKINNY_M, balanced_grid, check_inputs, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles,
     tile_coords, tma_operands,
 )
 from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait
 from kraken.comm.reduce_scatter import reduce_scatter as sm_reduce_scatter
+from kraken.runtime import agreement, crossover, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
+from kraken.runtime.replay import prepared_launch
 
 OP = "gemm_reduce_scatter"
 GROUP_M = 8  # tile rows per group of the tile order (L2 reuse across the blocks running at once)
@@ -182,7 +184,7 @@ def gemm_reduce_scatter_kernel(
                  GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, not FLATTEN and not ALONE, WIDE)
     if ALONE:
         epoch_wait(signal_pad_ptrs, block, rank, world_size, epoch + 1)
-    # The next launch writes the other half: no "done reading" barrier (host.BlockWorkspace).
+    # The next launch writes the other half: no "done reading" barrier (symm.BlockWorkspace).
     tl.store(parity_ptr + block, 1 - parity)
     tl.store(epochs_ptr + block, epoch + 1)
 
@@ -204,7 +206,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -216,7 +218,7 @@ def launch(
     workspace = peers[rank]
     launcher(
         gemm_reduce_scatter_kernel, (num_blocks,),
-        host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, [block_k, block_n]),
+        tma_operand(a, [block_m, block_k]), tma_operand(b, [block_k, block_n]),
         None, None, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         *workspace.stride()[:2], num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
@@ -235,8 +237,8 @@ def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dic
     cfg = skinny_or_large_tiles(band_m, n, k, num_sms, push=band_m <= SKINNY_M and world_size <= 2)
 
     def fill(tile: dict) -> float:  # the share of the rounds' block slots (rounds x blocks) that get a tile
-        tiles = host.cdiv(band_m, tile["block_m"]) * host.cdiv(n, tile["block_n"])
-        return tiles / (host.cdiv(tiles, num_sms) * num_sms)
+        tiles = groups.cdiv(band_m, tile["block_m"]) * groups.cdiv(n, tile["block_n"])
+        return tiles / (groups.cdiv(tiles, num_sms) * num_sms)
 
     if band_m > SKINNY_M and fill(MID_TILE) > fill(cfg) + WAVE_GAIN:
         return dict(MID_TILE)
@@ -249,16 +251,16 @@ LAUNCH_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_sta
 def with_grid(cfg: dict, m: int, n: int, world_size: int, num_sms: int, keys=LAUNCH_KEYS) -> dict:
     """``cfg``'s ``keys`` and a persistent grid of at most one block per band tile, per SM and per the signal
     pad's budget, balanced (``balanced_grid``: every round of a band as many tiles)."""
-    band_tiles = host.cdiv(max(m // world_size, 1), cfg["block_m"]) * host.cdiv(max(n, 1), cfg["block_n"])
+    band_tiles = groups.cdiv(max(m // world_size, 1), cfg["block_m"]) * groups.cdiv(max(n, 1), cfg["block_n"])
     max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
-    num_blocks = balanced_grid(band_tiles, host.persistent_grid(band_tiles, max_blocks, world_size))
+    num_blocks = balanced_grid(band_tiles, groups.persistent_grid(band_tiles, max_blocks, world_size))
     return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
 
 
 def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
     """Resolve the launch configuration (shared with the Helion port): tiles, and a persistent grid of at
     most one block per band tile, per SM and per the signal pad's budget."""
-    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     chosen = {key: value for key, value in config.items() if value is not None}
     cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms, world_size), **chosen}
     check_tiles(cfg, OP)
@@ -267,8 +269,8 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
 
 def rounds_of(m: int, n: int, world_size: int, cfg: dict) -> int:
     """Tiles per band of block 0, the busiest (``plan``'s ``cfg``): the rounds a chunk holds."""
-    band_tiles = host.cdiv(max(m // world_size, 1), cfg["block_m"]) * host.cdiv(n, cfg["block_n"])
-    return host.cdiv(band_tiles, cfg["num_blocks"])
+    band_tiles = groups.cdiv(max(m // world_size, 1), cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
+    return groups.cdiv(band_tiles, cfg["num_blocks"])
 
 
 def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
@@ -279,38 +281,38 @@ def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
 
 
 def planned(a: torch.Tensor, b: torch.Tensor, group, config: dict, op: str, plan=plan) -> tuple[int, dict]:
-    """The checks after the argument checks, inside ``host.agreed``: M splits over the ranks, ``plan``, and
+    """The checks after the argument checks, inside ``agreement.agreed``: M splits over the ranks, ``plan``, and
     the grid fits the signal pad. (world_size, launch config)."""
     (m, k), n = a.shape, b.shape[1]
-    world_size = host.world_size_of(group, op)
+    world_size = groups.world_size_of(group, op)
     if m % world_size:
         raise ValueError(f"{op}: M = {m} rows do not split evenly over {world_size} ranks (a is {tuple(a.shape)})")
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     cfg = plan(m, n, k, world_size, config, num_sms)
-    host.check_barrier_blocks(cfg["num_blocks"], world_size, op)
+    groups.check_barrier_blocks(cfg["num_blocks"], world_size, op)
     return world_size, cfg
 
 
 def with_workspace(a: torch.Tensor, n: int, world_size: int, cfg: dict, out_dtype: torch.dtype, group,
-                   op: str) -> tuple[host.SymmContext, dict]:
-    """The context of every rank's ``host.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1,
+                   op: str) -> tuple[symm.SymmContext, dict]:
+    """The context of every rank's ``symm.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1,
     BLOCK_M, BLOCK_N] of ``out_dtype``, and the launch arguments but the tensors."""
     tile = chunk_tile(cfg, world_size)
     chunk_bytes = rounds_of(a.shape[0], n, world_size, cfg) * math.prod(tile) * out_dtype.itemsize
-    workspace = host.block_workspace(chunk_bytes, a.device, group, op)
+    workspace = symm.block_workspace(chunk_bytes, a.device, group, op)
     ctx = workspace.context(out_dtype, tile)
-    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg, "launcher": host.Launcher(op)}
+    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg, "launcher": Launcher(op)}
 
 
-@host.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, host.config_key(config)))
+@prepared.per_signature(lambda a, b, group, out_dtype, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), out_dtype, prepared.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
-) -> tuple[host.SymmContext, dict]:
+) -> tuple[symm.SymmContext, dict]:
     """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
-    ``host.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N] of ``out_dtype``."""
+    ``symm.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N] of ``out_dtype``."""
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
-    with host.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
+    with agreement.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
         check_inputs(a, b, out_dtype, op, wide=True)
         world_size, cfg = planned(a, b, group, config, op)
     return with_workspace(a, b.shape[1], world_size, cfg, out_dtype, group, op)
@@ -329,7 +331,7 @@ def gemm_reduce_scatter(
     ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or fp16, the same shapes on
     every rank, M divisible by the world size. ``config`` overrides the tiles of ``default_config``,
     ``group_m`` and ``max_blocks`` (see ``plan``); ``form="fused"`` or ``"sequential"`` forces the form
-    ``kraken.crossover`` would choose by size.
+    ``kraken.runtime.crossover`` would choose by size.
     """
     return call(launch, OP, a, b, group, out_dtype, config, sm_reduce_scatter)
 
@@ -337,7 +339,7 @@ def gemm_reduce_scatter(
 def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, config: dict,
          reduce_scatter) -> torch.Tensor:
     """``gemm_reduce_scatter`` with a given ``launch`` and ``reduce_scatter`` (the recipe's or its twin's) under the
-    name ``op``, in the form ``kraken.crossover`` chooses: sequential, cuBLAS then ``reduce_scatter`` (the
+    name ``op``, in the form ``kraken.runtime.crossover`` chooses: sequential, cuBLAS then ``reduce_scatter`` (the
     SM-driven collective: the sum in fp32 in rank order, rounded once, as the fused kernel's), only where the
     output dtype is ``a``'s; else the prepared call and its launch."""
     prepared = chosen(a, b, group, out_dtype, op, config)
@@ -345,13 +347,13 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: to
         return reduce_scatter(torch.matmul(a, b), group)
     ctx, launch_cfg = prepared
     out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
-    return host.prepared_launch(launch, (a, b), ctx, launch_cfg, out)
+    return prepared_launch(launch, (a, b), ctx, launch_cfg, out)
 
 
-@host.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), out_dtype, host.config_key(config)))
+@prepared.per_signature(lambda a, b, group, out_dtype, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), out_dtype, prepared.config_key(config)))
 def chosen(a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict):
-    """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
+    """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
     sequential only where the output dtype is ``a``'s."""
     sequential_ok = isinstance(a, torch.Tensor) and a.dtype == out_dtype
     return crossover.fused_prepared(op, a, b, group, False, sequential_ok, config, check_sequential,

@@ -12,7 +12,7 @@ The kernel is the bf16 recipe's ``gemm_reduce_scatter_kernel`` (its docstring te
 checks, grid, workspace and tiles (``check_tiles``, ``with_grid``, ``planned``, ``with_workspace``,
 ``default_config``). In short: a persistent grid, block ``b``
 takes band-local tiles ``b, b + blocks, ...`` of every band; the peers' bands first (owner ``rank + 1``
-first), each tile pushed into this rank's slot of chunk ``b`` of the owner's ``host.BlockWorkspace``;
+first), each tile pushed into this rank's slot of chunk ``b`` of the owner's ``symm.BlockWorkspace``;
 then the own band, one epoch barrier after its first GEMM, the peers' partials added from local memory.
 
 * Accumulation as in ``kraken.fused.all_gather_matmul_fp8`` (the tensor cores' accumulator over the
@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kraken import crossover, host
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
 from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
 from kraken._gemm_core import MAX_INDEX, SKINNY_STAGE_BYTES, check_fp8_inputs, check_out_dtype, check_tiles
@@ -41,6 +40,8 @@ from kraken.fused.gemm_reduce_scatter import (  # the bf16 recipe's kernel and h
     with_workspace,
 )
 from kraken.comm.reduce_scatter import reduce_scatter as sm_reduce_scatter
+from kraken.runtime import agreement, crossover, groups, prepared, replay, symm
+from kraken.runtime.launcher import jit_launch, tma_operand
 
 OP = "gemm_reduce_scatter_fp8"
 # The skinny tiles (up to 256 rows per band) in fp8: two warpgroups and 4 stages (M = 256, 8192 x 4096 on one
@@ -73,7 +74,7 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -87,7 +88,7 @@ def launch(
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         gemm_reduce_scatter_kernel, (num_blocks,),
-        host.tma_operand(a, [block_m, block_k]), host.tma_operand(b, b_box),
+        tma_operand(a, [block_m, block_k]), tma_operand(b, b_box),
         scale_a, scale_b, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         *workspace.stride()[:2], num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans, SCALED=True,
@@ -101,7 +102,7 @@ def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) ->
     """Resolve the launch configuration (shared with the Helion port): the bf16 recipe's tiles for the band
     (``gemm_reduce_scatter.default_config``) with k steps twice as long, up to ``MAX_BLOCK_K`` (the same
     bytes per stage), and its persistent grid (``with_grid``)."""
-    host.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
+    groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
     chosen = {key: value for key, value in config.items() if value is not None}
     tiles = default_config(m, n, k, num_sms, world_size)
     tiles["block_k"] = min(2 * tiles["block_k"], MAX_BLOCK_K)
@@ -127,17 +128,17 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
         raise ValueError(f"{op}: a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
 
 
-@host.per_signature(lambda a, b, scale_a, scale_b, group, out_dtype, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
-    out_dtype, host.config_key(config)))
+@prepared.per_signature(lambda a, b, scale_a, scale_b, group, out_dtype, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.tensor_key(scale_a),
+    prepared.tensor_key(scale_b), out_dtype, prepared.config_key(config)))
 def prepare(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, out_dtype: torch.dtype,
     op: str, config: dict,
-) -> tuple[host.SymmContext, dict]:
+) -> tuple[symm.SymmContext, dict]:
     """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
-    ``host.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N] of ``out_dtype``."""
+    ``symm.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N] of ``out_dtype``."""
     # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
-    with host.agreed(op, group, a=a, b=b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, config=config):
+    with agreement.agreed(op, group, a=a, b=b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, config=config):
         check_inputs(a, b, scale_a, scale_b, out_dtype, op)
         world_size, cfg = planned(a, b, group, config, op, plan)
     return with_workspace(a, b.shape[1], world_size, cfg, out_dtype, group, op)
@@ -174,12 +175,12 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
         return scaled_mm_then_reduce_scatter(reduce_scatter, a, b, scale_a, scale_b, group)
     ctx, launch_cfg = prepared
     out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
-    return host.prepared_launch(launch, (a, b, scale_a, scale_b), ctx, launch_cfg, out)
+    return replay.prepared_launch(launch, (a, b, scale_a, scale_b), ctx, launch_cfg, out)
 
 
-@host.per_signature(lambda a, b, scale_a, scale_b, group, out_dtype, op, config: (
-    op, group, host.tensor_key(a), host.tensor_key(b), host.tensor_key(scale_a), host.tensor_key(scale_b),
-    out_dtype, host.config_key(config)))
+@prepared.per_signature(lambda a, b, scale_a, scale_b, group, out_dtype, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.tensor_key(scale_a), prepared.tensor_key(scale_b),
+    out_dtype, prepared.config_key(config)))
 def chosen(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
            out_dtype: torch.dtype, op: str, config: dict):
     """``kraken.crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);

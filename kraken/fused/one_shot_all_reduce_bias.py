@@ -7,7 +7,7 @@ rounds dominate, not bandwidth: everything below happens in one kernel with two
 barrier rounds, the same as the bare one-shot all-reduce.
 
 ``x`` may be any contiguous CUDA tensor. The kernel stages it through kraken's
-shared symmetric workspace (``host.symm_workspace``) itself, before its first
+shared symmetric workspace (``symm.symm_workspace``) itself, before its first
 barrier, so there is no separate copy launch. It always copies, even when ``x``
 already lives in symmetric memory: finding out would take a rendezvous (a
 collective) per new tensor, and the copy is one local read and write of the
@@ -41,11 +41,13 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import crossover, host
 from kraken._blocks import copy_slice, sum_peers
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
 from kraken.fused.rms_norm import NO_EPS, check_inputs
+from kraken.runtime import agreement, crossover, groups, prepared, symm
+from kraken.runtime.launcher import Launcher, jit_launch
+from kraken.runtime.replay import prepared_launch
 
 # Not tuned on its own: the tuned one-shot all-reduce's configuration (same loop plus a staging copy).
 DEFAULT_CONFIG = dict(ONE_SHOT_CONFIG)
@@ -103,7 +105,7 @@ def _check_not_aliased(x: torch.Tensor, workspace: torch.Tensor, op: str) -> Non
         )
 
 
-def on_signature(op: str, x: torch.Tensor, prepared: tuple) -> tuple[torch.Tensor, host.SymmContext, dict]:
+def on_signature(op: str, x: torch.Tensor, prepared: tuple) -> tuple[torch.Tensor, symm.SymmContext, dict]:
     """What a family member's call adds to its signature's preparation (``prepared``: ``staged_signature``'s):
     the aliasing check (it depends on ``x``'s address) and ``x`` as [tokens, hidden]. Returns the view, the
     workspace's symmetric context and the launch configuration."""
@@ -115,19 +117,19 @@ def on_signature(op: str, x: torch.Tensor, prepared: tuple) -> tuple[torch.Tenso
 def staged_call(launch: Callable, op: str, x: torch.Tensor, operands: tuple, prepared: tuple) -> torch.Tensor:
     """A family member's call (a recipe's, a twin's, a front door's) on its signature's preparation: a new output
     of ``x``'s shape, ``launch(x, *operands, peers, out, ...)`` (``operands``: bias, or bias, weight and eps),
-    replayed from the second call of the signature on (``host.replayed``)."""
+    replayed from the second call of the signature on (``replayed``)."""
     x2d, ctx, launch_cfg = on_signature(op, x, prepared)
-    out = host.prepared_launch(launch, (x2d, *operands), ctx, launch_cfg, torch.empty_like(x2d))
+    out = prepared_launch(launch, (x2d, *operands), ctx, launch_cfg, torch.empty_like(x2d))
     return out if x.dim() == 2 else out.view(x.shape)
 
 
-# ``host.per_signature``'s keys of the members' ``signature(x, bias, group, op, config)`` and of the RMSNorm ones'
+# ``prepared.per_signature``'s keys of the members' ``signature(x, bias, group, op, config)`` and of the RMSNorm ones'
 # ``signature(x, bias, weight, eps, group, op, config)``.
 BIAS_KEY = lambda x, bias, group, op, config: (  # noqa: E731
-    op, group, host.tensor_key(x), host.tensor_key(bias), host.config_key(config))
+    op, group, prepared.tensor_key(x), prepared.tensor_key(bias), prepared.config_key(config))
 NORM_KEY = lambda x, bias, weight, eps, group, op, config: (  # noqa: E731
-    op, group, host.tensor_key(x), host.tensor_key(bias), host.tensor_key(weight), host.scalar_key(eps),
-    host.config_key(config))
+    op, group, prepared.tensor_key(x), prepared.tensor_key(bias), prepared.tensor_key(weight), prepared.scalar_key(eps),
+    prepared.config_key(config))
 
 
 def door_call(op: str, name: str, recipes: tuple, choose: Callable, x: torch.Tensor, operands: tuple, group,
@@ -142,38 +144,39 @@ def door_call(op: str, name: str, recipes: tuple, choose: Callable, x: torch.Ten
     return staged_call((recipes[0] if shot == crossover.ONE else recipes[1]).launch, name, x, operands, prepared)
 
 
-def staged_signature(op, x, vectors, eps, group, config, plan, copies) -> tuple[int, host.SymmContext, dict]:
+def staged_signature(op, x, vectors, eps, group, config, plan, copies) -> tuple[int, symm.SymmContext, dict]:
     """Shared by the family: what a call signature needs (each member's ``signature`` keeps it per signature,
-    ``host.per_signature``). Validate, agree, plan, and get the workspace. ``vectors`` are the [hidden]
+    ``prepared.per_signature``). Validate, agree, plan, and get the workspace. ``vectors`` are the [hidden]
     arguments (bias, weight); ``eps`` is ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies``
     message-sized regions (two-shot kernels keep their results apart from the staged input). Returns (hidden,
     the workspace's symmetric context, the launch configuration)."""
-    with host.agreed(op, group, x=x, eps=eps, config=config, **vectors):  # every rank raises if any rank's input is bad
+    # every rank raises if any rank's input is bad
+    with agreement.agreed(op, group, x=x, eps=eps, config=config, **vectors):
         hidden = check_inputs(op, x, vectors, eps)
-        world_size = host.world_size_of(group, op)
+        world_size = groups.world_size_of(group, op)
         launch_cfg = plan(x.numel() // hidden, hidden, world_size, config)
-        host.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
+        groups.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
     return staged_workspace(op, x, hidden, group, launch_cfg, copies)
 
 
 def staged_workspace(op: str, x: torch.Tensor, hidden: int, group, launch_cfg: dict, copies: int) -> tuple:
     """A signature's preparation after its checks, agreement and plan (``launch_cfg``): the workspace of ``copies``
     message-sized regions, its symmetric context and a launcher. Returns (hidden, context, launch configuration)."""
-    workspace = host.symm_workspace(max(copies * x.numel(), 1), x.dtype, x.device, group, op)
-    ctx = host.symm_context(workspace, group, op, name="workspace")
-    return hidden, ctx, {**launch_cfg, "launcher": host.Launcher(op)}
+    workspace = symm.symm_workspace(max(copies * x.numel(), 1), x.dtype, x.device, group, op)
+    ctx = symm.symm_context(workspace, group, op, name="workspace")
+    return hidden, ctx, {**launch_cfg, "launcher": Launcher(op)}
 
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias")
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias")
     numel, block_size = tokens * hidden, cfg["block_size"]
-    num_blocks = host.persistent_grid(host.cdiv(numel, block_size), cfg["max_blocks"], world_size)
-    chunk = host.round_up(host.cdiv(numel, num_blocks), block_size)
+    num_blocks = groups.persistent_grid(groups.cdiv(numel, block_size), cfg["max_blocks"], world_size)
+    chunk = groups.round_up(groups.cdiv(numel, num_blocks), block_size)
     return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk}
 
 
-@host.per_signature(BIAS_KEY)
+@prepared.per_signature(BIAS_KEY)
 def signature(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict) -> tuple:
     """This call signature's preparation (``staged_signature``), kept per signature; shared with the twin."""
     return staged_signature(op, x, {"bias": bias}, NO_EPS, group, config, plan, WORKSPACE_COPIES)
@@ -196,7 +199,7 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 

@@ -33,12 +33,13 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._blocks import copy_slice, rms_normalize, sum_peers
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
 from kraken.fused.one_shot_all_reduce_bias import NORM_KEY, WORKSPACE_COPIES, on_signature, staged_call, staged_signature
 from kraken.fused.rms_norm import row_warps
+from kraken.runtime import groups, prepared
+from kraken.runtime.launcher import jit_launch
 
 # Not tuned on its own: the tuned one-shot all-reduce's grid cap; num_warps None: from the row width
 # (rms_norm.row_warps: at most one 16-byte vector per thread, so a row's loads go out together).
@@ -86,15 +87,15 @@ def one_shot_all_reduce_bias_rms_norm_kernel(
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias_rms_norm")
-    num_blocks = host.persistent_grid(tokens, cfg["max_blocks"], world_size)
-    rows_per_block = max(1, host.cdiv(tokens, num_blocks))
-    num_blocks = max(1, host.cdiv(tokens, rows_per_block))  # no block left without rows
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias_rms_norm")
+    num_blocks = groups.persistent_grid(tokens, cfg["max_blocks"], world_size)
+    rows_per_block = max(1, groups.cdiv(tokens, num_blocks))
+    num_blocks = max(1, groups.cdiv(tokens, rows_per_block))  # no block left without rows
     num_warps = cfg["num_warps"] or row_warps(hidden)
     return {"num_warps": num_warps, "num_blocks": num_blocks, "rows_per_block": rows_per_block}
 
 
-@host.per_signature(NORM_KEY)
+@prepared.per_signature(NORM_KEY)
 def signature(x: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor, eps: float, group, op: str, config: dict
               ) -> tuple:
     """This call signature's preparation (``staged_signature``), kept per signature; shared with the twin."""
@@ -119,7 +120,7 @@ def launch(
     num_blocks: int,
     rows_per_block: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
@@ -130,7 +131,7 @@ def launch(
     launcher(
         one_shot_all_reduce_bias_rms_norm_kernel, (num_blocks,),
         x, bias, weight, peers[rank], peers, out, signal_pad_ptrs, tokens, hidden, rows_per_block, float(eps),
-        rank, len(peers), BLOCK_H=host.next_power_of_2(hidden), num_warps=num_warps,
+        rank, len(peers), BLOCK_H=groups.next_power_of_2(hidden), num_warps=num_warps,
     )
     return out
 

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._blocks import rms_normalize
+from kraken.runtime import groups, prepared
+from kraken.runtime.launcher import Launcher, jit_launch
 
 DEFAULT_CONFIG = {"num_warps": None}  # None: from the row width
 MAX_HIDDEN = 16384  # a row is one register tile; wider rows would spill
@@ -67,8 +68,8 @@ def check_inputs(op: str, x: object, vectors: dict[str, object], eps: object = N
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in host.SUPPORTED_DTYPES:
-        host.check_tensor(x, "x", op)  # words the dtype error (its first failing check)
+    if x.dtype not in groups.SUPPORTED_DTYPES:
+        groups.check_tensor(x, "x", op)  # words the dtype error (its first failing check)
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{op}: x must be [tokens, hidden] (any leading shape) with hidden >= 1, got {tuple(x.shape)}")
     hidden = x.shape[-1]
@@ -90,9 +91,9 @@ def check_inputs(op: str, x: object, vectors: dict[str, object], eps: object = N
             )
     if eps is not NO_EPS:
         check_eps(eps, op)
-    host.check_tensor(x, "x", op)
+    groups.check_tensor(x, "x", op)
     for name, vector in vectors.items():
-        host.check_tensor(vector, name, op)
+        groups.check_tensor(vector, name, op)
         if vector.device != x.device:
             raise ValueError(f"{op}: {name} is on {vector.device} but x is on {x.device}")
     return hidden
@@ -113,7 +114,7 @@ def row_warps(hidden: int) -> int:
 
 def plan(tokens: int, hidden: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "rms_norm")
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "rms_norm")
     # One row per program, 16 elements per thread: 4 to 16 warps.
     return {"num_warps": cfg["num_warps"] or max(4, min(16, triton.next_power_of_2(hidden) // 512))}
 
@@ -124,21 +125,21 @@ def prepare(x: torch.Tensor, weight: torch.Tensor, eps: float, op: str, config: 
     return (x if x.dim() == 2 else x.view(-1, hidden)), launch_cfg  # a view costs ~1 us
 
 
-@host.per_signature(lambda x, weight, eps, op, config: (
-    op, host.tensor_key(x), host.tensor_key(weight), host.scalar_key(eps), host.config_key(config)))
+@prepared.per_signature(lambda x, weight, eps, op, config: (
+    op, prepared.tensor_key(x), prepared.tensor_key(weight), prepared.scalar_key(eps), prepared.config_key(config)))
 def checked_plan(x: torch.Tensor, weight: torch.Tensor, eps: float, op: str, config: dict) -> tuple[int, dict]:
     hidden = check_inputs(op, x, {"weight": weight}, eps)
-    return hidden, {**plan(x.numel() // hidden, hidden, config), "launcher": host.Launcher(op)}
+    return hidden, {**plan(x.numel() // hidden, hidden, config), "launcher": Launcher(op)}
 
 
 def launch(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int, launcher=host.jit_launch
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, num_warps: int, launcher=jit_launch
 ) -> torch.Tensor:
     """Launch on prepared arguments (``x``, ``out``: [tokens, hidden]; no checks); same signature as the port's."""
     tokens, hidden = x.shape
     if tokens > 0:
         launcher(
-            rms_norm_kernel, (tokens,), x, weight, out, hidden, float(eps), BLOCK_H=host.next_power_of_2(hidden),
+            rms_norm_kernel, (tokens,), x, weight, out, hidden, float(eps), BLOCK_H=groups.next_power_of_2(hidden),
             num_warps=num_warps,
         )
     return out

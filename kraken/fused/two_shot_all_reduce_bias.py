@@ -35,12 +35,13 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kraken import host
 from kraken._blocks import block_range, copy_slice, sum_peers
 from kraken._ptx_utils import symm_mem_sync
 from kraken.comm.two_shot_all_reduce import DEFAULT_CONFIG as TWO_SHOT_CONFIG, SHARD_ALIGN
 from kraken.fused.one_shot_all_reduce_bias import BIAS_KEY, on_signature, staged_call, staged_signature
 from kraken.fused.rms_norm import NO_EPS
+from kraken.runtime import groups, prepared
+from kraken.runtime.launcher import jit_launch
 
 # Not tuned on its own: the tuned two-shot all-reduce's configuration.
 DEFAULT_CONFIG = dict(TWO_SHOT_CONFIG)
@@ -87,18 +88,18 @@ def two_shot_all_reduce_bias_kernel(
 
 def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
     """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = host.resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce_bias")
+    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "two_shot_all_reduce_bias")
     numel, block_size = tokens * hidden, cfg["block_size"]
-    shard = host.round_up(host.cdiv(numel, world_size), SHARD_ALIGN)
-    num_blocks = host.persistent_grid(host.cdiv(shard, block_size), cfg["max_blocks"], world_size)
-    chunk = host.round_up(host.cdiv(shard, num_blocks), SHARD_ALIGN)
+    shard = groups.round_up(groups.cdiv(numel, world_size), SHARD_ALIGN)
+    num_blocks = groups.persistent_grid(groups.cdiv(shard, block_size), cfg["max_blocks"], world_size)
+    chunk = groups.round_up(groups.cdiv(shard, num_blocks), SHARD_ALIGN)
     return {
         "block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks,
         "shard": shard, "chunk": chunk,
     }
 
 
-@host.per_signature(BIAS_KEY)
+@prepared.per_signature(BIAS_KEY)
 def signature(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict) -> tuple:
     """This call signature's preparation (``staged_signature``), kept per signature; shared with the twin."""
     return staged_signature(op, x, {"bias": bias}, NO_EPS, group, config, plan, WORKSPACE_COPIES)
@@ -122,7 +123,7 @@ def launch(
     shard: int,
     chunk: int,
     group_name: str = "",
-    launcher=host.jit_launch,
+    launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
 
