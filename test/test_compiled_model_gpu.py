@@ -1,12 +1,17 @@
-"""GPU tests of the recipes inside ``torch.compile`` (``kraken/runtime/library.py``), one process per GPU.
+"""GPU tests of the recipes inside ``torch.compile`` (``kraken/runtime/library.py``, ``kraken/runtime/moe_ops.py``),
+one process per GPU.
 
-* The issue's two-layer sequence-parallel MLP (``all_gather_matmul`` -> SiLU -> ``gemm_one_shot_all_reduce``),
+* The two-layer sequence-parallel MLP (``all_gather_matmul`` -> SiLU -> ``gemm_one_shot_all_reduce``),
   recipes and twins: ``torch._dynamo.explain`` finds one graph and no break; ``fullgraph=True`` under
   ``aot_eager`` gives eager's bits, and with Inductor's ``mode="reduce-overhead"`` (CUDA graphs) eager's up
   to Inductor's own SiLU kernel's rounding (whether the bits match is printed), on several inputs, each
   several times through the CUDA graphs.
+* A MoE layer (router, ``moe_dispatch``, one linear per local expert, ``moe_combine``, residual), recipes and
+  twins: eager against a plain-torch reference with every rank's experts; ``torch._dynamo.explain`` finds one
+  graph holding both MoE operators and no break; ``fullgraph=True`` under ``aot_eager`` gives eager's bits,
+  under Inductor (default, then ``mode="reduce-overhead"``) eager's result up to Inductor's softmax rounding.
 * ``torch.library.opcheck`` of every operator, both namespaces (schema and mutation, fake against real
-  outputs, AOT dispatch with dynamic shapes).
+  outputs, AOT dispatch with dynamic shapes), the MoE pair's too.
 * Every collective from an ordinary tensor equals it from a symmetric one, bitwise, on odd shapes; the staged
   path over 200 back-to-back launches on rotating inputs and in CUDA-graph replays.
 """
@@ -96,6 +101,102 @@ def test_mlp_compiles_with_no_graph_break(backend):
 
 
 # ---------------------------------------------------------------------------
+# The compiled MoE layer
+# ---------------------------------------------------------------------------
+
+TOKENS, MOE_HIDDEN, EXPERTS_PER_RANK, TOP_K = 200, 512, 4, 2
+
+
+class MoELayer(torch.nn.Module):
+    """Router (top-k of an fp32 softmax), dispatch, one linear per local expert on its rows of ``recv`` (masks: no
+    shape depends on the routing), combine, residual. The capacity holds every pair a rank can receive."""
+
+    def __init__(self, comm, seed: int):
+        super().__init__()
+        self.comm = comm
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        self.num_experts, self.capacity = EXPERTS_PER_RANK * ws, ws * TOKENS * TOP_K
+        gen = torch.Generator(device="cuda").manual_seed(seed)  # the router: the same on every rank
+        self.router = torch.nn.Parameter(torch.randn(MOE_HIDDEN, self.num_experts, generator=gen, device="cuda"))
+        gen = torch.Generator(device="cuda").manual_seed(seed + 1 + rank)  # this rank's experts
+        self.experts = torch.nn.Parameter(torch.randn(EXPERTS_PER_RANK, MOE_HIDDEN, MOE_HIDDEN, generator=gen,
+                                                      device="cuda").div(MOE_HIDDEN**0.5).to(BF16))
+
+    def route(self, x):
+        return torch.topk(torch.softmax(x.float() @ self.router, dim=-1), TOP_K)
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        recv, counts, handle = self.comm.moe_dispatch(x, ids, self.num_experts, capacity=self.capacity)
+        rows = torch.arange(recv.shape[0], device=recv.device)[:, None]
+        first, last = handle.recv_offsets, handle.recv_offsets + counts
+        out = torch.zeros_like(recv)
+        for e in range(EXPERTS_PER_RANK):  # rows no dispatch wrote hold anything: where(), not a product with a mask
+            out = torch.where((rows >= first[e]) & (rows < last[e]), recv @ self.experts[e], out)
+        return x + self.comm.moe_combine(out, handle, weights)
+
+
+def moe_reference(model: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The layer in plain torch on this rank's tokens, with every rank's experts all-gathered (fp32 sums)."""
+    weights, ids = model.route(x)
+    parts = [torch.empty_like(model.experts) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, model.experts.detach().contiguous())
+    out = x.float()
+    for e, expert in enumerate(torch.cat(parts)):  # global expert e lives on rank e // EXPERTS_PER_RANK
+        chosen = ((ids == e) * weights).sum(1, keepdim=True)
+        out = out + chosen * (x @ expert).float()
+    return out.to(x.dtype)
+
+
+def compiled_moe(backend: str) -> None:
+    package, namespace = PACKAGES[backend]
+    comm = importlib.import_module(f"{package}.comm")
+    rank = dist.get_rank()
+    model = MoELayer(comm, seed=11)
+    inputs = [rank_values(20 + seed, rank, (TOKENS, MOE_HIDDEN)) for seed in range(4)]
+    with torch.no_grad():
+        eager = []
+        for x in inputs:  # the first call compiles each recipe (a Helion twin: most of a minute on a busy host)
+            eager.append(model(x).clone())
+            heartbeat(f"{backend} moe eager call {len(eager)}")
+        for x, out in zip(inputs, eager):
+            assert_close(out, moe_reference(model, x), f"{backend} moe eager against the reference")
+
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(inputs[0])
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        targets = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+        for name in ("moe_dispatch", "moe_combine"):
+            assert f"{namespace}.{name}.default" in targets, targets
+        heartbeat(f"{backend} moe explain: 1 graph, 0 breaks")
+
+        torch._dynamo.reset()
+        plain = torch.compile(model, backend="aot_eager", fullgraph=True)
+        for x, ref in zip(inputs, eager):
+            assert torch.equal(plain(x), ref), f"{backend} moe aot_eager differs from eager"
+        heartbeat(f"{backend} moe aot_eager")
+
+        torch._dynamo.reset()
+        inductor = torch.compile(model, fullgraph=True)
+        for step, (x, ref) in enumerate(zip(inputs, eager)):
+            assert_close(inductor(x), ref, f"{backend} moe inductor call {step}")
+        heartbeat(f"{backend} moe inductor")
+
+        torch._dynamo.reset()
+        graphs = torch.compile(model, mode="reduce-overhead", fullgraph=True)  # Inductor with CUDA graphs
+        for step in range(3 * len(inputs)):  # warm-up, recording, then replays, on fresh inputs
+            k = step % len(inputs)
+            assert_close(graphs(inputs[k].clone()).clone(), eager[k], f"{backend} moe reduce-overhead call {step}")
+        heartbeat(f"{backend} moe reduce-overhead")
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", list(PACKAGES))
+def test_moe_layer_compiles_with_no_graph_break(backend):
+    run_on_gpus(compiled_moe, backend, name=f"compiled MoE {backend}")
+
+
+# ---------------------------------------------------------------------------
 # opcheck
 # ---------------------------------------------------------------------------
 
@@ -176,6 +277,45 @@ def opcheck_every_operator(backend: str) -> None:
 @pytest.mark.parametrize("backend", list(PACKAGES))
 def test_opcheck_every_operator(backend):
     run_on_gpus(opcheck_every_operator, backend, name=f"opcheck {backend}")
+
+
+def opcheck_moe_operators(backend: str) -> None:
+    """The MoE pair (``kraken/runtime/moe_ops.py``). The dispatch's ``recv`` is the recipe's receive buffer (the same
+    tensor in every call of the shape) and ``routing`` has two ints of padding after the status that no kernel
+    writes, so its AOT check compares the written parts by hand; the combine takes all four checks (its AOT check
+    passes it copies of ``recv``, which it must tell from the buffer)."""
+    package, namespace = PACKAGES[backend]
+    importlib.import_module(f"{package}.comm")
+    dispatch, combine = (getattr(getattr(torch.ops, namespace), name).default
+                         for name in ("moe_dispatch", "moe_combine"))
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    tokens, top_k, experts = 37, 2, 2 * ws
+    x = rank_values(30, rank, (tokens, 129))
+    gen = torch.Generator(device="cuda").manual_seed(31 + rank)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device="cuda")
+    weights = torch.rand(tokens, top_k, generator=gen, device="cuda")
+    args = (x, ids, experts, None, ws, ws * tokens * top_k, False, "")
+    buffer, _ = dispatch(*args)
+    buffer.zero_()  # the rows no dispatch writes: defined for the comparisons (no peer writes it before our next call)
+    torch.library.opcheck(dispatch, args, test_utils=[u for u in OPCHECKS if u != "test_aot_dispatch_dynamic"])
+    recv, routing = (t.clone() for t in dispatch(*args))
+    compiled = torch.compile(lambda *a: dispatch(*a), backend="aot_eager", dynamic=True, fullgraph=True)
+    recv_aot, routing_aot = compiled(*args)
+    assert recv_aot.data_ptr() == buffer.data_ptr(), "the receive buffer itself"
+    assert torch.equal(recv_aot, recv), f"{namespace}::moe_dispatch: aot_eager received other rows"
+    for part in (slice(0, 2), slice(4, None)):  # status, then slots, counts, offsets
+        assert torch.equal(routing_aot[part], routing[part]), f"{namespace}::moe_dispatch: aot_eager routing {part}"
+    heartbeat(f"opcheck {namespace}::moe_dispatch")
+    torch._dynamo.reset()
+    recv, routing = dispatch(*args)
+    expert_out = (recv.float() * 2 + 1).to(recv.dtype)
+    torch.library.opcheck(combine, (expert_out, recv, routing, experts, None, ws, weights, ""))
+    heartbeat(f"opcheck {namespace}::moe_combine")
+
+
+@pytest.mark.parametrize("backend", list(PACKAGES))
+def test_opcheck_moe_operators(backend):
+    run_on_gpus(opcheck_moe_operators, backend, name=f"opcheck moe {backend}")
 
 
 # ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ One module per topic (importing this package imports none of them):
 * ``staging``: ordinary tensors into the symmetric-memory collectives (their two prepared calls);
 * ``crossover``: one-shot or two-shot, fused or sequential, by size and world size (the front doors' table);
 * ``library``: the recipes as ``torch.library`` operators, and their front doors.
+* ``moe_ops``: the MoE pair as operators, the dispatch's handle crossing as tensors.
 
 Functions that tests replace (``groups.check_tensor``, ``symm.symm_context``, ...) are called through their
 module (``symm.symm_context(...)``), here and in the recipes, so that replacing one there replaces it for every

@@ -26,8 +26,9 @@ What an operator schema cannot say, and what the operator takes instead:
   empty), which the implementation reads back with ``ast.literal_eval``: ints, floats, bools,
   strings and None, which is what every recipe's config holds.
 
-Not operators (their results are Python objects): ``all_gather_with_progress`` (a gather in
-flight), ``moe_dispatch`` and ``moe_combine`` (the dispatch's handle).
+Not an operator: ``all_gather_with_progress`` (its result, a gather in flight, is a Python object). The MoE pair
+are operators of their own (``kraken/runtime/moe_ops.py``, installed from here): the dispatch's handle crosses the
+operator boundary as its tensors (the received tokens and one int32 routing tensor).
 
 Adding a recipe is one ``Entry`` in ``ENTRIES`` (its name, its fake, and, if it differs from a
 single new tensor, what it returns and writes), plus the usual export in its package.
@@ -275,3 +276,6 @@ def install_front_doors(package: str) -> None:
         door = front_door(recipe, entry, register(recipe, entry, namespace))
         setattr(exports, name, door)
         setattr(sys.modules[recipe.__module__], name, door)
+    from kraken.runtime import moe_ops  # the MoE pair, whose handle crosses as tensors (it imports this module)
+
+    moe_ops.install_front_doors(exports, namespace)
