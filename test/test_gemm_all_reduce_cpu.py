@@ -445,7 +445,7 @@ def test_every_forced_form_backend_calls_its_function_with_the_recipes_form(monk
     monkeypatch.setattr(gemm_all_reduce.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(gemm_all_reduce, "rank_operands", lambda shape, dtype, seed, rank: (
         torch.zeros(shape[0], shape[2], dtype=dtype), torch.zeros(shape[2], shape[1], dtype=dtype)))
-    monkeypatch.setattr(gemm_all_reduce.host, "symm_empty", lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    monkeypatch.setattr(gemm_all_reduce, "symm_empty", lambda shape, dtype: torch.zeros(shape, dtype=dtype))
     monkeypatch.setattr(gemm_all_reduce, "_symm_buffers", {})
     inputs = gemm_all_reduce.make_inputs((64, 32, 16), torch.bfloat16, 0)  # works out the form, once
     monkeypatch.setattr(gemm_all_reduce.dist, "get_world_size", lambda group=None: pytest.fail("asked per call"))
