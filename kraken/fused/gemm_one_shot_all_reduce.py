@@ -152,7 +152,7 @@ def gemm_one_shot_all_reduce_kernel(
     split = block % SPLIT_K
     parity = tl.load(parity_ptr + block)
     epoch = tl.load(epochs_ptr + block)
-    chunk = parity.to(tl.int64) * half_stride + block * chunk_stride
+    chunk = parity.to(tl.int64) * half_stride + block.to(tl.int64) * chunk_stride  # a workspace can pass 2**31
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_begin = split * k_per_split
