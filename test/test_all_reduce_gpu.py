@@ -42,7 +42,8 @@ class Runner:
         package, name = MODULES[backend].rsplit(".", 1)
         self.fn = getattr(importlib.import_module(package), name)  # the public function (the package's export)
         # A standalone recipe's prepared calls are the product layer's (kraken.runtime.collectives).
-        self.prepare = getattr(self.module, "prepare", None) or importlib.import_module("kraken.runtime.collectives").prepare
+        self.prepare = (getattr(self.module, "prepare", None)
+                        or importlib.import_module("kraken.runtime.collectives").prepare)
         self.buf = kraken.symm_empty(numel, dtype)
         self.in_place = "2shot" in backend
 

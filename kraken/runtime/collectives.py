@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from kraken.runtime import agreement, groups, staging
 
-# The recipe's module: its ``plan`` is called through it (tests replace it there), its ``launch`` by name (the hot path).
+# The recipe's module: its ``plan`` called through it (tests replace it there), its ``launch`` by name (the hot path).
 ONE_SHOT = importlib.import_module("kraken.comm.one_shot_all_reduce")
 one_shot_launch = ONE_SHOT.launch
 
