@@ -15,7 +15,10 @@ kernel with constexpr switches). An improvement to the main loop reaches every r
 * ``scaled``: the fp8 epilogue's ``acc * scale_a[rows] * scale_b[cols]``.
 * Host: ``tma_operands`` / ``tma_fp8`` / ``fp8_b_operand`` (operands TMA can address), the tile choices
   (``TILE_CONFIGS``, ``skinny_or_large_tiles``), whether a recipe's tile loop is flattened (``flattens``: its
-  ``FLATTEN`` constexpr), and the argument checks the recipes share.
+  ``FLATTEN`` constexpr), and ``check_tiles`` (a tile configuration's sizes). The argument checks of the
+  recipes' inputs are the product layer's (``kraken.runtime.gemm_checks``).
+
+It imports nothing of the project: a recipe copied with it (and ``kraken._ptx_utils``, ``kraken._blocks``) runs.
 """
 
 from __future__ import annotations
@@ -23,8 +26,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kraken.runtime import groups
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -70,13 +71,21 @@ MIN_TILES_PER_SM = 0.55
 FLATTEN_MIN_TILE = 128 * 256
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, multiple: int) -> int:
+    return cdiv(a, multiple) * multiple
+
+
 def balanced_grid(num_tiles: int, max_blocks: int) -> int:
     """A persistent GEMM's blocks: as few as still take its tiles in the fewest rounds (``max_blocks`` at once), so
     that every round runs as many tiles, not full rounds and a short last one. A short last round costs as much as a
     full one, and the tiles' operands come through L2, which fewer concurrent tiles share: 208 tiles of 128x256 on 132
     SMs run faster as two rounds of 104 than as a round of 132 and one of 76 (docs/history.md, the GEMM core)."""
-    rounds = groups.cdiv(num_tiles, max(1, max_blocks))
-    return max(1, groups.cdiv(num_tiles, rounds))
+    rounds = cdiv(num_tiles, max(1, max_blocks))
+    return max(1, cdiv(num_tiles, rounds))
 
 
 def flattens(block_m: int, block_n: int, out_bytes: int = 2) -> bool:
@@ -135,7 +144,7 @@ def scaled(acc, scale_a_ptr, scale_b_ptr, m0, n0, M, N, BLOCK_M: tl.constexpr, B
 def tma_rows(m: int, block_m: int) -> int:
     """The rows ``a`` is padded to for TMA (``tma_operands``, ``tma_fp8``): whole ``block_m`` tiles up to ``SKINNY_M``
     rows, ``m`` itself above."""
-    return groups.round_up(m, block_m) if m <= SKINNY_M else m
+    return round_up(m, block_m) if m <= SKINNY_M else m
 
 
 def tma_operands(a: torch.Tensor, b: torch.Tensor, block_m: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,12 +160,12 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor, block_m: int = 1) -> tuple[to
     rows = tma_rows(m, block_m)
     aligned = k % step == 0 and a.data_ptr() % TMA_ALIGN == 0
     if not (aligned and n % step == 0 and b.data_ptr() % TMA_ALIGN == 0):
-        k_pad, n_pad = groups.round_up(k, step), groups.round_up(n, step)
+        k_pad, n_pad = round_up(k, step), round_up(n, step)
         b_pad = b.new_zeros(k_pad, n_pad)
         b_pad[:k, :n] = b
         b, aligned = b_pad, False
     if not aligned or rows != m:
-        a_pad = a.new_zeros(rows, groups.round_up(k, step))
+        a_pad = a.new_zeros(rows, round_up(k, step))
         a_pad[:m, :k] = a
         a = a_pad
     return a, b
@@ -170,7 +179,7 @@ def tma_fp8(a: torch.Tensor, block_m: int = 1) -> torch.Tensor:
     rows = tma_rows(m, block_m)
     if k % TMA_ALIGN == 0 and a.data_ptr() % TMA_ALIGN == 0 and rows == m:
         return a
-    padded = torch.zeros(rows, groups.round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
+    padded = torch.zeros(rows, round_up(k, TMA_ALIGN), dtype=torch.uint8, device=a.device)
     padded[:m, :k].copy_(a.view(torch.uint8))
     return padded.view(FP8)[:, :k]
 
@@ -193,7 +202,7 @@ def fp8_b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
     (rows, cols), (row_stride, col_stride) = ((n, k), (n_stride, k_stride)) if trans else ((k, n), (k_stride, n_stride))
     if col_stride == 1 and row_stride % 16 == 0 and row_stride >= cols and b.data_ptr() % 16 == 0:
         return w, trans
-    padded = torch.zeros(rows, groups.round_up(cols, 16), dtype=torch.uint8, device=b.device)
+    padded = torch.zeros(rows, round_up(cols, 16), dtype=torch.uint8, device=b.device)
     padded[:, :cols].copy_(w.view(torch.uint8))  # (bytes: copies of fp8 tensors go through their bytes)
     return padded.view(FP8)[:, :cols], trans
 
@@ -214,7 +223,7 @@ def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool, oper
         # through pointers, not TMA).
         block_m = 128 if m >= 128 else 64
         block_n = 64 if block_m == 64 and push else 32
-        while block_n < 256 and groups.cdiv(m, block_m) * groups.cdiv(n, block_n) > num_sms:
+        while block_n < 256 and cdiv(m, block_m) * cdiv(n, block_n) > num_sms:
             block_n *= 2
         wide = block_m + block_n >= SKINNY_WIDE and operand_bytes == 2  # (fp8: 128-deep steps, one 128-byte TMA row)
         block_k = 64 if wide or k < SKINNY_BLOCK_K else SKINNY_BLOCK_K
@@ -223,7 +232,7 @@ def skinny_or_large_tiles(m: int, n: int, k: int, num_sms: int, push: bool, oper
                 "num_stages": min(stages, SKINNY_MAX_STAGES_64 if wide else SKINNY_MAX_STAGES)}
 
     def fills(cfg: dict) -> bool:
-        return groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
+        return cdiv(m, cfg["block_m"]) * cdiv(n, cfg["block_n"]) >= MIN_TILES_PER_SM * num_sms
 
     return dict(next((cfg for cfg in TILE_CONFIGS if fills(cfg)), TILE_CONFIGS[-1]))
 
@@ -236,73 +245,3 @@ def check_tiles(cfg: dict, op: str, least_block_k: int = 16) -> None:
             raise ValueError(f"{op}: {key} must be a power of two >= {least}, got {cfg[key]}")
     if cfg["group_m"] < 1:
         raise ValueError(f"{op}: group_m must be >= 1, got {cfg['group_m']}")
-
-
-# ---------------------------------------------------------------------------
-# Host: argument checks
-# ---------------------------------------------------------------------------
-
-
-def check_out_dtype(out_dtype: torch.dtype, op: str) -> None:
-    if out_dtype not in OUT_DTYPES:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in OUT_DTYPES)
-        raise ValueError(f"{op}: out_dtype {out_dtype} is not supported; supported: {allowed}")
-
-
-def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str, wide: bool = False) -> None:
-    """Checks of a bf16/fp16 reduce GEMM's arguments that need neither a GPU nor torch.distributed. ``wide``: the
-    recipe addresses its output with 64-bit offsets past ``MAX_INDEX`` (its operands load through TMA)."""
-    check_out_dtype(out_dtype, op)
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.dtype != b.dtype:
-            raise ValueError(f"{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
-        if a.dim() == 2 and b.dim() == 2 and a.shape[1] != b.shape[0]:
-            raise ValueError(
-                f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (need a [M, K], b [K, N])"
-            )
-        if a.dim() == 2 and b.dim() == 2 and (a.shape[0] == 0 or b.shape[1] == 0):
-            raise ValueError(f"{op}: the output would be empty (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    groups.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
-    groups.check_tensor(b, "b", op, INPUT_DTYPES, ndim=2)
-    if a.device != b.device:
-        raise ValueError(f"{op}: a and b are on different devices ({a.device}, {b.device})")
-    if not wide and max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > MAX_INDEX:
-        raise ValueError(f"{op}: a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
-
-
-def check_scale(scale: object, name: str, rows: int, cols: int, device: torch.device, op: str) -> None:
-    """A ``torch._scaled_mm`` scale: float32 on ``device`` (a's), one element (per tensor) or [rows, cols]."""
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(scale).__name__}")
-    if scale.dtype != torch.float32:
-        raise ValueError(f"{op}: {name} must be float32, got {str(scale.dtype).removeprefix('torch.')}")
-    if scale.numel() != 1 and tuple(scale.shape) != (rows, cols):
-        raise ValueError(f"{op}: {name} must have one element (per tensor) or shape ({rows}, {cols}), "
-                         f"got {tuple(scale.shape)}")
-    if not scale.is_contiguous():
-        raise ValueError(f"{op}: {name} must be contiguous (got strides {scale.stride()})")
-    if scale.device != device:
-        raise ValueError(f"{op}: {name} must be on {device} (with a), got {scale.device}")
-
-
-def check_fp8_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, op: str) -> None:
-    """Checks of an fp8 GEMM's arguments that need neither a GPU nor torch.distributed: fp8 e4m3 ``a`` [M, K]
-    (contiguous) and ``b`` [K, N] (any layout), float32 scales per tensor or ``scale_a`` [M, 1], ``scale_b``
-    [1, N]."""
-    for name, tensor in (("a", a), ("b", b)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != FP8 or tensor.dim() != 2:
-            raise ValueError(f"{op}: {name} must be a 2-D float8_e4m3fn tensor, got "
-                             f"{str(tensor.dtype).removeprefix('torch.')} of shape {tuple(tensor.shape)}")
-    if not a.is_contiguous():
-        raise ValueError(f"{op}: a must be contiguous (got strides {a.stride()}); call .contiguous() first")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
-                         "(need a [M, K], b [K, N])")
-    if a.numel() == 0 or b.numel() == 0:
-        raise ValueError(f"{op}: empty operand (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    check_scale(scale_a, "scale_a", a.shape[0], 1, a.device, op)
-    check_scale(scale_b, "scale_b", 1, b.shape[1], a.device, op)
-    if a.device.type != "cuda" or b.device != a.device:
-        raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")

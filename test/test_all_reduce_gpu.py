@@ -39,7 +39,11 @@ class Runner:
         import kraken
 
         self.module = importlib.import_module(MODULES[backend])
-        self.fn = getattr(self.module, MODULES[backend].rsplit(".", 1)[1])
+        package, name = MODULES[backend].rsplit(".", 1)
+        self.fn = getattr(importlib.import_module(package), name)  # the public function (the package's export)
+        # A standalone recipe's prepared calls are the product layer's (kraken.runtime.collectives).
+        self.prepare = (getattr(self.module, "prepare", None)
+                        or importlib.import_module("kraken.runtime.collectives").prepare)
         self.buf = kraken.symm_empty(numel, dtype)
         self.in_place = "2shot" in backend
 
@@ -48,7 +52,7 @@ class Runner:
         if out is None:
             return self.fn(self.buf)
         # One-shot into a caller-owned (poisoned) output, through the same plan/launch as the public call.
-        ctx, cfg = self.module.prepare(self.buf, None, "test", {})
+        ctx, cfg = self.prepare(self.buf, None, "test", {})
         return self.module.launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **cfg)
 
 
@@ -122,7 +126,8 @@ def errors_worker(backend: str) -> None:
     import kraken
 
     module = importlib.import_module(MODULES[backend])
-    fn = getattr(module, MODULES[backend].rsplit(".", 1)[1])
+    package, name = MODULES[backend].rsplit(".", 1)
+    fn = getattr(importlib.import_module(package), name)  # the public function (the package's export)
     # An ordinary (non-symmetric) tensor is staged into the recipe's workspace: the same sum.
     plain = torch.full((1024,), dist.get_rank() + 1.0, device="cuda", dtype=torch.bfloat16)
     summed = fn(plain)

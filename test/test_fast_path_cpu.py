@@ -153,7 +153,7 @@ def symmetric_world(monkeypatch, plan_module: str) -> dict:
 
 CASES = [
     # (module of the public function, its name, recipe module whose plan/prepare it uses, the call's arguments)
-    ("kraken.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
+    ("kraken.runtime.collectives", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
     ("helion_ports.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
@@ -229,7 +229,7 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
 
 BF16 = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
 REPLAYED = [  # (module, public function, module whose plan it uses, the call's arguments, config, in place)
-    ("kraken.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
+    ("kraken.runtime.collectives", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
      lambda: (BF16(1000),), {}, False),
     ("kraken.comm.two_shot_all_reduce", "two_shot_all_reduce", "kraken.comm.two_shot_all_reduce",
      lambda: (BF16(1000),), {}, True),
@@ -266,7 +266,9 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
             monkeypatch.setattr(symm, "is_symmetric", lambda tensor: True)
             calls = calls[:1] * WARM_CALLS  # (one prepared call per symmetric address)
         outputs = [fn(*args, **config) for args in calls]
-        assert_replays_match(launches, calls, outputs, twin, importlib.import_module(module).launch)
+        # the call's launch function: the twin's, or the recipe's (a standalone recipe's public function is elsewhere)
+        launch = importlib.import_module(module if twin else plan_module).launch
+        assert_replays_match(launches, calls, outputs, twin, launch)
         assert all((out is args[0]) == in_place for args, out in zip(calls, outputs))
     finally:
         prepared.forget_prepared_calls()
@@ -442,7 +444,7 @@ def named(value, names: dict):
 
 def test_cached_prepare_is_per_signature(monkeypatch, launches):
     counts = symmetric_world(monkeypatch, "kraken.comm.one_shot_all_reduce")
-    fn = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce
+    fn = importlib.import_module("kraken.runtime.collectives").one_shot_all_reduce
     small, large = torch.randn(1000, dtype=torch.bfloat16), torch.randn(100_000, dtype=torch.bfloat16)
     for _ in range(3):
         fn(small)

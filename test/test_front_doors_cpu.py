@@ -163,7 +163,8 @@ def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatc
     door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
     calls = []
     for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
-        monkeypatch.setattr(recipe, recipe.__name__.rpartition(".")[2],
+        package, _, name = recipe.__name__.rpartition(".")  # its public function: the package's export
+        monkeypatch.setattr(importlib.import_module(package), name,
                             lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
         monkeypatch.setattr(recipe, "launch", lambda *args, **kwargs: pytest.fail("a traced door launched"))
     monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
@@ -214,7 +215,7 @@ def test_one_rank_alone_bad_raises_through_the_door_on_a_signature_the_recipe_ra
     x = torch.randn(7000, dtype=BF16) if op == "all_reduce" else torch.randn(7, 1000, dtype=BF16)
     assert crossover.choose(op, crossover.size_of(op, x), 2) == "one"  # the door calls the recipe that ran
     with sm90.capture_launches() as launches:
-        getattr(one_shot, one_path.rsplit(".", 1)[1])(x, *rest)
+        getattr(importlib.import_module(one_shot.__package__), one_path.rsplit(".", 1)[1])(x, *rest)
         assert len(launches) == 1 and two_ranks.exchanges == 1
         two_ranks.other = rank_one_bad(argument, message)
         with pytest.raises(ValueError, match=rf"^{op}: bad input on rank 1: {re.escape(message)}"):

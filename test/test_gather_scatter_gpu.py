@@ -32,8 +32,8 @@ STRESS_CASE = (8191, 8)
 
 
 def load(path: str):
-    module = importlib.import_module(path)
-    return module, getattr(module, path.rsplit(".", 1)[1])
+    package, name = path.rsplit(".", 1)
+    return importlib.import_module(path), getattr(importlib.import_module(package), name)  # (the package's export)
 
 
 def rank_values(seed: int, rank: int, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from benchmark import sm90
 from benchmark.ops import all_gather_matmul as agm_op, gemm_reduce_scatter as grs_op
-from kraken import _gemm_core
+from kraken.runtime import gemm_checks
 
 agm = importlib.import_module("kraken.fused.all_gather_matmul")
 grs = importlib.import_module("kraken.fused.gemm_reduce_scatter")
@@ -47,9 +47,9 @@ def test_the_epilogue_goes_64_bit_only_past_2_31_elements(module, example, monke
 
 def test_gemm_checks_refuse_past_2_31_only_where_the_recipe_is_not_wide(monkeypatch):
     """``check_inputs`` keeps its 32-bit limit for a recipe that addresses its output in 32 bits; ``wide`` lifts it."""
-    monkeypatch.setattr(_gemm_core.groups, "check_tensor", lambda *args, **kwargs: None)  # CPU stand-ins
+    monkeypatch.setattr(gemm_checks.groups, "check_tensor", lambda *args, **kwargs: None)  # CPU stand-ins
     a, b = torch.empty(2**16, 8, dtype=torch.bfloat16, device="meta"), torch.empty(8, 2**15 + 1, dtype=torch.bfloat16,
                                                                                      device="meta")
     with pytest.raises(ValueError, match="more than 2\\*\\*31 - 1 elements"):
-        _gemm_core.check_inputs(a, b, torch.bfloat16, "gemm_one_shot_all_reduce")
-    _gemm_core.check_inputs(a, b, torch.bfloat16, "gemm_reduce_scatter", wide=True)
+        gemm_checks.check_inputs(a, b, torch.bfloat16, "gemm_one_shot_all_reduce")
+    gemm_checks.check_inputs(a, b, torch.bfloat16, "gemm_reduce_scatter", wide=True)

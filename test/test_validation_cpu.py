@@ -12,7 +12,7 @@ from fake_world import FakeWorld
 from kraken.runtime import agreement, groups, symm
 
 ENTRY_POINTS = [
-    ("kraken.comm.one_shot_all_reduce", "one_shot_all_reduce"),
+    ("kraken.runtime.collectives", "one_shot_all_reduce"),
     ("kraken.comm.two_shot_all_reduce", "two_shot_all_reduce"),
     ("helion_ports.comm.one_shot_all_reduce", "one_shot_all_reduce"),
     ("helion_ports.comm.two_shot_all_reduce", "two_shot_all_reduce"),

@@ -37,7 +37,8 @@ def group_name():
 
 
 def backend(module_path: str):
-    fn = getattr(importlib.import_module(module_path), module_path.rsplit(".", 1)[1])
+    package, name = module_path.rsplit(".", 1)
+    fn = getattr(importlib.import_module(package), name)  # the public function: the package's export
     return lambda inputs: fn(inputs["symm"])
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
 from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
-from kraken.comm.one_shot_all_reduce import one_shot_all_reduce
+from kraken.comm import one_shot_all_reduce
 from kraken.fused.rms_norm import rms_norm
 
 EPS = 1e-5

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from helion_ports import flat_kernel, flat_view, run, stage, views
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.one_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
+from kraken.comm.one_shot_all_reduce import plan  # noqa: F401 (shared with the Triton recipe)
+from kraken.runtime.collectives import prepare, prepare_call  # noqa: F401 (the recipe's prepared calls, shared)
 from kraken.runtime import staging
 from kraken.runtime.launcher import jit_launch
 

@@ -35,6 +35,14 @@ import triton.language as tl
 
 from . import timeout
 
+SIGNAL_SLOT_BYTES = 4  # one uint32 per (block id, peer)
+
+
+def barrier_blocks(world_size: int, pad_bytes: int) -> int:
+    """How many block ids a barrier can use on a signal pad of ``pad_bytes``: each needs ``world_size`` slots."""
+    return pad_bytes // SIGNAL_SLOT_BYTES // world_size
+
+
 # ---------------------------------------------------------------------------
 # PTX text. Register names are local to the ``{ }`` scope of each asm block, so
 # the blocks can be inlined any number of times in one kernel.

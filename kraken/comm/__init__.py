@@ -5,7 +5,7 @@ from .all_gather_with_progress import all_gather_with_progress
 from .all_reduce import all_reduce
 from .moe_combine import moe_combine
 from .moe_dispatch import moe_dispatch
-from .one_shot_all_reduce import one_shot_all_reduce
+from kraken.runtime.collectives import one_shot_all_reduce  # the recipe behind the product layer (fast path)
 from .reduce_scatter import reduce_scatter
 from .two_shot_all_reduce import two_shot_all_reduce
 

@@ -47,7 +47,6 @@ import triton
 import triton.language as tl
 
 from kraken._gemm_core import FP8, MAX_INDEX, flattens, tma_fp8
-from kraken._gemm_core import check_fp8_inputs as check_inputs
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
 from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
 from kraken._gemm_core import fp8_b_operand as b_operand
@@ -57,6 +56,7 @@ from kraken.fused.all_gather_matmul import (  # noqa: F401 (RESERVED_SMS: the pl
     GROUP_M, RESERVED_SMS, all_gather_matmul_kernel, chunk_views, progress_flags, tile_plan,
 )
 from kraken.runtime import agreement, crossover, graphs, groups, prepared, symm
+from kraken.runtime.gemm_checks import check_fp8_inputs as check_inputs
 from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
 
 OP = "all_gather_matmul_fp8"

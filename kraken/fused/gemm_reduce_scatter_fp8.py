@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
 from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
-from kraken._gemm_core import MAX_INDEX, SKINNY_STAGE_BYTES, check_fp8_inputs, check_out_dtype, check_tiles
+from kraken._gemm_core import MAX_INDEX, SKINNY_STAGE_BYTES, check_tiles
 from kraken._gemm_core import fp8_b_operand as b_operand
 from kraken._gemm_core import tma_fp8 as tma_a
 from kraken.fused.gemm_reduce_scatter import (  # the bf16 recipe's kernel and host plan: the same recipe in fp8
@@ -41,6 +41,7 @@ from kraken.fused.gemm_reduce_scatter import (  # the bf16 recipe's kernel and h
 )
 from kraken.comm.reduce_scatter import reduce_scatter as sm_reduce_scatter
 from kraken.runtime import agreement, crossover, groups, prepared, replay, symm
+from kraken.runtime.gemm_checks import check_fp8_inputs, check_out_dtype
 from kraken.runtime.launcher import jit_launch, tma_operand
 
 OP = "gemm_reduce_scatter_fp8"

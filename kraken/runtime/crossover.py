@@ -54,6 +54,7 @@ signature (``form``) and is the same for the recipe and its twin.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -151,10 +152,12 @@ def traced_shot(op: str, x: object, group, config: dict) -> str:
 
 def traced_call(op: str, recipes: tuple, x: object, operands: tuple, group, config: dict):
     """A front door's call while Dynamo traces: the operator of the recipe ``traced_shot`` chooses among ``recipes``
-    (its (one-shot, two-shot) modules; a module's operator is its public function, named as the module), on
-    ``(x, *operands, group, **config)``. The operator checks when it runs."""
+    (its (one-shot, two-shot) modules; a module's operator is its package's public function named as the module: a
+    standalone recipe's own function of that name is its plain host function), on ``(x, *operands, group,
+    **config)``. The operator checks when it runs."""
     recipe = recipes[0] if traced_shot(op, x, group, config) == ONE else recipes[1]
-    return getattr(recipe, recipe.__name__.rpartition(".")[2])(x, *operands, group, **config)
+    package, _, name = recipe.__name__.rpartition(".")
+    return getattr(sys.modules[package], name)(x, *operands, group, **config)
 
 
 def fused_from(op: str, world_size: int) -> int:

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
+from kraken._ptx_utils.symm_mem_barrier import SIGNAL_SLOT_BYTES, barrier_blocks
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_WORLD_SIZE = 1  # a group of one runs the same kernels with a peer set of one (itself)
 MAX_WORLD_SIZE = 8
-SIGNAL_SLOT_BYTES = 4  # one uint32 per (block id, peer)
 
 
 # ---------------------------------------------------------------------------
@@ -95,8 +96,7 @@ def signal_pad_bytes() -> int:
 
 def max_barrier_blocks(world_size: int, pad_bytes: int | None = None) -> int:
     """How many block ids a barrier can use: each needs ``world_size`` slots of the pad."""
-    pad_bytes = signal_pad_bytes() if pad_bytes is None else pad_bytes
-    return pad_bytes // SIGNAL_SLOT_BYTES // world_size
+    return barrier_blocks(world_size, signal_pad_bytes() if pad_bytes is None else pad_bytes)
 
 
 def check_barrier_blocks(num_blocks: int, world_size: int, op: str, pad_bytes: int | None = None) -> None:
