@@ -125,7 +125,6 @@ def stress_worker(backend: str) -> None:
 def errors_worker(backend: str) -> None:
     import kraken
 
-    module = importlib.import_module(MODULES[backend])
     package, name = MODULES[backend].rsplit(".", 1)
     fn = getattr(importlib.import_module(package), name)  # the public function (the package's export)
     # An ordinary (non-symmetric) tensor is staged into the recipe's workspace: the same sum.
