@@ -174,15 +174,16 @@ HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 4, 2, 11
 
 
 class MoELayer(torch.nn.Module):
-    """Router (top-k of a softmax), dispatch, one linear per expert on its rows of ``recv`` (masks: no shape depends
-    on the routing), combine, residual. ``identity``: the experts are the identity (``recv`` itself combined)."""
+    """Router (top-k of a softmax), dispatch, one linear per local expert on its rows of ``recv`` (masks: no shape
+    depends on the routing), combine, residual. ``identity``: the experts are the identity (``recv`` itself
+    combined)."""
 
-    def __init__(self, comm, identity: bool = False):
+    def __init__(self, comm, identity: bool = False, world_size: int = 1):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
-        self.comm, self.identity = comm, identity
+        self.comm, self.identity, self.local = comm, identity, EXPERTS // world_size
         self.router = torch.nn.Parameter(torch.randn(HIDDEN, EXPERTS, generator=gen))
-        self.experts = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN, generator=gen) / HIDDEN**0.5)
+        self.experts = torch.nn.Parameter(torch.randn(self.local, HIDDEN, HIDDEN, generator=gen) / HIDDEN**0.5)
 
     def forward(self, x):
         weights, ids = torch.topk(torch.softmax(x @ self.router, dim=-1), TOP_K)
@@ -192,7 +193,7 @@ class MoELayer(torch.nn.Module):
         rows = torch.arange(recv.shape[0])[:, None]
         first, last = handle.recv_offsets, handle.recv_offsets + counts
         out = torch.zeros_like(recv)
-        for e in range(EXPERTS):  # unwritten rows of recv hold anything: where(), not a product with the mask
+        for e in range(self.local):  # unwritten rows of recv hold anything: where(), not a product with the mask
             out = torch.where((rows >= first[e]) & (rows < last[e]), recv @ self.experts[e], out)
         return x + self.comm.moe_combine(out, handle, weights)
 
@@ -246,6 +247,27 @@ def test_a_moe_layer_compiles_as_one_graph_and_gives_eagers_result(emulated, nam
         assert op(namespace, "moe_dispatch") in targets and op(namespace, "moe_combine") in targets, targets
         assert emulated.calls == calls
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("namespace", list(PACKAGES))
+def test_a_moe_layer_exports_as_one_graph_at_four_ranks(world_of_one, monkeypatch, namespace):
+    """``torch.export`` (strict: Dynamo, no graph break; fake tensors, nothing runs) with the group's size traced as
+    4: both operators in the graph with the group's size as a constant, the combine taking the dispatch's ``recv``
+    and ``routing`` back, the shapes from the fakes (``routing``: status, slots, one local expert's count and
+    offset)."""
+    monkeypatch.setattr(library, "world_size", lambda group: 4)
+    program = torch.export.export(MoELayer(PACKAGES[namespace], world_size=4), (inputs(0),), strict=True)
+    calls = [n for n in program.graph.nodes if n.op == "call_function"]
+    (dispatch,) = [n for n in calls if n.target is op(namespace, "moe_dispatch")]
+    assert dispatch.args[2:] == (EXPERTS, None, 4, None, False, "")
+    recv, routing = dispatch.meta["val"]
+    assert tuple(recv.shape) == (2 * TOKENS * TOP_K, HIDDEN) and tuple(routing.shape) == (4 + TOKENS * TOP_K + 2,)
+    (combine,) = [n for n in calls if n.target is op(namespace, "moe_combine")]
+    assert combine.args[3:6] == (EXPERTS, None, 4)
+    received, routed_ = (n for n in calls if n.args and n.args[0] is dispatch)  # the dispatch's two outputs
+    assert combine.args[1] is received and combine.args[2] is routed_, "the handle's tensors, back"
+    (out,) = program.graph.output_node().args[0]
+    assert tuple(out.meta["val"].shape) == (TOKENS, HIDDEN)
 
 
 def reads_before_and_after_the_combine(x, ids, weights):
@@ -359,7 +381,8 @@ def test_front_doors_keep_the_recipes_signatures_and_are_the_modules_functions()
 
 def test_eager_front_doors_call_the_recipes_and_cost_little():
     """In eager a door is its recipe plus one is_compiling() check: timed around a no-op recipe (op=None: an
-    operator call would fail)."""
+    operator call would fail), beside the other recipes' door (``library.front_door``) around the same recipe, so
+    that a busy host, which slows both, does not fail it."""
     seen = []
 
     def dispatch(tokens, expert_ids, num_experts, group=None, capacity=None, check_status=False, **config):
@@ -378,7 +401,13 @@ def test_eager_front_doors_call_the_recipes_and_cost_little():
         return expert_out
 
     x = torch.empty(4)
-    best = lambda fn: min(timeit.repeat(lambda: fn(x, x, x), number=20000, repeat=5)) / 20000 * 1e6  # noqa: E731
-    direct, through = best(no_op), best(moe_ops.combine_door(no_op, op=None))
-    print(f"moe_combine front door host cost: {through - direct:.3f} us per call (no-op recipe {direct:.3f} us)")
-    assert through - direct < 1.0
+    functions = (no_op, moe_ops.combine_door(no_op, op=None),
+                 library.front_door(no_op, library.Entry("no_op", library.like_first), op=None))
+    best = [float("inf")] * 3
+    for _ in range(5):  # interleaved: each function's best round under the same load
+        for i, fn in enumerate(functions):
+            best[i] = min(best[i], timeit.timeit(lambda: fn(x, x, x), number=20000) / 20000 * 1e6)
+    direct, through, other = best
+    print(f"moe_combine front door host cost: {through - direct:.3f} us per call (the other recipes' door "
+          f"{other - direct:.3f} us; no-op recipe {direct:.3f} us)")
+    assert through - direct < max(1.0, 2 * (other - direct))
