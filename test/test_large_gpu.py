@@ -93,19 +93,7 @@ def check_gemms(world_size: int, rank: int) -> None:
     rows = spot_rows(band)
     expected = sum(values(3, r, (m, k))[rank * band + rows].double() @ values(4, r, (k, n)).double()
                    for r in range(world_size))
-    failures = []
-    for prefix, form in (("kraken", "fused"), ("kraken", "sequential"), ("helion_ports", None)):
-        what = f"{prefix} gemm_reduce_scatter form={form}"
-        heartbeat(what)
-        gemm_rs = fn(prefix, "fused.gemm_reduce_scatter", "gemm_reduce_scatter")
-        try:
-            out = (functools.partial(gemm_rs, form=form) if form else gemm_rs)(a, b)
-        except Exception as exc:  # noqa: BLE001 (every case runs; the test fails at the end with all of them)
-            failures.append(f"{what}: {type(exc).__name__}: {exc}")
-            continue
-        failures += spot_check(out, (band, n), rows, expected, what)
-        del out
-        torch.cuda.empty_cache()
+    failures = forms_checked("gemm_reduce_scatter", a, b, (band, n), rows, expected)
     del a, b
 
     # all_gather_matmul: out [ws * M, N] past 2**31 elements.
@@ -114,19 +102,27 @@ def check_gemms(world_size: int, rank: int) -> None:
     rows = spot_rows(world_size * m)
     gathered = torch.cat([values(5, r, (m, k)) for r in range(world_size)])
     expected = gathered[rows].double() @ b.double()
+    failures += forms_checked("all_gather_matmul", a, b, (world_size * m, n), rows, expected)
+    assert not failures, "; ".join(failures)
+
+
+def forms_checked(name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, rows: torch.Tensor,
+                  expected: torch.Tensor) -> list[str]:
+    """GEMM recipe ``name`` on (a, b), fused and sequential, and its twin, each spot-checked: what is wrong."""
+    failures = []
     for prefix, form in (("kraken", "fused"), ("kraken", "sequential"), ("helion_ports", None)):
-        what = f"{prefix} all_gather_matmul form={form}"
+        what = f"{prefix} {name} form={form}"
         heartbeat(what)
-        agm = fn(prefix, "fused.all_gather_matmul", "all_gather_matmul")
+        gemm = fn(prefix, f"fused.{name}", name)
         try:
-            out = (functools.partial(agm, form=form) if form else agm)(a, b)
+            out = (functools.partial(gemm, form=form) if form else gemm)(a, b)
         except Exception as exc:  # noqa: BLE001 (every case runs; the test fails at the end with all of them)
             failures.append(f"{what}: {type(exc).__name__}: {exc}")
             continue
-        failures += spot_check(out, (world_size * m, n), rows, expected, what)
+        failures += spot_check(out, shape, rows, expected, what)
         del out
         torch.cuda.empty_cache()
-    assert not failures, "; ".join(failures)
+    return failures
 
 
 def spot_check(out: torch.Tensor, shape: tuple, rows: torch.Tensor, expected: torch.Tensor, what: str) -> list[str]:
