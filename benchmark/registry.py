@@ -23,6 +23,13 @@ SYNC_US = 1.0  # one cross-GPU barrier round (send + wait over NVLink), measured
 Shape = tuple[int, ...]
 
 
+def public(path: str) -> Callable:
+    """The installed function of a recipe or twin module path: ``kraken.comm.all_gather`` -> ``kraken.all_gather``
+    (the recipe behind the product layer), ``helion_ports.fused.x`` -> ``helion_ports.x``."""
+    top, name = path.split(".", 1)[0], path.rsplit(".", 1)[1]
+    return getattr(importlib.import_module(top), name)
+
+
 @dataclass
 class Pair:
     """A Triton recipe and its Helion twin, as benchmark backends and as modules.

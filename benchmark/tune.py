@@ -45,7 +45,7 @@ def _report(label: str, results: list[tuple[float, str]], default_us: float | No
 
 def sweep_all_reduce(shapes: list[str], iters: int) -> None:
     from benchmark.ops.all_reduce import make_inputs
-    from kraken.comm import one_shot_all_reduce, two_shot_all_reduce
+    from kraken import one_shot_all_reduce, two_shot_all_reduce
 
     settings = harness.Settings(iters=iters, warmup=5)
     for name, fn in (("1shot", one_shot_all_reduce), ("2shot", two_shot_all_reduce)):

@@ -1,170 +1,21 @@
 """Helion twins of the kraken recipes: ``helion_ports.X.y`` computes what ``kraken.X.y`` does.
 
-Every twin's ``helion.Config`` says ``pid_type="flat"``: ``hl.grid(num_blocks)`` then launches
-exactly the recipe's ``num_blocks`` programs, and the grid index is the barrier's block id. Left to
-itself, Helion 1.5 picks a persistent pid type for kernels with symmetric-memory arguments: one
-program per SM, all but ``num_blocks`` of them idle. An explicit ``pid_type`` is honoured.
+What the twins share lives in ``kraken._blocks.helion``; the fast path that runs them is
+``kraken.runtime.helion_run``; ``helion_ports.<name>`` is the installed twin (``kraken.runtime.twins``).
 """
 
-from __future__ import annotations
 
-import functools
-import warnings
+def __getattr__(name: str):
+    """The public functions, loaded on first use (``kraken.runtime.twins``): importing a recipe module loads none of them."""
+    import importlib
 
-import helion
-import helion.language as hl
-import torch
-
-from kraken.runtime.launcher import jit_launch, launch_hooked, scratch_allocator
-from kraken.runtime.replay import NOT_REPLAYED, NOT_YET, record_replay
-
-# Helion 1.5.0 warns on every compile of a kernel with a symmetric-memory argument that the signal pad
-# caps its autotuner's ``max_num_sm_multiplier``. The twins never autotune (one explicit config each,
-# ``pid_type="flat"``), so that warning, and only that one, is silenced; every other warning stays.
-HELION_AUTOTUNER_CAP_WARNING = r"max_num_sm_multipler is reduced from"
-warnings.filterwarnings("ignore", message=HELION_AUTOTUNER_CAP_WARNING, category=UserWarning)
+    public = importlib.import_module("kraken.runtime.twins")
+    if name in public.__all__:
+        return getattr(public, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@functools.cache
-def flat_kernel(body, block_sizes: tuple[int, ...], num_warps: int, num_stages: int = 1, **settings) -> helion.Kernel:
-    """``body`` as a Helion kernel with one explicit config: the given block sizes (in loop order),
-    warps and stages, ``pid_type="flat"`` (above) and ``static_shapes=False``; ``settings`` are further
-    ``helion.Config`` keys (tuples stand for lists, to stay hashable). Cached per config."""
-    settings = {key: list(value) if isinstance(value, tuple) else value for key, value in settings.items()}
-    config = helion.Config(
-        block_sizes=list(block_sizes), num_warps=num_warps, num_stages=num_stages, pid_type="flat", **settings
-    )
-    return helion.kernel(body, config=config, static_shapes=False)
+def __dir__():
+    import importlib
 
-
-def copy_body(dst: torch.Tensor, src: torch.Tensor, group_name: hl.ProcessGroupName) -> None:
-    """``dst = src[:n]`` for flat tensors of one dtype, ``n = dst.size(0)``. One of them lies in symmetric memory,
-    which makes it a distributed kernel to Helion: it takes the group's name, as the twins do.
-
-    The loop runs over ``dst``'s own size: Helion 1.5.0 specialises a size of 1 and treats such a tensor, indexed
-    by a tile of another extent, as broadcast, so a one-element ``dst`` under a loop over ``src.size(0)`` got a store
-    from every lane of the block with no mask (the masked-off lanes' zeros racing the element: a one-element
-    collective on an ordinary tensor returned 0). A broadcast load of a one-element ``src`` is harmless (docs/helion-
-    notes.md)."""
-    for tile in hl.tile(dst.size(0)):
-        dst[tile] = src[tile]
-
-
-COPY_CONFIG = ((4096,), 4)  # (block sizes, warps) of ``copy_into``'s kernel: one 4096-element tile per program
-
-
-def copy_into(dst: torch.Tensor, src: torch.Tensor, group_name: str, launcher=jit_launch) -> None:
-    """``dst``'s first ``src.numel()`` elements = ``src`` (contiguous tensors of one dtype), as a Helion kernel
-    launched through ``launcher`` (``run``). The twins stage an ordinary input into their workspace with it, and
-    the two-shot twin copies its sum back, so a staged twin's whole call replays (``replayed``: its launches
-    from the call's addresses). An ATen ``copy_`` there was an op a replay would not repeat: such a call ran its
-    host code every time (one H200: the one-shot twin on an ordinary tensor 38 us a call, its recipe 15)."""
-    dst = flat_view(dst)
-    if dst.size(0) != src.numel():
-        dst = dst[:src.numel()]
-    run(flat_kernel(copy_body, *COPY_CONFIG), (dst, flat_view(src), group_name), launcher)
-
-
-def stage(peers: tuple[torch.Tensor, ...], rank: int, x: torch.Tensor, group_name: str, launcher=jit_launch
-          ) -> None:
-    """A twin's staging: ``x`` copied into this rank's workspace (``peers[rank]``) by a copy launch before the
-    twin's kernel, whose first barrier needs no release then (the copy finished before it started, as any input
-    written earlier on the stream)."""
-    copy_into(peers[rank], x, group_name, launcher)
-
-
-def own_storage(local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's symmetric buffer) as a tensor with a storage object of its own: the
-    same memory, wrapped through DLPack once and kept on ``local`` (freed with it).
-
-    Twins that stage into their own buffer (``workspace``), meet the peers at the barrier, then read
-    every rank's buffer (``peers[r]``), or push into every rank's buffer and then read their own, pass
-    ``workspace`` through this. Helion 1.5.0 inserts a CTA
-    barrier before a load from storage that the same kernel stored to earlier, and it cannot see the
-    ``bar.sync`` inside the ``hl.inline_triton`` barrier between them; so it put one before the
-    ``peers[rank]`` load, on every iteration. ptxas then waits for the loads from ranks before
-    ``rank`` before issuing those after it: a second NVLink round trip at world size 3 and up (the
-    twins were 5-14% slower than their recipes at 4 GPUs). The cross-GPU barrier orders those
-    accesses already (it has a ``bar.sync`` on each side), so nothing is lost.
-    """
-    alias = getattr(local, "_own_storage", None)
-    if alias is None:
-        alias = local._own_storage = torch.from_dlpack(local)
-    return alias
-
-
-_views: dict = {}
-
-
-def flat_view(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.view(-1)``, or ``tensor`` itself when it is 1-D already: a view of a fresh output costs about a
-    microsecond per call on the host, and a 1-D tensor is already what the flat kernel reads."""
-    return tensor if tensor.dim() == 1 else tensor.view(-1)
-
-
-def views(tensors: tuple[torch.Tensor, ...], shape, row: int | None = None) -> tuple[torch.Tensor, ...]:
-    """``tuple(t.view(shape) for t in tensors)`` (with ``row``: ``t.view(shape)[row]``), kept per (tuple, shape,
-    row): a twin views the same peer buffers (its prepared call's ``peers`` tuple) on every call, and each view
-    costs about half a microsecond.
-
-    A twin that pushes into one region of every peer's buffer takes that region as views of their own
-    (``row``), not ``peers[r][row, ...]``: each tensor of a tuple gets its own stride parameters, so the
-    latter adds ``peers[r].stride(0)`` per peer to a thread's offset, a register per peer live through the
-    loop, and ptxas then held back a peer's load (see docs/helion-notes.md). A view's own base pointer
-    costs no register, as the recipe's ``peers[r] + numel``."""
-    key = (id(tensors), shape, row)
-    hit = _views.get(key)
-    if hit is None or hit[0] is not tensors:  # the tuple object is kept with its views, so its id stays its own
-        viewed = (t.view(shape) for t in tensors)
-        hit = _views[key] = (tensors, tuple(viewed if row is None else (v[row] for v in viewed)))
-    return hit[1]
-
-
-def run(kernel: helion.Kernel, args: tuple, launcher=jit_launch, kernel_args=None):
-    """Call a twin's Helion kernel on ``args``: plainly (``kernel(*args)``) with the default launcher, or, with
-    a prepared call's ``Launcher``, through what that keeps for the kernel.
-
-    With a ``Launcher``: the first call goes the plain way (it compiles) and keeps the ``BoundKernel``
-    (``Kernel.bind(args)`` in Helion 1.5.0: the kernel for the arguments' specialisation, one per config here,
-    whose ``_run`` is the generated host code, taking the launcher as its keyword ``_launcher``; the code
-    ``HELION_PRINT_OUTPUT_CODE=1`` prints). The second runs that host code once, launching through the
-    launcher, and records it (``record_replay``); later calls replay its launches on their own arguments'
-    addresses, with no host code (``Replay``), or run the host code again: where it cannot be replayed, while
-    a Triton launch hook is set, and while a whole call's replay is being recorded (``replayed``: that one
-    takes these launches). The plain way launches with ``scratch_allocator`` set, as
-    ``jit_launch`` does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
-
-    ``kernel_args``: for a kernel that takes views of what the twin holds (a flat view of a [tokens, hidden]
-    tensor, a buffer shaped as regions, a scale expanded to a row), a function of ``args`` that returns the
-    kernel's arguments; only the paths that run host code call it. A replay makes no view: it reads each address
-    from ``args`` themselves (a view's is its tensor's, or at a fixed offset from it), and a view costs about a
-    microsecond of the host's time. With ``kernel_args``, ``run`` returns None (the twin holds its outputs).
-    """
-    if launcher is jit_launch:
-        with scratch_allocator():
-            result = kernel(*(args if kernel_args is None else kernel_args(args)))
-        return result if kernel_args is None else None
-    key = id(kernel)
-    recording = launcher.recording  # a whole call's replay being recorded (``replayed``): it takes the launches
-    recording = recording if recording is not None and recording.here() else None
-    replay = launcher.replays.get(key)
-    if replay is not None and recording is None and not launch_hooked():
-        result = replay(args)
-        if result is not NOT_REPLAYED:
-            return result
-    call = args if kernel_args is None else kernel_args(args)
-    bound = launcher.bound.get(key)
-    if bound is None:
-        if recording is not None:
-            recording.past()
-        with scratch_allocator():
-            result = kernel(*call)
-        launcher.bound[key] = kernel.bind(call)
-    elif key not in launcher.replays and recording is None and not launch_hooked():
-        replay, result = record_replay(launcher, lambda: bound._run(*call, _launcher=launcher), args,
-                                       viewed=call is not args)
-        if replay is not NOT_YET:
-            launcher.replays[key] = replay
-    else:
-        result = bound._run(*call, _launcher=launcher)
-    return result if kernel_args is None else None
+    return sorted(set(globals()) | set(importlib.import_module("kraken.runtime.twins").__all__))

@@ -235,7 +235,7 @@ def test_all_gather_matmul(backend):
 
 def gather_worker() -> None:
     import kraken
-    from kraken.comm import all_gather_with_progress
+    from kraken import all_gather_with_progress
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for rows, cols, dtype in ((1, 8, BF16), (333, 1000, FP16), (4096, 1024, BF16)):

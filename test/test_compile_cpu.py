@@ -165,7 +165,7 @@ def test_twin_batches_peer_loads_like_its_recipe(op_name, pair, world_size):
     With 2 ranks there is one remote load per step and nothing to batch, so a twin that issued its
     loads one round trip apart matched the recipe there and was up to 14% slower at 4 GPUs. Two
     causes, both fixed: a per-element mask where the recipe clips the loop (those twins now clip),
-    and the CTA barrier Helion put before the ``peers[rank]`` load (``helion_ports.own_storage``).
+    and the CTA barrier Helion put before the ``peers[rank]`` load (``kraken._blocks.helion.own_storage``).
     """
     batches = []
     for module_path in (pair.triton_module, pair.helion_module):

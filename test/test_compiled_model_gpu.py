@@ -59,7 +59,7 @@ class SequenceParallelMLP(torch.nn.Module):
 
 def compiled_mlp(backend: str) -> None:
     package, namespace = PACKAGES[backend]
-    fused = importlib.import_module(f"{package}.fused")
+    fused = importlib.import_module(package)
     rank = dist.get_rank()
     model = SequenceParallelMLP(fused, seed=7)
     inputs = [rank_values(seed, rank, (ROWS, HIDDEN)) for seed in range(4)]
@@ -150,7 +150,7 @@ def moe_reference(model: MoELayer, x: torch.Tensor) -> torch.Tensor:
 
 def compiled_moe(backend: str) -> None:
     package, namespace = PACKAGES[backend]
-    comm = importlib.import_module(f"{package}.comm")
+    comm = importlib.import_module(package)
     rank = dist.get_rank()
     model = MoELayer(comm, seed=11)
     inputs = [rank_values(20 + seed, rank, (TOKENS, MOE_HIDDEN)) for seed in range(4)]
@@ -285,7 +285,7 @@ def opcheck_moe_operators(backend: str) -> None:
     writes, so its AOT check compares the written parts by hand; the combine takes all four checks (its AOT check
     passes it copies of ``recv``, which it must tell from the buffer)."""
     package, namespace = PACKAGES[backend]
-    importlib.import_module(f"{package}.comm")
+    importlib.import_module(package)
     dispatch, combine = (getattr(getattr(torch.ops, namespace), name).default
                          for name in ("moe_dispatch", "moe_combine"))
     ws, rank = dist.get_world_size(), dist.get_rank()
@@ -333,7 +333,7 @@ def ordinary_equals_symmetric(backend: str) -> None:
     import kraken
 
     package, _ = PACKAGES[backend]
-    comm = importlib.import_module(f"{package}.comm")
+    comm = importlib.import_module(package)
     ws, rank = dist.get_world_size(), dist.get_rank()
     for dtype in (BF16, torch.float32):
         for rows, inner in ((1, 1), (37, 129), (1000, 33)):

@@ -18,11 +18,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import helion_ports.comm
-import helion_ports.fused
+import helion_ports
 import kraken
-import kraken.comm
-import kraken.fused
+import kraken
 from kraken.runtime import library
 
 WORLD = 4
@@ -135,12 +133,12 @@ class SequenceParallelMLP(torch.nn.Module):
         return self.comm.reduce_scatter(y) * 2, self.comm.all_gather(x)
 
 
-@pytest.mark.parametrize("packages", [(kraken.fused, kraken.comm), (helion_ports.fused, helion_ports.comm)],
+@pytest.mark.parametrize("packages", [(kraken, kraken), (helion_ports, helion_ports)],
                          ids=["kraken", "helion"])
 def test_a_model_traces_as_one_graph_of_operators(fake_world, packages):
     """torch.export (strict: Dynamo) refuses any graph break; the front doors become the operators, the group
     object its name, the config its encoding."""
-    namespace = "kraken" if packages[0] is kraken.fused else "kraken_helion"
+    namespace = "kraken" if packages[0] is kraken else "kraken_helion"
     program = torch.export.export(SequenceParallelMLP(*packages, fake_world), (torch.empty(3, 16),), strict=True)
     calls = [n for n in program.graph.nodes if n.op == "call_function"]
     targets = [str(n.target) for n in calls]
@@ -160,7 +158,7 @@ TWO_WORLDS = """
 import datetime, sys
 import torch, torch.distributed as dist
 from torch._dynamo.utils import counters
-import kraken.fused
+import kraken
 
 def gather_matmul_on_cpu(a, b, *rest):  # (the group's name and size,) return_a (False here), config
     parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]
@@ -174,7 +172,7 @@ x, w = torch.full((3, 16), rank + 1.0), torch.ones(16, 8)
 def compiled_equals_eager():
     torch._dynamo.reset()
     counters.clear()
-    out = torch.compile(lambda x, w: kraken.fused.all_gather_matmul(x, w), fullgraph=True)(x, w)
+    out = torch.compile(lambda x, w: kraken.all_gather_matmul(x, w), fullgraph=True)(x, w)
     assert torch.equal(out, gather_matmul_on_cpu(x, w)[0])
     cache = counters["aot_autograd"]
     print(f"rank {rank} world size {dist.get_world_size()}: {cache['autograd_cache_hit']} cache hits, "
@@ -219,7 +217,7 @@ def test_a_graph_compiled_at_one_world_size_is_not_reused_at_another(tmp_path):
 
 
 def test_front_doors_keep_the_recipes_signatures_and_are_the_modules_functions():
-    for package in (kraken.comm, kraken.fused, helion_ports.comm, helion_ports.fused):
+    for package in (kraken, helion_ports):
         for name in library.ENTRIES:
             door = getattr(package, name, None)
             if door is None:
@@ -227,8 +225,9 @@ def test_front_doors_keep_the_recipes_signatures_and_are_the_modules_functions()
             recipe = door.__wrapped__
             assert inspect.signature(door) == inspect.signature(recipe)
             assert door.__doc__ == recipe.__doc__ and door.op is not None
-            assert getattr(inspect.getmodule(recipe), name) is door
-    assert kraken.one_shot_all_reduce is kraken.comm.one_shot_all_reduce
+            if "<locals>" not in recipe.__qualname__:  # (a twin made by a product factory is not its module's own)
+                assert getattr(inspect.getmodule(recipe), name) is door
+    assert kraken.one_shot_all_reduce is kraken.runtime.collectives.one_shot_all_reduce
 
 
 def test_eager_front_door_calls_the_recipe_and_costs_little(monkeypatch):

@@ -1,4 +1,4 @@
-"""The host fast path (``prepared.per_signature``, ``Launcher``, ``helion_ports.run``), on CPU.
+"""The host fast path (``prepared.per_signature``, ``Launcher``, ``kraken._blocks.helion.run``), on CPU.
 
 After one warm call, the next calls of the same signature make no collective, find no symmetric buffer,
 build no plan, and launch through the compiled kernel with exactly the arguments Triton's JIT bound on
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import sys
 
 import pytest
@@ -155,7 +156,7 @@ CASES = [
     # (module of the public function, its name, recipe module whose plan/prepare it uses, the call's arguments)
     ("kraken.runtime.collectives", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
-    ("helion_ports.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
+    ("helion_ports", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
     ("kraken.comm.reduce_scatter", "reduce_scatter", "kraken.comm.reduce_scatter",
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
@@ -203,10 +204,10 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
     assert world.exchanges == 1, "the ranks agreed on the signature more than once"
     assert counts["plan"] == 1 and counts["symm_context"] == 1, counts
     kinds = [entry[0] for entry in launches]
-    # A collective's twin stages its ordinary input by a copy launch of its own (``helion_ports.stage``): two
+    # A collective's twin stages its ordinary input by a copy launch of its own (``kraken._blocks.helion.stage``): two
     # launches a call. A Triton recipe binds once through the JIT; a Helion twin compiles with its plain call, then
     # binds once more through the prepared call's launcher.
-    per_call = 2 if module.startswith("helion_ports.comm") else 1
+    per_call = 2 if module.startswith("helion_ports") and ".comm." in plan_module else 1
     assert kinds == ["jit"] * jit_calls * per_call + ["fast"] * (WARM_CALLS - jit_calls) * per_call, kinds
     bound = [entry[2] for entry in launches[(jit_calls - 1) * per_call:jit_calls * per_call]]
     # The inputs here are ordinary tensors: staged. Warm calls replay their launches (``Replay``: the whole
@@ -217,14 +218,20 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
         assert len(run_args) - 9 >= len(jit_args)
         assert all(same_kind(a, b, True) for a, b in zip(run_args[9:], jit_args))
     if per_call == 2:  # the staging copy is a launch like the others: the twin's whole call replays
-        twin = importlib.import_module(module)
-        _, launch_cfg, staged = twin.prepare_call(args[0], None, f"helion {name}", {})
-        assert staged and launch_cfg["launcher"].replays.get(twin.launch) is not None, "not replayed whole"
+        product = inspect.getmodule(fn.__wrapped__)  # the product module that prepares the twin's calls
+        twin_launch = importlib.import_module(twin_module(plan_module)).launch
+        _, launch_cfg, staged = product.prepare_call(args[0], None, f"helion {name}", {})
+        assert staged and launch_cfg["launcher"].replays.get(twin_launch) is not None, "not replayed whole"
     assert all(out is not outputs[0] for out in outputs[1:]), "every call returns a new tensor"
 
     with pytest.raises(TypeError, match="unknown config keys"):
         fn(*args, not_a_key=1)  # a new signature: checked (and agreed) again, so it raises
     assert world.exchanges == 2
+
+
+def twin_module(recipe_module: str) -> str:
+    """The twin's file of a recipe's: ``kraken.comm.x`` -> ``helion_ports.comm.x``."""
+    return recipe_module.replace("kraken.", "helion_ports.", 1)
 
 
 BF16 = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
@@ -237,8 +244,7 @@ REPLAYED = [  # (module, public function, module whose plan it uses, the call's 
     ("kraken.comm.all_gather", "all_gather", "kraken.comm.all_gather", lambda: (BF16(1000),), {}, False),
     ("kraken.comm.all_reduce", "all_reduce", "kraken.comm.all_reduce", lambda: (BF16(1000),), {"shot": "one"}, False),
     ("kraken.comm.all_reduce", "all_reduce", "kraken.comm.all_reduce", lambda: (BF16(1000),), {"shot": "two"}, True),
-    ("helion_ports.comm.one_shot_all_reduce", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
-     lambda: (BF16(1000),), {}, False),
+    ("helion_ports", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce", lambda: (BF16(1000),), {}, False),
     ("kraken.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
      lambda: (BF16(4, 256), BF16(256)), {}, False),
     ("kraken.fused.two_shot_all_reduce_bias_rms_norm", "two_shot_all_reduce_bias_rms_norm",
@@ -262,12 +268,12 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
         fn = getattr(importlib.import_module(module), name)
         twin = module.startswith("helion_ports")
         calls = [make_args() for _ in range(WARM_CALLS)]
-        if twin and ".comm." in module:  # it stages by a copy launch: its whole call replays on symmetric inputs
+        if twin and ".comm." in plan_module:  # it stages by a copy launch: its whole call replays on symmetric inputs
             monkeypatch.setattr(symm, "is_symmetric", lambda tensor: True)
             calls = calls[:1] * WARM_CALLS  # (one prepared call per symmetric address)
         outputs = [fn(*args, **config) for args in calls]
         # the call's launch function: the twin's, or the recipe's (a standalone recipe's public function is elsewhere)
-        launch = importlib.import_module(module if twin else plan_module).launch
+        launch = importlib.import_module(twin_module(plan_module) if twin else plan_module).launch
         assert_replays_match(launches, calls, outputs, twin, launch)
         assert all((out is args[0]) == in_place for args, out in zip(calls, outputs))
     finally:
@@ -605,18 +611,19 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
     launches of Helion's generated host code (``Replay``), with no host code run. Each call here moves
     every argument to new memory, and the replayed launches must be exactly what the host code launches for
     those arguments (run again with replays off): the same kernels, grids, addresses, descriptors and scalars.
-    Twins whose kernels take views (``helion_ports.run``'s ``kernel_args``) are replayed from their own
+    Twins whose kernels take views (``kraken._blocks.helion.run``'s ``kernel_args``) are replayed from their own
     arguments, with no view made."""
-    import helion_ports
+    import kraken._blocks.helion as helion_blocks
+    import kraken.runtime.helion_run as helion_run
 
     module = importlib.import_module(module_name)
-    calls, real_run = [], helion_ports.run
+    calls, real_run = [], helion_blocks.run
 
     def recording_run(kernel, args, launcher=jit_launch, kernel_args=None):
         calls.append((kernel, args, kernel_args))
         return real_run(kernel, args, launcher, kernel_args)
 
-    for name, twin in list(sys.modules.items()):  # every twin module calls helion_ports.run by its own name
+    for name, twin in list(sys.modules.items()):  # every twin module calls kraken._blocks.helion.run by its own name
         if name.startswith("helion_ports.") and getattr(twin, "run", None) is real_run:
             monkeypatch.setattr(twin, "run", recording_run)
     example(module, 2)
@@ -627,7 +634,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
         runs = {}
         for replaying in (True, False):
             if not replaying:
-                monkeypatch.setattr(helion_ports, "record_replay",
+                monkeypatch.setattr(helion_run, "record_replay",
                                     lambda launcher, code, args, **kwargs: (None, code()))
             launcher, start = Launcher("test"), len(launches)
             results = [real_run(kernel, variant, launcher, kernel_args) for variant in variants]
@@ -637,7 +644,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
                                     if result is not None else None for result, variant in zip(results, variants)])
             if replaying:
                 assert isinstance(launcher.replays[id(kernel)].plan, Replay), f"{module_name}: not replayed"
-        monkeypatch.setattr(helion_ports, "record_replay", real_record)
+        monkeypatch.setattr(helion_run, "record_replay", real_record)
         assert [kind for kind, _ in runs[True][:-1]] == ["jit", "jit", "fast", "fast", "fast"], runs[True]
         assert "other" not in runs[True][-1], "a call returned something other than one of its arguments"
         assert runs[True] == runs[False], module_name

@@ -1,4 +1,4 @@
-"""The front doors (``kraken.all_reduce``, ``kraken.fused.all_reduce_bias[_rms_norm]`` and their twins) choose
+"""The front doors (``kraken.all_reduce``, ``kraken.all_reduce_bias[_rms_norm]`` and their twins) choose
 one-shot or two-shot as ``kraken.runtime.crossover``'s table says, per (size, world size); ``shot`` forces either; and
 the missing twin, ``helion_ports.comm.all_gather_with_progress``, mirrors its recipe. No GPU needed."""
 
@@ -11,9 +11,8 @@ import re
 import pytest
 import torch
 
-import helion_ports.comm
+import helion_ports
 import kraken
-import kraken.fused
 from benchmark import sm90
 from fake_world import FakeWorld
 from kraken.runtime import crossover, groups, prepared, symm
@@ -134,7 +133,7 @@ def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op)
     """The call reaches the recipe the table names, with the caller's group and config less ``shot``."""
     door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
     fn = getattr(door, op)
-    assert fn is getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0].split('.')[0]}"), op)  # exported
+    assert fn is getattr(importlib.import_module(package), op)  # exported
     calls = recorded_recipes(monkeypatch, package, op)
     world = {"size": 4}
     monkeypatch.setattr(groups, "world_size_of", lambda group, op_name: world["size"])
@@ -163,8 +162,8 @@ def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatc
     door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
     calls = []
     for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
-        package, _, name = recipe.__name__.rpartition(".")  # its public function: the package's export
-        monkeypatch.setattr(importlib.import_module(package), name,
+        public = crossover.PUBLIC[recipe.__name__.split(".")[0]]  # where its public function (operator) is
+        monkeypatch.setattr(importlib.import_module(public), recipe.__name__.rpartition(".")[2],
                             lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
         monkeypatch.setattr(recipe, "launch", lambda *args, **kwargs: pytest.fail("a traced door launched"))
     monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
@@ -215,7 +214,7 @@ def test_one_rank_alone_bad_raises_through_the_door_on_a_signature_the_recipe_ra
     x = torch.randn(7000, dtype=BF16) if op == "all_reduce" else torch.randn(7, 1000, dtype=BF16)
     assert crossover.choose(op, crossover.size_of(op, x), 2) == "one"  # the door calls the recipe that ran
     with sm90.capture_launches() as launches:
-        getattr(importlib.import_module(one_shot.__package__), one_path.rsplit(".", 1)[1])(x, *rest)
+        getattr(kraken, one_path.rsplit(".", 1)[1])(x, *rest)
         assert len(launches) == 1 and two_ranks.exchanges == 1
         two_ranks.other = rank_one_bad(argument, message)
         with pytest.raises(ValueError, match=rf"^{op}: bad input on rank 1: {re.escape(message)}"):
@@ -283,7 +282,7 @@ GATHER = "comm.all_gather_with_progress"
 
 def test_gather_twin_mirrors_its_recipe():
     recipe, twin = (importlib.import_module(f"{p}.{GATHER}") for p in ("kraken", "helion_ports"))
-    assert helion_ports.comm.all_gather_with_progress is twin.all_gather_with_progress
+    assert helion_ports.all_gather_with_progress is twin.all_gather_with_progress
     for name in ("all_gather_with_progress", "start"):
         assert inspect.signature(getattr(twin, name)) == inspect.signature(getattr(recipe, name)), name
     # The twin's barrier also takes Helion's process-group name, after the recipe's arguments.
@@ -344,7 +343,7 @@ def test_front_doors_trace_to_the_chosen_operators(fake_world, package):
     leaves the chosen recipe's operator in the graph (``kraken/runtime/library.py``), forced choices included."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    comm, fused = (importlib.import_module(f"{package}.{sub}") for sub in ("comm", "fused"))
+    comm = fused = importlib.import_module(package)
 
     class Block(torch.nn.Module):
         def forward(self, x, bias, weight):

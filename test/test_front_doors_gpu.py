@@ -41,7 +41,7 @@ def all_reduce_worker(package: str) -> None:
     import kraken
     from kraken.runtime import crossover
 
-    comm = importlib.import_module(f"{package}.comm")
+    comm = importlib.import_module(package)
     world_size, seed = dist.get_world_size(), 0
     for numel in sizes_around("all_reduce", world_size):
         chosen = crossover.choose("all_reduce", numel, world_size)
@@ -66,7 +66,7 @@ def all_reduce_worker(package: str) -> None:
 def bias_worker(package: str) -> None:
     from kraken.runtime import crossover
 
-    fused = importlib.import_module(f"{package}.fused")
+    fused = importlib.import_module(package)
     world_size, seed = dist.get_world_size(), 0
     bias, weight = rank_tensor(7, 99, HIDDEN), (1 + 0.5 * rank_tensor(8, 99, HIDDEN).float()).to(BF16)
     for name, args in (("all_reduce_bias", (bias,)), ("all_reduce_bias_rms_norm", (bias, weight, EPS))):

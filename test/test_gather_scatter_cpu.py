@@ -331,13 +331,13 @@ def test_registry_entries():
 
 @pytest.mark.parametrize("dst_numel,src_numel", [(1, 1), (1, 9), (4, 4), (5, 4097)])
 def test_copy_kernel_masks_its_store_at_every_size(dst_numel, src_numel):
-    """The twins' staging copy (``helion_ports.copy_body``) at a one-element tensor: Helion 1.5.0 treats a size-1
+    """The twins' staging copy (``helion_blocks.copy_body``) at a one-element tensor: Helion 1.5.0 treats a size-1
     tensor indexed by another extent's tile as broadcast, and a store to it then comes from every lane with no mask
     (a one-element collective on an ordinary tensor returned 0; docs/helion-notes.md). The loop runs over the stored
     tensor's own size, so its one store is masked by that size at every length."""
-    import helion_ports
+    import kraken._blocks.helion as helion_blocks
 
-    kernel = helion_ports.flat_kernel(helion_ports.copy_body, *helion_ports.COPY_CONFIG)
+    kernel = helion_blocks.flat_kernel(helion_blocks.copy_body, *helion_blocks.COPY_CONFIG)
     args = (torch.empty(dst_numel, dtype=torch.bfloat16), torch.empty(src_numel, dtype=torch.bfloat16), "")
     code = kernel.bind(args).to_triton_code(kernel.configs[0])
     stores = [line.strip() for line in code.splitlines() if "tl.store(" in line]
@@ -349,13 +349,13 @@ def test_copy_kernel_masks_its_store_at_every_size(dst_numel, src_numel):
 def test_copy_into_copies_only_the_source_length(monkeypatch):
     """``copy_into(dst, src)`` hands the kernel ``dst`` cut to ``src``'s length (flat), so the loop over ``dst``'s
     size copies exactly ``src``: the staging into a longer workspace, and the two-shot twin's copy back."""
-    import helion_ports
+    import kraken._blocks.helion as helion_blocks
 
     calls = []
-    monkeypatch.setattr(helion_ports, "run", lambda kernel, args, launcher: calls.append(args))
+    monkeypatch.setattr(helion_blocks, "run", lambda kernel, args, launcher: calls.append(args))
     workspace, x = torch.empty(10), torch.empty(2, 3)
-    helion_ports.copy_into(workspace, x, "group")
-    helion_ports.copy_into(x, workspace[:6], "group")
+    helion_blocks.copy_into(workspace, x, "group")
+    helion_blocks.copy_into(x, workspace[:6], "group")
     (dst, src, name), (back, back_src, _) = calls
     assert dst.shape == (6,) and dst.data_ptr() == workspace.data_ptr() and src.shape == (6,) and name == "group"
     assert back.shape == (6,) and back.data_ptr() == x.data_ptr() and back_src.shape == (6,)

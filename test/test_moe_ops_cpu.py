@@ -19,13 +19,13 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import helion_ports.comm
-import kraken.comm
+import helion_ports
+import kraken
 from kraken.runtime import groups, library, moe_ops, prepared, symm
 
 D = importlib.import_module("kraken.comm.moe_dispatch")
 C = importlib.import_module("kraken.comm.moe_combine")
-PACKAGES = {"kraken": kraken.comm, "kraken_helion": helion_ports.comm}  # op namespace -> package
+PACKAGES = {"kraken": kraken, "kraken_helion": helion_ports}  # op namespace -> package
 RECIPES = {"kraken": ("kraken.comm.moe_dispatch", "kraken.comm.moe_combine"),
            "kraken_helion": ("helion_ports.comm.moe_dispatch", "helion_ports.comm.moe_combine")}
 
@@ -272,9 +272,9 @@ def test_a_moe_layer_exports_as_one_graph_at_four_ranks(world_of_one, monkeypatc
 
 def reads_before_and_after_the_combine(x, ids, weights):
     """Reads of ``recv`` on both sides of the combine (which copies ``2 * recv`` into it)."""
-    recv, _, handle = kraken.comm.moe_dispatch(x, ids, EXPERTS)
+    recv, _, handle = kraken.moe_dispatch(x, ids, EXPERTS)
     before = recv[:TOKENS * TOP_K] + 0
-    out = kraken.comm.moe_combine(torch.nan_to_num(recv) * 2, handle, weights)
+    out = kraken.moe_combine(torch.nan_to_num(recv) * 2, handle, weights)
     return out, before, recv[:TOKENS * TOP_K] + 0
 
 
@@ -304,7 +304,7 @@ def test_inductor_hands_the_combine_the_buffer_and_keeps_its_rows_for_earlier_re
     xs = [inputs(seed) for seed in range(2)]
     with torch.no_grad():
         for identity in (False, True):
-            layer = MoELayer(kraken.comm, identity)
+            layer = MoELayer(kraken, identity)
             eager = [layer(x) for x in xs]
             torch._dynamo.reset()
             emulated.calls.clear()
@@ -326,7 +326,7 @@ def test_a_handle_crosses_between_eager_and_compiled_code(emulated):
     """A dispatch compiled on its own returns an ``OperatorHandle`` (a ``MoEHandle`` of the operator's tensors) that
     an eager combine takes, finding its peers from its buffer; an eager dispatch's handle goes into a compiled
     combine, which takes it apart into its operator's arguments."""
-    comm = kraken.comm
+    comm = kraken
     x, ids, weights = routed(4)
     recv, counts, handle = comm.moe_dispatch(x, ids, EXPERTS)
     expected = comm.moe_combine(recv, handle, weights)

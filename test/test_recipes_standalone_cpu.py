@@ -1,8 +1,8 @@
 """A recipe is one file: what a user copies runs with the building blocks alone.
 
-For each recipe of ``STANDALONE``: it imports from the project only the building blocks (``kraken._ptx_utils``,
-``kraken._gemm_core``, ``kraken._blocks``); copied alone with them into an empty directory it imports and plans
-(no ``kraken/__init__.py``: a namespace package); it has a ``__main__`` block. The building blocks import nothing
+For each recipe and twin in that shape (``STANDALONE``: those with a ``__main__``): it imports from the project only
+the building blocks (``kraken._ptx_utils``, ``kraken._gemm_core``, ``kraken._blocks``); copied with them into an
+empty directory it imports there. The building blocks import nothing
 else of the project and stay small. (Running a recipe's ``__main__`` needs GPUs: ``torchrun --nproc-per-node N``.)
 """
 
@@ -18,10 +18,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCKS = ("kraken/_ptx_utils", "kraken/_gemm_core.py", "kraken/_blocks.py")
+BLOCKS = ("kraken/_ptx_utils", "kraken/_gemm_core.py", "kraken/_blocks")
 ALLOWED = {"kraken._ptx_utils", "kraken._gemm_core", "kraken._blocks"}
-STANDALONE = ["kraken/comm/one_shot_all_reduce.py"]
+RECIPE_DIRS = ("kraken/comm", "kraken/fused", "helion_ports/comm", "helion_ports/fused")
 BLOCKS_MAX_LINES = 1500
+
+
+def has_main(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(isinstance(node, ast.If) and ast.unparse(node.test) in
+               ('__name__ == "__main__"', "__name__ == '__main__'") for node in tree.body)
+
+
+# The recipes and twins in their one-file shape: those with a ``__main__``.
+STANDALONE = [str(f.relative_to(ROOT)) for d in RECIPE_DIRS for f in sorted((ROOT / d).glob("*.py"))
+              if f.name != "__init__.py" and has_main(f)]
 
 
 def python_files(path: str) -> list[Path]:
@@ -57,17 +68,16 @@ def test_a_recipe_imports_only_the_building_blocks(recipe):
     assert not outside(project_imports(ROOT / recipe)), recipe
 
 
-@pytest.mark.parametrize("recipe", STANDALONE)
-def test_a_recipe_has_a_main_block(recipe):
-    tree = ast.parse((ROOT / recipe).read_text())
-    mains = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) in
-             ('__name__ == "__main__"', "__name__ == '__main__'")]
-    assert mains, f"{recipe}: no `if __name__ == \"__main__\":` block"
+def test_the_recipe_packages_import_nothing():
+    """``kraken/comm/__init__.py`` and the like hold no imports: importing a recipe loads no other."""
+    for d in RECIPE_DIRS:
+        assert not project_imports(ROOT / d / "__init__.py"), d
 
 
-@pytest.mark.parametrize("recipe", STANDALONE)
-def test_a_recipe_copied_alone_with_the_blocks_imports_and_plans(recipe, tmp_path):
-    for path in (*BLOCKS, recipe):
+def test_every_standalone_recipe_copied_alone_with_the_blocks_imports(tmp_path):
+    """Each recipe and twin, copied with the building blocks into an empty directory (no ``kraken/__init__.py``: a
+    namespace package), imports there, loading no project module but the building blocks and itself."""
+    for path in (*BLOCKS, *STANDALONE):
         source, target = ROOT / path, tmp_path / path
         target.parent.mkdir(parents=True, exist_ok=True)
         if source.is_dir():
@@ -75,25 +85,33 @@ def test_a_recipe_copied_alone_with_the_blocks_imports_and_plans(recipe, tmp_pat
         else:
             shutil.copy(source, target)
     assert not (tmp_path / "kraken" / "__init__.py").exists()
-    module = recipe.removesuffix(".py").replace("/", ".")
+    modules = [path.removesuffix(".py").replace("/", ".") for path in STANDALONE]
     code = (
-        f"import sys, {module} as r\n"
-        "assert all(m == 'kraken' or not m.startswith('kraken.') or m.startswith(('kraken._ptx_utils', "
-        "'kraken._gemm_core', 'kraken._blocks', 'kraken.comm', 'kraken.fused')) for m in sys.modules), "
-        "sorted(m for m in sys.modules if m.startswith('kraken'))\n"
-        "assert callable(r.main) and callable(r.launch)\n"
-        "for numel, ws in ((1, 1), (10007, 2), (1 << 20, 8), (3 << 30, 4)):\n"
-        "    cfg = r.plan(numel, ws, {}, pad_bytes=9216)\n"
-        "    assert 1 <= cfg['num_blocks'] <= 9216 // 4 // ws, cfg\n"
-        "    assert cfg['chunk'] % cfg['block_size'] == 0 and cfg['num_blocks'] * cfg['chunk'] >= numel, cfg\n"
-        "    assert cfg['wide'] == (numel > 2**31 - 1)\n"
-        "print('planned', r.plan(10007, 2, {}, pad_bytes=9216))\n"
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    module = importlib.import_module(name)\n"
+        "    assert callable(module.main), name\n"
+        "    loaded = sorted(m for m in sys.modules if m.startswith(('kraken.', 'helion_ports.')) and not "
+        "m.startswith(('kraken._ptx_utils', 'kraken._gemm_core', 'kraken._blocks')) and m not in "
+        f"('kraken.comm', 'kraken.fused', 'helion_ports.comm', 'helion_ports.fused') and m not in {modules!r})\n"
+        "    assert not loaded, (name, loaded)\n"
+        "print('imported', len(sys.modules))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "planned" in result.stdout
+    assert "imported" in result.stdout
+
+
+def test_the_one_shot_recipe_plans_alone():
+    from kraken.comm import one_shot_all_reduce as r
+
+    for numel, ws in ((1, 1), (10007, 2), (1 << 20, 8), (3 << 30, 4)):
+        cfg = r.plan(numel, ws, {}, pad_bytes=9216)
+        assert 1 <= cfg["num_blocks"] <= 9216 // 4 // ws, cfg
+        assert cfg["chunk"] % cfg["block_size"] == 0 and cfg["num_blocks"] * cfg["chunk"] >= numel, cfg
+        assert cfg["wide"] == (numel > 2**31 - 1)
 
 
 def test_the_building_blocks_import_nothing_else_of_the_project():

@@ -83,7 +83,7 @@ def test_block_traces_as_one_graph_of_two_operators_and_the_swiglu(fake_world, p
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    recipes = importlib.import_module(f"{package}.fused")
+    recipes = importlib.import_module(package)
 
     class Block(torch.nn.Module):
         def forward(self, x, w_gate_up, w_down):

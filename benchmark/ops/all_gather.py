@@ -11,7 +11,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
+from benchmark.registry import Op, Pair, SYNC_US, copy_backend, copy_work, nvlink_us, public, register
 from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 
@@ -48,13 +48,13 @@ def symm_mem(inputs):
 
 
 def backend(module_path: str):
-    fn = getattr(importlib.import_module(module_path), module_path.rsplit(".", 1)[1])
+    fn = public(module_path)
     return lambda inputs: fn(inputs["symm"])
 
 
 def progress_backend(module_path: str):
     """The copy-engine gather, joined back into the current stream (``.wait()``) so the timing includes it."""
-    fn = getattr(importlib.import_module(module_path), module_path.rsplit(".", 1)[1])
+    fn = public(module_path)
     return lambda inputs: fn(inputs["symm"]).wait()
 
 

@@ -20,7 +20,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.registry import Op, Pair, gemm_us, register
+from benchmark.registry import Op, Pair, gemm_us, public, register
 from benchmark.sm90 import H200_NUM_SMS, example_rank
 
 RECIPE = "fused.all_gather_matmul"
@@ -83,7 +83,7 @@ def fused(package: str, form: str | None = None):
     ``form`` ("fused": the overlapping kernel; "sequential": the SM-driven collective and cuBLAS one after the
     other)."""
     path = f"{package}.{RECIPE}"
-    fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
+    fn = public(path)
     if form is None:
         return lambda i: fn(i["a"], i["b"])
     return lambda i: fn(i["a"], i["b"], form=form)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from benchmark.ops.all_gather_matmul import DEFAULT_SHAPES
-from benchmark.registry import Op, Pair, register
+from benchmark.registry import Op, Pair, public, register
 from benchmark.sm90 import H200_NUM_SMS
 from kraken._gemm_core import tma_fp8
 
@@ -135,7 +135,7 @@ def scaled_mm(i):
 def fused(package: str, form: str | None = None):
     """The recipe (``package`` kraken) or its twin in the form ``kraken.runtime.crossover`` chooses, or ``form``."""
     path = f"{package}.{RECIPE}"
-    fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
+    fn = public(path)
     if form is None:
         return lambda i: fn(i["a"], i["b"], i["scale_a"], i["scale_b"])
     return lambda i: fn(i["a"], i["b"], i["scale_a"], i["scale_b"], form=form)

@@ -7,7 +7,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
+from benchmark.registry import Op, Pair, SYNC_US, copy_backend, copy_work, nvlink_us, public, register
 from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 
@@ -37,8 +37,7 @@ def group_name():
 
 
 def backend(module_path: str):
-    package, name = module_path.rsplit(".", 1)
-    fn = getattr(importlib.import_module(package), name)  # the public function: the package's export
+    fn = public(module_path)
     return lambda inputs: fn(inputs["symm"])
 
 

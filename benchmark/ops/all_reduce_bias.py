@@ -20,11 +20,11 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
+from benchmark.registry import Op, Pair, SYNC_US, copy_backend, copy_work, nvlink_us, public, register
 from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
-from kraken.comm import one_shot_all_reduce
-from kraken.fused.rms_norm import rms_norm
+from kraken import one_shot_all_reduce
+from kraken import rms_norm
 
 EPS = 1e-5
 FUSED = "fused.{shot}_shot_all_reduce_bias{norm}"
@@ -100,7 +100,7 @@ def recipe_name(shot: str, norm: bool) -> str:
 
 def fused(package: str, shot: str, norm: bool):
     path = f"{package}.{recipe_name(shot, norm)}"
-    fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
+    fn = public(path)
     if norm:
         return lambda i: fn(i["x"], i["bias"], i["weight"], i["eps"])
     return lambda i: fn(i["x"], i["bias"])

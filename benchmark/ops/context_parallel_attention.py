@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from benchmark.registry import Op, Pair, gemm_us, register
+from benchmark.registry import Op, Pair, gemm_us, public, register
 from benchmark.sm90 import H200_NUM_SMS
 from kraken.fused.context_parallel_attention import progress_size, shard_chunks, unshard_sequence
 
@@ -219,7 +219,7 @@ def torch_cp(i):
 
 def fused(package: str):
     path = f"{package}.{RECIPE}"
-    fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
+    fn = public(path)
     return lambda i: fn(i["q"], i["k"], i["v"], causal=i["causal"])
 
 

@@ -27,7 +27,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from benchmark.registry import SYNC_US, Op, Pair, gemm_us, nvlink_us, register
+from benchmark.registry import Op, Pair, SYNC_US, gemm_us, nvlink_us, public, register
 from kraken.runtime.symm import symm_empty
 from benchmark.sm90 import FAKE_SIGNAL_PADS, H200_NUM_SMS
 
@@ -101,7 +101,7 @@ def fused(package: str, shot: str | None = None):
     pushing or pulling as the recipe would for M rows), "2shot" or "seq" (cuBLAS, then the SM-driven all-reduce)."""
     path = f"{package}.{RECIPE}"
     module = importlib.import_module(path)
-    fn = getattr(module, path.rsplit(".", 1)[1])
+    fn = public(path)
     if shot is None:
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
     if shot == "seq":

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from benchmark.ops.gemm_all_reduce import HBM_GBPS, rank_operands, sequential
-from benchmark.registry import Op, Pair, gemm_us, register
+from benchmark.registry import Op, Pair, gemm_us, public, register
 from benchmark.sm90 import FAKE_SIGNAL_PADS, H200_NUM_SMS
 
 RECIPE = "fused.gemm_reduce_scatter"
@@ -78,7 +78,7 @@ def fused(package: str, form: str | None = None):
     ``form`` ("fused": the overlapping kernel; "sequential": the SM-driven collective and cuBLAS one after the
     other)."""
     path = f"{package}.{RECIPE}"
-    fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
+    fn = public(path)
     if form is None:
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
     if form == "sequential":

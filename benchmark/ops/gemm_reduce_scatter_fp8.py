@@ -24,7 +24,7 @@ import torch.distributed as dist
 from benchmark.ops.all_gather_matmul_fp8 import FP8_TFLOPS, OUT_DTYPE, rank_operands, unsupported_as_error
 from benchmark.ops.gemm_all_reduce import HBM_GBPS
 from benchmark.ops.gemm_reduce_scatter import DEFAULT_SHAPES, stand_ins
-from benchmark.registry import Op, Pair, register
+from benchmark.registry import Op, Pair, public, register
 from benchmark.sm90 import H200_NUM_SMS
 
 RECIPE = "fused.gemm_reduce_scatter_fp8"
@@ -85,7 +85,7 @@ def fused(package: str, form: str | None = None):
     ``form`` ("fused": the overlapping kernel; "sequential": ``torch._scaled_mm``, then the SM-driven
     reduce-scatter)."""
     path = f"{package}.{RECIPE}"
-    fn = getattr(importlib.import_module(path), path.rsplit(".", 1)[1])
+    fn = public(path)
     extra = {} if form is None else {"form": form}
     return lambda i: fn(i["a"], i["b"], i["scale_a"], i["scale_b"], out_dtype=OUT_DTYPE, **extra)
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from benchmark.registry import SYNC_US, Op, Pair, copy_backend, copy_work, nvlink_us, register
+from benchmark.registry import Op, Pair, SYNC_US, copy_backend, copy_work, nvlink_us, public, register
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 from kraken.runtime.symm import SymmContext
 
@@ -130,7 +130,7 @@ def nccl_dispatch(i):
 
 
 def recipe_dispatch(package: str):
-    fn = importlib.import_module(f"{package}.{DISPATCH}").moe_dispatch
+    fn = public(f"{package}.{DISPATCH}")
 
     def run(i):
         recv, _, _ = fn(i["tokens"], i["expert_ids"], i["num_experts"], capacity=i["capacity"])
@@ -143,7 +143,7 @@ def combine_inputs(shape, dtype, seed):
     """The dispatch's inputs, the recipe's dispatch done (its handle), the expert outputs written in place into
     its receive buffer (``recv * 2``), the same rows as an ordinary tensor for the baseline, and weights."""
     i = dispatch_inputs(shape, dtype, seed)
-    from kraken.comm.moe_dispatch import moe_dispatch
+    from kraken import moe_dispatch
 
     recv, _, handle = moe_dispatch(i["tokens"], i["expert_ids"], i["num_experts"], capacity=i["capacity"])
     recv[:i["recv_rows"]].mul_(2)
@@ -168,7 +168,7 @@ def nccl_combine(i):
 
 
 def recipe_combine(package: str):
-    fn = importlib.import_module(f"{package}.{COMBINE}").moe_combine
+    fn = public(f"{package}.{COMBINE}")
     return lambda i: fn(i["recv"], i["handle"], i["weights"])
 
 

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import helion_ports.fused
-import kraken.fused
+import helion_ports
+import kraken
 from benchmark.registry import Op, gemm_us, nvlink_us, register
 
 OUT_DTYPE = torch.bfloat16  # gemm_reduce_scatter's bf16 output: the block's output dtype
@@ -60,7 +60,7 @@ def tp_mlp(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     group: dist.ProcessGroup | str | None = None,
-    recipes=kraken.fused,
+    recipes=kraken,
 ) -> torch.Tensor:
     """The sequence-parallel Llama MLP on this rank's rows: ``reduce_scatter(swiglu(all_gather(x) @ w_gate_up)
     @ w_down)``, each exchange fused into its GEMM.
@@ -68,8 +68,8 @@ def tp_mlp(
     ``x`` [T, H]: this rank's rows of the sequence, bf16; ``w_gate_up`` [H, 2 f]: this rank's gate columns then
     its up columns (f = FFN / world size); ``w_down`` [f, H]. Returns this rank's [T, H] rows of the layer's
     output, bf16. ``group``: the tensor-parallel group (a device mesh dimension's, ``mesh.get_group("tp")``).
-    ``recipes``: where ``all_gather_matmul`` and ``gemm_reduce_scatter`` come from (``kraken.fused``, or
-    ``helion_ports.fused`` for the Helion twins).
+    ``recipes``: where ``all_gather_matmul`` and ``gemm_reduce_scatter`` come from (``kraken``, or
+    ``helion_ports`` for the Helion twins).
     """
     gate_up = recipes.all_gather_matmul(x, w_gate_up, group)
     return recipes.gemm_reduce_scatter(swiglu(gate_up), w_down, group, out_dtype=OUT_DTYPE)
@@ -192,8 +192,8 @@ def matmul(i):
 
 
 BACKENDS = {"nccl": nccl, "torch_fused": torch_fused, "torch_async_tp": torch_async_tp,
-            "triton": recipes(kraken.fused), "helion": recipes(helion_ports.fused),
-            "triton_compiled": compiled(kraken.fused), "helion_compiled": compiled(helion_ports.fused),
+            "triton": recipes(kraken), "helion": recipes(helion_ports),
+            "triton_compiled": compiled(kraken), "helion_compiled": compiled(helion_ports),
             "matmul": matmul}
 
 

@@ -18,7 +18,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, flat_view, run, stage, views
+from kraken._blocks.helion import flat_kernel, flat_view, run, stage, views
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.runtime import staging
@@ -76,7 +76,7 @@ def launch(
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.all_gather.launch`` (an ordinary ``x`` is staged by a
-    copy launch: ``helion_ports.stage``)."""
+    copy launch: ``kraken._blocks.helion.stage``)."""
     if x is not None:
         stage(peers, rank, x, group_name, launcher)
     flat = views(peers, -1)

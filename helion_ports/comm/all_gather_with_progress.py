@@ -19,7 +19,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run
+from kraken._blocks.helion import flat_kernel, run
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.all_gather_with_progress import (  # shared with the Triton recipe
     BARRIER_BLOCK, BARRIER_WARPS, GatherInProgress, barrier_launcher, prepare, shard_barrier_kernel,

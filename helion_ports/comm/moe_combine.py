@@ -17,7 +17,7 @@ import helion
 import helion.language as hl
 import torch
 
-from helion_ports import flat_kernel, run
+from kraken._blocks.helion import flat_kernel, run
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.moe_combine import combine  # shared with the Triton recipe
 from kraken.comm.moe_dispatch import MoEHandle

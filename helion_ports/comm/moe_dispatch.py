@@ -9,7 +9,7 @@ copies its contiguous range of (token, k) pairs, whole rows, as ``[rows, block_h
 from the local tokens and stored into the owner's receive buffer (one masked ``hl.store`` per rank,
 unrolled with ``hl.static_range``; exactly one of them stores), then the kraken barrier (release +
 acquire) through ``hl.inline_triton``. Warm calls launch through the prepared call's launcher
-(``helion_ports.run``).
+(``kraken._blocks.helion.run``).
 
 Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton.
 """
@@ -23,7 +23,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run, views
+from kraken._blocks.helion import flat_kernel, run, views
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.moe_dispatch import MoEHandle, dispatch, route  # shared with the Triton recipe
 from kraken.runtime import symm

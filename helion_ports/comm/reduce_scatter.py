@@ -17,7 +17,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, flat_view, run, stage
+from kraken._blocks.helion import flat_kernel, flat_view, run, stage
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.reduce_scatter import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.runtime import staging
@@ -80,7 +80,7 @@ def launch(
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.reduce_scatter.launch`` (an ordinary ``x`` is staged by a
-    copy launch: ``helion_ports.stage``)."""
+    copy launch: ``kraken._blocks.helion.stage``)."""
     if x is not None:
         stage(peers, rank, x, group_name, launcher)
     args = (

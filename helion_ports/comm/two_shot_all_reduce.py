@@ -15,7 +15,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import copy_into, flat_kernel, run, stage, views
+from kraken._blocks.helion import copy_into, flat_kernel, run, stage, views
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.comm.two_shot_all_reduce import plan, prepare, prepare_call  # shared with the Triton recipe
 from kraken.runtime import staging
@@ -81,7 +81,7 @@ def launch(
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.comm.two_shot_all_reduce.launch`` (an ordinary
-    ``x`` is staged by a copy launch, ``helion_ports.stage``, and the sum copied back into it). ``wide`` (past
+    ``x`` is staged by a copy launch, ``kraken._blocks.helion.stage``, and the sum copied back into it). ``wide`` (past
     2**31 elements) is refused on every rank before any launch: the shard's start, ``rank * shard``, is a product of
     scalars that Triton types 32-bit from their values, whatever index width Helion picks for the tensors."""
     if wide:

@@ -38,7 +38,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run
+from kraken._blocks.helion import flat_kernel, run
 from helion_ports.comm.all_gather import all_gather as helion_all_gather
 from kraken._gemm_core import flattens
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC

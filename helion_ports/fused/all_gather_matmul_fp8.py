@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from helion_ports import run
+from kraken._blocks.helion import run
 from helion_ports.comm.all_gather import all_gather as helion_all_gather
 from helion_ports.fused.all_gather_matmul import compiled  # the bf16 twin's kernel, scaled
 from kraken._gemm_core import tma_fp8

@@ -3,7 +3,7 @@
 The K/V exchange is the recipe's (``start_kv_gather``: copy-engine copies, stream memory operations and
 two one-block barrier kernels, all host code), and so are ``plan`` and its tiles, ``prepare`` (kept per
 signature, with its ``Launcher``), the sequence layout helpers and the host side of ``launch`` (the
-recipe's, with these kernels; they launch through ``helion_ports.run``). The two attention kernels mirror
+recipe's, with these kernels; they launch through ``kraken._blocks.helion.run``). The two attention kernels mirror
 the recipe's two.
 
 Causal (``context_parallel_attention_body``, the recipe's ``context_parallel_attention_kernel``):
@@ -52,7 +52,7 @@ import helion.language.loops as helion_loops
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, run
+from kraken._blocks.helion import flat_kernel, run
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC, GMEM_WAIT_EACH_THREAD
 from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with the recipe)
     OP,
@@ -426,7 +426,7 @@ def compiled(causal: bool, merge: bool, block_m: int, block_n: int, num_warps: i
 
 
 def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None, launch_pdl: bool = False):
-    """``helion_ports.run`` with the recipe's register cap (``plan``'s ``maxnreg``, where several blocks share an SM)
+    """``kraken._blocks.helion.run`` with the recipe's register cap (``plan``'s ``maxnreg``, where several blocks share an SM)
     given to Triton, and with ``launch_pdl`` as a programmatic dependent launch. Helion 1.5.0 takes ``maxnreg`` only
     with its persistent pid types (``flat`` here, see ``helion_ports``), so the cap goes into the launch itself: the
     bound kernel's generated host code launches through the ``_launcher`` it is given, and a Triton launch compiles for

@@ -32,7 +32,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage, run
+from kraken._blocks.helion import flat_kernel, own_storage, run
 from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT
 from kraken._gemm_core import tma_operands
 from helion_ports.comm.reduce_scatter import reduce_scatter as helion_reduce_scatter

@@ -23,7 +23,7 @@ import helion
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage, run
+from kraken._blocks.helion import flat_kernel, own_storage, run
 from helion_ports.comm.reduce_scatter import reduce_scatter as helion_reduce_scatter
 from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter_body  # the bf16 twin's, scaled
 from kraken.fused.gemm_reduce_scatter_fp8 import (  # shared with the recipe
@@ -84,7 +84,7 @@ def launch(
 
 
 def scaled_args(args: tuple) -> tuple:
-    """``launch``'s arguments as the kernel takes them (``helion_ports.run``): the scales as [M] and [N] views."""
+    """``launch``'s arguments as the kernel takes them (``kraken._blocks.helion.run``): the scales as [M] and [N] views."""
     a, b, scale_a, scale_b, workspace, peers, parity, epochs, out, *rest = args
     return (a, b, scale_a.reshape(-1).expand(a.shape[0]), scale_b.reshape(-1).expand(out.shape[1]), workspace, peers,
             parity, epochs, out, *rest)

@@ -20,7 +20,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage, run, views
+from kraken._blocks.helion import flat_kernel, own_storage, run, views
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import plan, prepare, signature, staged_call  # shared with the recipe
 from kraken.runtime.launcher import jit_launch
@@ -88,7 +88,7 @@ def launch(
     launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.one_shot_all_reduce_bias.launch``."""
-    # `workspace` through its own storage object: see helion_ports.own_storage. The workspace is flat already.
+    # `workspace` through its own storage object: see kraken._blocks.helion.own_storage. The workspace is flat already.
     args = (x, bias, own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks, chunk, rank, len(peers),
             group_name)
     run(compiled(block_size, num_warps), args, launcher, flat_args)
@@ -96,7 +96,7 @@ def launch(
 
 
 def flat_args(args: tuple) -> tuple:
-    """``launch``'s arguments as the kernel takes them: ``x``, the peers and ``out`` flat (``helion_ports.run``)."""
+    """``launch``'s arguments as the kernel takes them: ``x``, the peers and ``out`` flat (``kraken._blocks.helion.run``)."""
     x, bias, workspace, peers, out, *rest = args
     return (x.view(-1), bias, workspace, views(peers, -1), out.view(-1), *rest)
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from helion_ports.fused.rms_norm import rms_normalize
-from helion_ports import flat_kernel, own_storage, run, views
+from kraken._blocks.helion import flat_kernel, own_storage, run, views
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
 from kraken.fused.one_shot_all_reduce_bias_rms_norm import plan, prepare, signature  # shared with the recipe
@@ -96,7 +96,7 @@ def launch(
     launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
-    # `workspace` through its own storage object: see helion_ports.own_storage.
+    # `workspace` through its own storage object: see kraken._blocks.helion.own_storage.
     args = (x, bias, weight, float(eps), own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks,
             rows_per_block, rank, len(peers), group_name)
     run(compiled(num_warps), args, launcher, row_args)
@@ -104,7 +104,7 @@ def launch(
 
 
 def row_args(args: tuple) -> tuple:
-    """``launch``'s arguments as the kernel takes them (``helion_ports.run``): the workspaces as ``x``'s rows."""
+    """``launch``'s arguments as the kernel takes them (``kraken._blocks.helion.run``): the workspaces as ``x``'s rows."""
     x, bias, weight, eps, workspace, peers, *rest = args
     return (x, bias, weight, eps, workspace.view(x.shape), views(peers, x.shape), *rest)
 

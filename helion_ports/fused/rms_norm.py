@@ -19,7 +19,7 @@ import helion
 import helion.language as hl
 import torch
 
-from helion_ports import flat_kernel, run
+from kraken._blocks.helion import flat_kernel, run
 from kraken.fused.rms_norm import plan, prepare  # shared with the Triton recipe
 from kraken.runtime.launcher import jit_launch
 

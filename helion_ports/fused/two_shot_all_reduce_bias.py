@@ -3,7 +3,7 @@
 Same five steps as the Triton recipe. The workspaces arrive as ``[2, numel]``
 views (row 0: staged input, row 1: pushed result), so "the result region" is
 index ``1`` rather than a pointer offset, and their result rows once more as
-views of their own (``results``: see ``helion_ports.views``), which the pushes
+views of their own (``results``: see ``kraken._blocks.helion.views``), which the pushes
 ``hl.store(results[r], ...)`` write. ``hl.static_range(world_size)`` over the
 shard owners unrolls the staging and gathering loops exactly like
 ``tl.static_range`` in the Triton kernel.
@@ -18,7 +18,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage, run, views
+from kraken._blocks.helion import flat_kernel, own_storage, run, views
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
 from kraken.fused.two_shot_all_reduce_bias import plan, prepare, signature  # shared with the recipe
@@ -63,7 +63,7 @@ def two_shot_all_reduce_bias_body(
             acc = acc + hl.load(bias, [tile.index % hidden]).to(torch.float32)
             result = acc.to(out.dtype)
             # Into views of the result regions, not peers[r][1, ...]: ptxas then issued 3 of the 4 peers' loads
-            # before the first add at 4 ranks (the recipe 4) and 3 of 8 at 8 (the recipe 5); see helion_ports.views.
+            # before the first add at 4 ranks (the recipe 4) and 3 of 8 at 8 (the recipe 5); see kraken._blocks.helion.views.
             for r in hl.static_range(world_size):
                 hl.store(results[r], [tile], result)
         hl.inline_triton(SYNC, args=barrier, output_like=None)
@@ -99,7 +99,7 @@ def launch(
     launcher=jit_launch,
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors ``kraken.fused.two_shot_all_reduce_bias.launch``."""
-    # `workspace` through its own storage object: see helion_ports.own_storage.
+    # `workspace` through its own storage object: see kraken._blocks.helion.own_storage.
     args = (x, bias, own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks, shard, chunk, rank, len(peers),
             group_name)
     run(compiled(block_size, num_warps), args, launcher, region_args)
@@ -107,7 +107,7 @@ def launch(
 
 
 def region_args(args: tuple) -> tuple:
-    """``launch``'s arguments as the kernel takes them (``helion_ports.run``): ``x`` and ``out`` flat, the
+    """``launch``'s arguments as the kernel takes them (``kraken._blocks.helion.run``): ``x`` and ``out`` flat, the
     workspaces as their two regions [2, numel] (staged input, reduced shard), and the peers' second regions."""
     x, bias, workspace, peers, out, *rest = args
     regions = (2, x.numel())

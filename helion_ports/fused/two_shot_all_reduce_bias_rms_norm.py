@@ -5,7 +5,7 @@ The Triton recipe's five steps in rows: this rank's workspace arrives as a
 ``[1, hidden]`` tile of ``hl.tile(..., block_size=1)``, and the shard owners
 are unrolled with ``hl.static_range``. The peers' workspaces arrive as flat
 views of their two regions (``staged``, ``results``: see
-``helion_ports.views``), read and written at the recipe's offsets
+``kraken._blocks.helion.views``), read and written at the recipe's offsets
 ``row * hidden + cols``.
 """
 
@@ -18,7 +18,7 @@ import helion.language as hl
 import torch
 import torch.distributed as dist
 
-from helion_ports import flat_kernel, own_storage, run, views
+from kraken._blocks.helion import flat_kernel, own_storage, run, views
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
 from kraken.fused.one_shot_all_reduce_bias import staged_call  # the family's call
 from kraken.fused.two_shot_all_reduce_bias_rms_norm import plan, prepare, signature  # shared with the recipe
@@ -119,7 +119,7 @@ def launch(
 ) -> torch.Tensor:
     """Launch on prepared arguments (no checks); mirrors the kraken recipe's ``launch``."""
     tokens, hidden = x.shape
-    # `workspace` through its own storage object: see helion_ports.own_storage.
+    # `workspace` through its own storage object: see kraken._blocks.helion.own_storage.
     args = (
         x, bias, weight, float(eps), own_storage(peers[rank]), peers, out, signal_pad_ptrs, num_blocks, shard, chunk,
         rank, min((rank + 1) * shard, tokens), len(peers), groups.next_power_of_2(hidden), group_name,
@@ -129,7 +129,7 @@ def launch(
 
 
 def region_args(args: tuple) -> tuple:
-    """``launch``'s arguments as the kernel takes them (``helion_ports.run``): the workspaces as two regions of
+    """``launch``'s arguments as the kernel takes them (``kraken._blocks.helion.run``): the workspaces as two regions of
     ``x``'s rows (staged input, reduced shard), and the peers' regions flat."""
     x, bias, weight, eps, workspace, peers, *rest = args
     tokens, hidden = x.shape

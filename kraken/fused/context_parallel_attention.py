@@ -784,7 +784,7 @@ def exchange_plan(peers, gathered, rank: int, piece_rows: int, pieces: int) -> t
     """(the order of ranks, my K and V chunks, and per (piece, peer), piece-major and rank + 1 first, its flag's index
     and its two (destination, source) copies: K, then V, each contiguous, for the copy engine rather than a strided
     copy kernel). Views of the prepared call's buffers, kept per (``peers``, ``gathered``, ...) as
-    ``helion_ports.views`` keeps its views (the objects are kept with them, so their ids stay theirs): each view costs
+    ``kraken._blocks.helion.views`` keeps its views (the objects are kept with them, so their ids stay theirs): each view costs
     about a microsecond, and a call makes four per piece and peer."""
     key = (id(peers), id(gathered), rank, piece_rows, pieces)
     hit = _exchange_plans.get(key)

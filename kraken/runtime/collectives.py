@@ -45,14 +45,23 @@ def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> d
 prepare, prepare_staged, prepare_call = staging.prepares(check)
 
 
-def one_shot_all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
-) -> torch.Tensor:
-    """Sum ``tensor`` over the group; returns a new tensor, the input is left unchanged.
+def one_shot_all_reduce_with(launch, op: str):
+    """The installed one-shot all-reduce, driving ``launch``: the recipe's (``kraken.one_shot_all_reduce``) or its
+    Helion twin's (``helion_ports.one_shot_all_reduce``, ``op`` "helion one_shot_all_reduce")."""
 
-    ``tensor``: any shape, contiguous, bf16/fp16/fp32, on the GPU; in symmetric memory
-    (``kraken.symm_empty``) it is read in place, otherwise staged inside the kernel. ``config``
-    overrides ``kraken.comm.one_shot_all_reduce.DEFAULT_CONFIG``.
-    """
-    ctx, launch_cfg, staged = prepare_call(tensor, group, "one_shot_all_reduce", config)
-    return staging.launched(one_shot_launch, ctx, launch_cfg, staged, tensor, torch.empty_like(tensor))
+    def one_shot_all_reduce(
+        tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
+    ) -> torch.Tensor:
+        """Sum ``tensor`` over the group; returns a new tensor, the input is left unchanged.
+
+        ``tensor``: any shape, contiguous, bf16/fp16/fp32, on the GPU; in symmetric memory
+        (``kraken.symm_empty``) it is read in place, otherwise staged inside the kernel. ``config``
+        overrides ``kraken.comm.one_shot_all_reduce.DEFAULT_CONFIG``.
+        """
+        ctx, launch_cfg, staged = prepare_call(tensor, group, op, config)
+        return staging.launched(launch, ctx, launch_cfg, staged, tensor, torch.empty_like(tensor))
+
+    return one_shot_all_reduce
+
+
+one_shot_all_reduce = one_shot_all_reduce_with(one_shot_launch, "one_shot_all_reduce")

@@ -152,12 +152,15 @@ def traced_shot(op: str, x: object, group, config: dict) -> str:
 
 def traced_call(op: str, recipes: tuple, x: object, operands: tuple, group, config: dict):
     """A front door's call while Dynamo traces: the operator of the recipe ``traced_shot`` chooses among ``recipes``
-    (its (one-shot, two-shot) modules; a module's operator is its package's public function named as the module: a
-    standalone recipe's own function of that name is its plain host function), on ``(x, *operands, group,
+    (its (one-shot, two-shot) modules; a module's operator is the public function of its name, ``kraken.<name>`` or
+    ``helion_ports.<name>``: a recipe's own function of that name is its plain host function), on ``(x, *operands, group,
     **config)``. The operator checks when it runs."""
     recipe = recipes[0] if traced_shot(op, x, group, config) == ONE else recipes[1]
-    package, _, name = recipe.__name__.rpartition(".")
-    return getattr(sys.modules[package], name)(x, *operands, group, **config)
+    top, name = recipe.__name__.split(".", 1)[0], recipe.__name__.rpartition(".")[2]
+    return getattr(sys.modules[PUBLIC[top]], name)(x, *operands, group, **config)
+
+
+PUBLIC = {"kraken": "kraken.runtime.api", "helion_ports": "kraken.runtime.twins"}  # where the operators' doors are
 
 
 def fused_from(op: str, world_size: int) -> int:

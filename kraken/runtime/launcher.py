@@ -85,6 +85,17 @@ def jit_launch(kernel, grid: tuple[int, ...], *args, **meta):
         return kernel[grid](*args, **meta)
 
 
+def _helion_plain(kernel, args: tuple, kernel_args=None):
+    """A twin's Helion kernel called plainly, with Triton's scratch allocator set (``kraken._blocks.helion.run``
+    hands a launcher's Helion kernels to its ``helion``)."""
+    from kraken.runtime.helion_run import run
+
+    return run(kernel, args, jit_launch, kernel_args)
+
+
+jit_launch.helion = _helion_plain
+
+
 def launch_hooked() -> bool:
     """Whether a Triton launch enter/exit hook is installed (triton 3.6 keeps them in always-present chains)."""
     enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -102,7 +113,7 @@ class Launcher:
     specialisation: its ints come from the plan (fixed by the signature), its tensors' dtypes and 16-byte
     alignment are in the signature's key (``tensor_key``). While a Triton launch hook is set (a profiler
     such as proton), every launch takes the JIT path, so the hook sees it. Helion kernels keep their bound
-    kernel here too (``helion_ports.run``).
+    kernel here too (``kraken.runtime.helion_run.run``).
 
     Where the kernel needs no scratch memory, the launch goes one step further down, to the C function of
     triton 3.6's ``CudaLauncher`` (``launch``), with the arguments its ``__call__`` would add (no scratch
@@ -119,6 +130,12 @@ class Launcher:
         # cannot replay
         self.replays: dict = {}
         self.recording: Recording | None = None  # what ``record_replay`` watches, while it runs (on one thread)
+
+    def helion(self, kernel, args: tuple, kernel_args=None):
+        """A twin's Helion kernel through this launcher (``kraken.runtime.helion_run.run``: replayed host code)."""
+        from kraken.runtime.helion_run import run
+
+        return run(kernel, args, self, kernel_args)
 
     def __call__(self, kernel, grid: tuple[int, ...], *args, **meta):
         global last_op

@@ -46,7 +46,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-NAMESPACES = {"kraken": "kraken", "helion_ports": "kraken_helion"}  # top package -> operator namespace
 
 
 def world_size(group: str | None) -> int:
@@ -263,11 +262,10 @@ def front_door(recipe: Callable, entry: Entry, op) -> Callable:
     return call
 
 
-def install_front_doors(package: str) -> None:
-    """Register every recipe of ``ENTRIES`` exported by ``package`` (its ``__init__`` calls this last) and put
-    its front door in the package and in the recipe's module (``package.x is package.x_module.x`` stays
-    true). Twins (``helion_ports``) get ``torch.ops.kraken_helion``."""
-    namespace = NAMESPACES[package.split(".")[0]]
+def install_front_doors(package: str, namespace: str) -> None:
+    """Register every recipe of ``ENTRIES`` exported by module ``package`` (``kraken.runtime.api``, ``.twins``,
+    which call this last) under ``torch.ops.<namespace>`` and put its front door there and in the module that
+    defines it (``kraken.x is <its module>.x``)."""
     exports = sys.modules[package]
     for name, entry in ENTRIES.items():
         recipe = getattr(exports, name, None)
@@ -275,7 +273,9 @@ def install_front_doors(package: str) -> None:
             continue
         door = front_door(recipe, entry, register(recipe, entry, namespace))
         setattr(exports, name, door)
-        setattr(sys.modules[recipe.__module__], name, door)
+        home = sys.modules[recipe.__module__]
+        if getattr(home, name, None) is recipe:  # (a twin made by a factory there is not that module's own)
+            setattr(home, name, door)
     from kraken.runtime import moe_ops  # the MoE pair, whose handle crosses as tensors (it imports this module)
 
     moe_ops.install_front_doors(exports, namespace)

@@ -4,7 +4,7 @@ Under one prepared call, host code (a Helion kernel's generated host code, or a 
 ``launch``) launches the same kernels with the same constants every time; only the arguments' addresses move.
 ``record_replay`` runs the host code once, watching what it launches (``Recording``), and makes a ``Replay``: a
 generated Python function of the call's arguments that calls each compiled kernel's launch function directly.
-``replayed`` and ``prepared_launch`` are how the recipes and twins use it for a whole call; ``helion_ports.run``
+``replayed`` and ``prepared_launch`` are how the recipes and twins use it for a whole call; ``kraken.runtime.helion_run.run``
 for one Helion kernel.
 """
 
@@ -76,7 +76,7 @@ class Replay:
     keep: tuple  # the prepared call's tensors whose addresses are constants here: alive as long as the replay
 
     def function(self) -> Callable[[tuple], object]:
-        """The replay as one Python function of a call's arguments (``replayed`` and ``helion_ports.run`` keep and call
+        """The replay as one Python function of a call's arguments (``replayed`` and ``kraken.runtime.helion_run.run`` keep and call
         it): its source is generated here, straight-line, one C launch call per kernel with every constant bound by
         name and each address an ``args[i].data_ptr() + offset``, because a loop over the plan read each launch's
         description again on every call (half the replay's Python; see ``replay_source``). It launches what the

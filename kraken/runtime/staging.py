@@ -8,7 +8,7 @@ collective therefore has two prepared calls per signature:
 * staged: the peers are kraken's shared symmetric workspace (``symm.symm_workspace``), and the kernel
   first copies, block by block, the part of the input that the peers' same block will read into it,
   before its first barrier (which then releases those writes), as torch's ``one_shot_all_reduce_copy``
-  does: no separate copy launch (the Helion twins stage by a copy kernel of their own, ``helion_ports.stage``).
+  does: no separate copy launch (the Helion twins stage by a copy kernel of their own, ``kraken._blocks.helion.stage``).
   Keyed without the address, so a model's fresh activations hit it.
 
 Ranks must agree on which: the choice is part of the signature agreed on its first call, so a rank that

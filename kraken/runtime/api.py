@@ -1,0 +1,36 @@
+"""The installed package's public functions: ``kraken.<name>`` (``kraken/__init__.py`` loads this module on first use).
+
+Each is a recipe behind the product layer (checks agreed across ranks, prepared calls, replayed launches) and, under
+``torch.compile``, a ``torch.library`` operator (``install_front_doors``). Importing a recipe module
+(``kraken.comm.<name>``) loads none of this.
+"""
+
+from kraken.comm.all_gather import all_gather
+from kraken.comm.all_gather_with_progress import all_gather_with_progress
+from kraken.comm.all_reduce import all_reduce
+from kraken.comm.moe_combine import moe_combine
+from kraken.comm.moe_dispatch import moe_dispatch
+from kraken.runtime.collectives import one_shot_all_reduce
+from kraken.comm.reduce_scatter import reduce_scatter
+from kraken.comm.two_shot_all_reduce import two_shot_all_reduce
+from kraken.fused.all_gather_matmul import all_gather_matmul
+from kraken.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
+from kraken.fused.all_reduce_bias import all_reduce_bias
+from kraken.fused.all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
+from kraken.fused.context_parallel_attention import context_parallel_attention
+from kraken.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
+from kraken.fused.gemm_reduce_scatter import gemm_reduce_scatter
+from kraken.fused.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
+from kraken.fused.one_shot_all_reduce_bias import one_shot_all_reduce_bias
+from kraken.fused.one_shot_all_reduce_bias_rms_norm import one_shot_all_reduce_bias_rms_norm
+from kraken.fused.rms_norm import rms_norm
+from kraken.fused.two_shot_all_reduce_bias import two_shot_all_reduce_bias
+from kraken.fused.two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
+from kraken.runtime.library import install_front_doors
+from kraken.runtime.symm import symm_empty
+
+COMM = ('all_gather', 'all_gather_with_progress', 'all_reduce', 'moe_combine', 'moe_dispatch', 'one_shot_all_reduce', 'reduce_scatter', 'two_shot_all_reduce')
+FUSED = ('all_gather_matmul', 'all_gather_matmul_fp8', 'all_reduce_bias', 'all_reduce_bias_rms_norm', 'context_parallel_attention', 'gemm_one_shot_all_reduce', 'gemm_reduce_scatter', 'gemm_reduce_scatter_fp8', 'one_shot_all_reduce_bias', 'one_shot_all_reduce_bias_rms_norm', 'rms_norm', 'two_shot_all_reduce_bias', 'two_shot_all_reduce_bias_rms_norm')
+__all__ = [*COMM, *FUSED, "symm_empty"]
+
+install_front_doors(__name__, "kraken")  # each recipe above: a torch.library operator under torch.compile
