@@ -129,6 +129,28 @@ def test_tile_order_takes_every_tile_once_piece_by_piece(causal):
             assert bool((bh[mine].diff() >= 0).all()) and bool((m0[mine].diff() != 0).any())
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_balanced_order_keeps_the_pieces_in_place_and_evens_the_blocks(world_size):
+    """The warp-specialized kernel's causal order with peers (``balanced_order``): the same tiles, each piece at the
+    positions ``tile_order`` gives it, and the static schedule's blocks (block b: positions b, b + blocks, ...) given
+    even sums of the key tiles every row of a tile sees: the sequence positions before its first row (a peer's chunk
+    lies wholly before or after it), counted here from the layout, not from the kernel's formula."""
+    batch, heads, kv_heads, block, blocks = 1, 8, 2, 64, 13
+    s_local = 2 * 64 * 12
+    chunk = s_local // 2
+    for rank in range(world_size):
+        plain = recipe.tile_order(batch * heads, heads // kv_heads, s_local, True, block, 1, "cpu")
+        order = recipe.full_order(batch, heads, kv_heads, s_local, True, block, 1, world_size, blocks, "cpu", rank,
+                                  block)
+        assert sorted(map(tuple, order.tolist())) == sorted(map(tuple, plain.tolist()))
+        assert torch.equal(order[:, 4], plain[:, 4])  # piece by piece, as the flags land
+        chunks = recipe.shard_chunks(rank, world_size, True)
+        first_row = torch.tensor([chunks[h] * chunk for h in order[:, 2].tolist()]) + order[:, 3]
+        cost = first_row // block + 2
+        sums = torch.zeros(blocks, dtype=torch.float64).index_add_(0, torch.arange(len(order)) % blocks, cost.double())
+        assert sums.max() / sums.mean() < 1.05, (rank, sums)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_twin_spans_name_each_peer_steps_rows_wrap_and_flag(world_size):
     # The twin reads every size its key loops meet from this int32 table (Helion would hold host ints as int64): the

@@ -153,15 +153,16 @@ def cudnn_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 def sdpa_on_sequence(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, causal: bool,
-                     backend: str = "flash") -> torch.Tensor:
-    """This rank's output from the whole sequence's K/V (in order) on one SDPA backend: one call, or one per query
-    chunk (module docstring)."""
-    world_size = dist.get_world_size()
+                     backend: str = "flash", rank: int | None = None, world_size: int | None = None) -> torch.Tensor:
+    """Rank ``rank``'s output (default: this process's, in the default group) from the whole sequence's K/V (in
+    order) on one SDPA backend: one call, or one per query chunk (module docstring)."""
+    world_size = dist.get_world_size() if world_size is None else world_size
+    rank = dist.get_rank() if rank is None else rank
     if not causal or world_size == 1:  # (at world size 1 my two chunks are the sequence in order)
         return attention(q, k_seq, v_seq, backend, is_causal=causal)
     chunk = q.shape[2] // 2
     outs = []
-    for half, c in enumerate(shard_chunks(dist.get_rank(), world_size, True)):
+    for half, c in enumerate(shard_chunks(rank, world_size, True)):
         keys = (c + 1) * chunk  # the keys up to this chunk's end; the last chunk of them on the diagonal
         q_c, k_c, v_c = q[:, :, half * chunk:(half + 1) * chunk], k_seq[:, :, :keys], v_seq[:, :, :keys]
         if keys == chunk:

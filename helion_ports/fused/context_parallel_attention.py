@@ -488,7 +488,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     if not causal or split:
         grid = split_blocks if split else num_blocks
         order = full_order(batch, heads, kv_heads, s_local, causal, full["block_m"], piece_rows, world_size, grid,
-                           q.device)
+                           q.device, rank, full["block_n"])
         k_src, v_src = (k, v) if world_size == 1 else (gathered, gathered[0, 1])
         args = (q.view(-1, head_dim), k_src, v_src, out.view(-1, head_dim), lse, progress, order,
                 batch * heads * s_local, gathered.shape[0] * 2 * batch * kv_heads, batch * kv_heads, s_local,

@@ -64,6 +64,7 @@ kernels, whose peer loops have no step; full attention over the local sequence.
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -662,7 +663,7 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     grid = split_blocks if split else num_blocks
     if not causal or split:
         order = full_order(batch, heads, kv_heads, s_local, causal, full["block_m"], piece_rows, world_size, grid,
-                           q.device)
+                           q.device, rank, full["block_n"])
         # K/V: the gather buffer's K blocks and, from its first V block, its V blocks; at one rank my ``k`` and ``v``
         # (the buffer would hold a copy of them and nothing else).
         k_src, v_src = (k, v) if world_size == 1 else (gathered, gathered[0, 1])
@@ -701,15 +702,70 @@ def dependent_merge(wait: bool, world_size: int) -> bool:
 
 
 def full_order(batch: int, heads: int, kv_heads: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
-               world_size: int, grid: int, device) -> torch.Tensor:
+               world_size: int, grid: int, device, rank: int = 0, block_n: int = 128) -> torch.Tensor:
     """The warp-specialized kernel's ``tile_order`` on a grid of ``grid`` blocks (the recipe's and the twin's). Without
-    causal, piece by piece. Under causal, with peers: piece by piece, its rounds of ``grid`` tiles snaked (the static
-    schedule's blocks get even sums); at one rank no tile waits, so one piece, longest first, snaked, or, with a block
-    per tile (``SPLIT_LONG``), kv head by kv head, longest first (the tiles running at once share K/V in L2)."""
+    causal, piece by piece. Under causal, with peers: balanced across the static schedule's blocks by the tiles' key
+    counts (``balanced_order``: a rank's tiles differ by up to ``2 * world_size`` times); at one rank no tile waits, so
+    one piece, longest first, snaked, or, with a block per tile (``SPLIT_LONG``), kv head by kv head, longest first
+    (the tiles running at once share K/V in L2)."""
     tiles = batch * heads * 2 * groups.cdiv(s_local // 2, block_m) if causal else 0
+    if causal and world_size > 1 and grid < tiles:
+        order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, "cpu")
+        return balanced_order(order, s_local, block_n, rank, world_size, grid, device)
     rows = piece_rows if world_size > 1 or not causal else (1 if grid == tiles else batch * kv_heads)
     return tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, rows, device,
                       grid if causal and grid < tiles else 0)
+
+
+_balanced: dict = {}
+
+
+def balanced_order(order: torch.Tensor, s_local: int, block_n: int, rank: int, world_size: int, blocks: int,
+                   device) -> torch.Tensor:
+    """``order`` (causal, on the CPU) rearranged for the warp-specialized kernel's static schedule (block b takes
+    positions b, b + blocks, ...) so that the blocks' key tiles sum evenly. A causal tile's key tiles there are its own
+    shard's before its first row, both chunks of each peer after this rank to the later query half (none to the
+    earlier), and the first chunk of each peer before it: at rank 0 of 4 the later half's tiles see 15 times the
+    earlier half's keys, and rounds of ``blocks`` tiles in piece order left the costliest block 1.85 times the mean.
+    Piece by piece (the tiles running at once share a few kv heads' K/V in L2, and wait for the first pieces to land),
+    the piece's tiles keep its positions but, longest first, each goes to the least-loaded block (over the pieces
+    before) among those with a position left in it."""
+    key = (order.data_ptr(), s_local, block_n, rank, world_size, blocks, device)
+    hit = _balanced.get(key)
+    if hit is not None and hit[0] is order:
+        return hit[1]
+    chunk = s_local // 2
+    half, m0, piece = order[:, 2], order[:, 3], order[:, 4]
+    later = world_size - 1 - rank
+    # key tiles per tile (as the kernel counts them), plus two for the tile's own load and epilogue
+    cost = (half * (chunk // block_n) + m0 // block_n + later * half * (s_local // block_n)
+            + rank * (chunk // block_n) + 2).tolist()
+    loads = [0] * blocks
+    positions = torch.empty(len(cost), dtype=torch.long)
+    pieces = piece.tolist()
+    begin = 0
+    while begin < len(cost):  # piece by piece: the positions its tiles take stay where ``order`` has them
+        end = begin
+        while end < len(cost) and pieces[end] == pieces[begin]:
+            end += 1
+        slots: dict[int, list[int]] = {}
+        for position in range(begin, end):
+            slots.setdefault(position % blocks, []).append(position)
+        heap = [(loads[b], b) for b in slots]
+        heapq.heapify(heap)
+        for t in sorted(range(begin, end), key=lambda t: -cost[t]):
+            _, b = heapq.heappop(heap)
+            positions[slots[b].pop(0)] = t
+            loads[b] += cost[t]
+            if slots[b]:
+                heapq.heappush(heap, (loads[b], b))
+        begin = end
+    result = order[positions].to(torch.int32).to(device)
+    if len(_balanced) >= prepared.MAX_PREPARED:
+        graphs.drop_graphs()  # (a kept graph may read the orders dropped here)
+        _balanced.clear()
+    _balanced[key] = (order, result)
+    return result
 
 
 _lse: dict = {}
