@@ -60,18 +60,19 @@ def test_all_reduce_pairs_sync_with_cas_at_system_scope():
 
 @pytest.mark.parametrize("op_name,pair", PAIRS, ids=[f"{o}:{p.triton}" for o, p in PAIRS])
 def test_twin_mirrors_its_recipe(op_name, pair):
-    """Same module name under the mirrored package, the public function exported from the package,
-    and the same signature for the public function and for ``launch`` (but ``launch``'s default launcher:
-    Triton's own launch in a recipe, the twin's plain Helion call in a twin). A standalone recipe's own function
-    of that name is its plain host function: its package exports the product layer's (``kraken.runtime``)."""
+    """Same module name under the mirrored package, the installed functions (``kraken.<name>``,
+    ``helion_ports.<name>``) with the same signature, and the same signature for the files' own function of that
+    name and for ``launch`` (but ``launch``'s default launcher: Triton's own launch in a recipe, the twin's plain
+    Helion call in a twin). A standalone recipe's own function of that name is its plain host function; the
+    installed one is the product layer's (``kraken.runtime``)."""
     assert pair.helion_module == pair.triton_module.replace("kraken.", "helion_ports.", 1)
     name = pair.triton_module.rsplit(".", 1)[1]
     exports = []
     for module_path in (pair.triton_module, pair.helion_module):
         module = importlib.import_module(module_path)
-        exported = getattr(importlib.import_module(module_path.rsplit(".", 1)[0]), name)
+        exported = getattr(importlib.import_module(module_path.split(".", 1)[0]), name)  # kraken.<name>, helion_ports.
         assert exported is getattr(module, name) or exported.__module__.startswith("kraken.runtime."), \
-            f"{module_path}: {name} is not exported from its package"
+            f"{module_path}: {name} is not the installed {name}"
         exports.append(exported)
     recipe, twin = importlib.import_module(pair.triton_module), importlib.import_module(pair.helion_module)
 

@@ -168,10 +168,11 @@ def test_inspector_compiles_a_given_shape(capsys):
 
 
 def test_only_helions_autotuner_cap_warning_is_silenced():
-    """Importing the twins silences Helion's autotuner-cap warning (printed on every twin compile) and
-    nothing else. In a fresh process: pytest resets warning filters around each test."""
+    """Importing the twins' building blocks (``kraken._blocks.helion``) silences Helion's autotuner-cap warning
+    (printed on every twin compile) and nothing else. In a fresh process: pytest resets warning filters around each
+    test."""
     code = (
-        "import warnings, helion_ports\n"
+        "import warnings, kraken._blocks.helion\n"
         "warnings.warn('max_num_sm_multipler is reduced from 64 to 8 due to the restriction of "
         "_SymmetricMemory.signal_pad_size=9216.', UserWarning)\n"
         "warnings.warn('something else', UserWarning)\n"
