@@ -228,6 +228,7 @@ def all_reduce_with(one_shot, two_shot, op: str):
         out = torch.empty_like(tensor) if launch_cfg["shot"] == crossover.ONE else None
         return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)
 
+    all_reduce.launch = launch  # (the door's launch seam, under which its prepared calls keep their replays)
     return all_reduce
 
 
