@@ -31,7 +31,7 @@ TWO_SHOT = importlib.import_module("kraken.comm.two_shot_all_reduce")
 REDUCE_SCATTER = importlib.import_module("kraken.comm.reduce_scatter")
 ALL_GATHER = importlib.import_module("kraken.comm.all_gather")
 one_shot_launch = ONE_SHOT.launch
-# op (a twin's is "helion <op>") -> its recipe, whose plan the twin shares
+# op's last word (a twin's op is "helion <name>") -> its recipe, whose plan the twin shares
 RECIPES = {"one_shot_all_reduce": ONE_SHOT, "two_shot_all_reduce": TWO_SHOT, "reduce_scatter": REDUCE_SCATTER,
            "all_gather": ALL_GATHER}
 
@@ -55,8 +55,8 @@ def check_shape(shape: tuple[int, ...], world_size: int, op: str, scatter: bool 
 
 
 def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
-    """Validate and agree (first call of a signature), plan with ``op``'s recipe (``RECIPES``)."""
-    recipe = RECIPES[op.removeprefix("helion ")]
+    """Validate and agree (first call of a signature), plan with the recipe ``op``'s last word names (``RECIPES``)."""
+    recipe = RECIPES[op.rpartition(" ")[2]]
     with agreement.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
         groups.check_tensor(tensor, "tensor", op)
         world_size = groups.world_size_of(group, op)
