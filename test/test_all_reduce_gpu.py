@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from kraken.runtime import collectives
 from gpu_utils import DTYPES, POISON, assert_close, heartbeat, needs_gpus, run_on_gpus
 
 pytestmark = needs_gpus
@@ -20,6 +21,11 @@ MODULES = {
     "triton_2shot": "kraken.comm.two_shot_all_reduce",
     "helion_2shot": "helion_ports.comm.two_shot_all_reduce",
 }
+
+
+def public(path: str):
+    """The installed function of a recipe or twin module: ``kraken.<name>`` or ``helion_ports.<name>``."""
+    return getattr(importlib.import_module(path.split(".", 1)[0]), path.rsplit(".", 1)[1])
 
 
 def rank_input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -39,11 +45,8 @@ class Runner:
         import kraken
 
         self.module = importlib.import_module(MODULES[backend])
-        package, name = MODULES[backend].rsplit(".", 1)
-        self.fn = getattr(importlib.import_module(package), name)  # the public function (the package's export)
-        # A standalone recipe's prepared calls are the product layer's (kraken.runtime.collectives).
-        self.prepare = (getattr(self.module, "prepare", None)
-                        or importlib.import_module("kraken.runtime.collectives").prepare)
+        self.name = MODULES[backend].rsplit(".", 1)[1]
+        self.fn = public(MODULES[backend])
         self.buf = kraken.symm_empty(numel, dtype)
         self.in_place = "2shot" in backend
 
@@ -51,8 +54,9 @@ class Runner:
         self.buf.copy_(src)
         if out is None:
             return self.fn(self.buf)
-        # One-shot into a caller-owned (poisoned) output, through the same plan/launch as the public call.
-        ctx, cfg = self.prepare(self.buf, None, "test", {})
+        # One-shot into a caller-owned (poisoned) output, through the product's prepared call (one of its own,
+        # named "test ...") and the module's launch.
+        ctx, cfg = collectives.prepare(self.buf, None, f"test {self.name}", {})
         return self.module.launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **cfg)
 
 
@@ -125,8 +129,7 @@ def stress_worker(backend: str) -> None:
 def errors_worker(backend: str) -> None:
     import kraken
 
-    package, name = MODULES[backend].rsplit(".", 1)
-    fn = getattr(importlib.import_module(package), name)  # the public function (the package's export)
+    fn = public(MODULES[backend])
     # An ordinary (non-symmetric) tensor is staged into the recipe's workspace: the same sum.
     plain = torch.full((1024,), dist.get_rank() + 1.0, device="cuda", dtype=torch.bfloat16)
     summed = fn(plain)

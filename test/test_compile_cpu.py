@@ -70,7 +70,7 @@ def test_twin_mirrors_its_recipe(op_name, pair):
     exports = []
     for module_path in (pair.triton_module, pair.helion_module):
         module = importlib.import_module(module_path)
-        exported = getattr(importlib.import_module(module_path.split(".", 1)[0]), name)  # kraken.<name>, helion_ports.
+        exported = registry.public(module_path)  # kraken.<name> or helion_ports.<name>
         assert exported is getattr(module, name) or exported.__module__.startswith("kraken.runtime."), \
             f"{module_path}: {name} is not the installed {name}"
         exports.append(exported)

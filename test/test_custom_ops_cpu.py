@@ -227,7 +227,8 @@ def test_front_doors_keep_the_recipes_signatures_and_are_the_modules_functions()
             assert door.__doc__ == recipe.__doc__ and door.op is not None
             if "<locals>" not in recipe.__qualname__:  # (a twin made by a product factory is not its module's own)
                 assert getattr(inspect.getmodule(recipe), name) is door
-    assert kraken.one_shot_all_reduce is kraken.runtime.collectives.one_shot_all_reduce
+    for name in ("one_shot_all_reduce", "two_shot_all_reduce", "reduce_scatter", "all_gather", "all_reduce"):
+        assert getattr(kraken, name) is getattr(kraken.runtime.collectives, name), name
 
 
 def test_eager_front_door_calls_the_recipe_and_costs_little(monkeypatch):

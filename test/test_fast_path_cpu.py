@@ -158,8 +158,12 @@ CASES = [
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
     ("helion_ports", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
-    ("kraken.comm.reduce_scatter", "reduce_scatter", "kraken.comm.reduce_scatter",
+    ("kraken.runtime.collectives", "reduce_scatter", "kraken.comm.reduce_scatter",
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
+    ("helion_ports", "reduce_scatter", "kraken.comm.reduce_scatter", lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
+    ("kraken.runtime.collectives", "all_gather", "kraken.comm.all_gather",
+     lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
+    ("helion_ports", "all_gather", "kraken.comm.all_gather", lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
     ("kraken.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
      lambda: (torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16))),
     ("helion_ports.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias",
@@ -182,7 +186,7 @@ def same_kind(launched, bound, addresses: bool) -> bool:
     return type(launched) is type(bound)
 
 
-@pytest.mark.parametrize("module,name,plan_module,make_args", CASES, ids=[f"{c[0]}" for c in CASES])
+@pytest.mark.parametrize("module,name,plan_module,make_args", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, plan_module, make_args):
     counts = symmetric_world(monkeypatch, plan_module)
     fn = getattr(importlib.import_module(module), name)
@@ -238,12 +242,18 @@ BF16 = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
 REPLAYED = [  # (module, public function, module whose plan it uses, the call's arguments, config, in place)
     ("kraken.runtime.collectives", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce",
      lambda: (BF16(1000),), {}, False),
-    ("kraken.comm.two_shot_all_reduce", "two_shot_all_reduce", "kraken.comm.two_shot_all_reduce",
+    ("kraken.runtime.collectives", "two_shot_all_reduce", "kraken.comm.two_shot_all_reduce",
      lambda: (BF16(1000),), {}, True),
-    ("kraken.comm.reduce_scatter", "reduce_scatter", "kraken.comm.reduce_scatter", lambda: (BF16(1000),), {}, False),
-    ("kraken.comm.all_gather", "all_gather", "kraken.comm.all_gather", lambda: (BF16(1000),), {}, False),
-    ("kraken.comm.all_reduce", "all_reduce", "kraken.comm.all_reduce", lambda: (BF16(1000),), {"shot": "one"}, False),
-    ("kraken.comm.all_reduce", "all_reduce", "kraken.comm.all_reduce", lambda: (BF16(1000),), {"shot": "two"}, True),
+    ("kraken.runtime.collectives", "reduce_scatter", "kraken.comm.reduce_scatter", lambda: (BF16(1000),), {}, False),
+    ("kraken.runtime.collectives", "all_gather", "kraken.comm.all_gather", lambda: (BF16(1000),), {}, False),
+    ("kraken.runtime.collectives", "all_reduce", "kraken.comm.one_shot_all_reduce", lambda: (BF16(1000),),
+     {"shot": "one"}, False),
+    ("kraken.runtime.collectives", "all_reduce", "kraken.comm.two_shot_all_reduce", lambda: (BF16(1000),),
+     {"shot": "two"}, True),
+    ("helion_ports", "two_shot_all_reduce", "kraken.comm.two_shot_all_reduce", lambda: (BF16(1000),), {}, True),
+    ("helion_ports", "reduce_scatter", "kraken.comm.reduce_scatter", lambda: (BF16(1000),), {}, False),
+    ("helion_ports", "all_gather", "kraken.comm.all_gather", lambda: (BF16(1000),), {}, False),
+    ("helion_ports", "all_reduce", "kraken.comm.two_shot_all_reduce", lambda: (BF16(1000),), {"shot": "two"}, True),
     ("helion_ports", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce", lambda: (BF16(1000),), {}, False),
     ("kraken.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
      lambda: (BF16(4, 256), BF16(256)), {}, False),
@@ -255,7 +265,7 @@ REPLAYED = [  # (module, public function, module whose plan it uses, the call's 
 
 
 @pytest.mark.parametrize("module,name,plan_module,make_args,config,in_place", REPLAYED,
-                         ids=[f"{c[0]}-{c[4].get('shot', '')}" for c in REPLAYED])
+                         ids=[f"{c[0]}:{c[1]}-{c[4].get('shot', '')}" for c in REPLAYED])
 def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, launches, module, name, plan_module,
                                                                   make_args, config, in_place):
     """``replayed`` (the collectives' ``staging.launched``, the bias family's ``staged_call``): a call's first run
@@ -272,8 +282,10 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
             monkeypatch.setattr(symm, "is_symmetric", lambda tensor: True)
             calls = calls[:1] * WARM_CALLS  # (one prepared call per symmetric address)
         outputs = [fn(*args, **config) for args in calls]
-        # the call's launch function: the twin's, or the recipe's (a standalone recipe's public function is elsewhere)
-        launch = importlib.import_module(twin_module(plan_module) if twin else plan_module).launch
+        # the call's launch function: a front door's own (``launch``), the twin's, or the recipe's (a standalone
+        # recipe's public function is elsewhere)
+        launch = getattr(fn, "launch", None) or importlib.import_module(
+            twin_module(plan_module) if twin else plan_module).launch
         assert_replays_match(launches, calls, outputs, twin, launch)
         assert all((out is args[0]) == in_place for args, out in zip(calls, outputs))
     finally:

@@ -51,7 +51,7 @@ def staged_worker() -> None:
     rows = 1003  # odd: tails
     for path in COLLECTIVES:
         for package in ("kraken", "helion_ports"):
-            fn = getattr(importlib.import_module(f"{package}.{path.rsplit('.', 1)[0]}"), path.rsplit(".", 1)[1])
+            fn = getattr(importlib.import_module(package), path.rsplit(".", 1)[1])  # kraken.<name>, helion_ports.<name>
             numel = rows * world_size if "reduce_scatter" in path else rows
             buffers = [torch.empty(numel, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
             for call in range(8):

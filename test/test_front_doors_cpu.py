@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import types
 
 import pytest
 import torch
@@ -27,12 +28,25 @@ EXPECTED = [
     ("all_reduce_bias_rms_norm", 2, 64), ("all_reduce_bias_rms_norm", 4, 16), ("all_reduce_bias_rms_norm", 8, 16),
     ("all_reduce_bias", 3, 16), ("all_reduce_bias_rms_norm", 6, 16),
 ]
-FRONT_DOORS = {  # op -> (front door module, one-shot module, two-shot module), under kraken.
-    "all_reduce": ("comm.all_reduce", "comm.one_shot_all_reduce", "comm.two_shot_all_reduce"),
+FRONT_DOORS = {  # op -> (front door module, one-shot module, two-shot module), under kraken (``door_of``).
+    "all_reduce": (None, "comm.one_shot_all_reduce", "comm.two_shot_all_reduce"),  # (kraken.runtime.collectives)
     "all_reduce_bias": ("fused.all_reduce_bias", "fused.one_shot_all_reduce_bias", "fused.two_shot_all_reduce_bias"),
     "all_reduce_bias_rms_norm": ("fused.all_reduce_bias_rms_norm", "fused.one_shot_all_reduce_bias_rms_norm",
                                  "fused.two_shot_all_reduce_bias_rms_norm"),
 }
+
+
+def door_of(package: str, op: str):
+    """The front door of ``op`` under ``package`` ("kraken" or "helion_ports"), as a module with the door's function
+    (named ``op``), its ``plan`` and its one-shot and two-shot modules (``ONE_SHOT``, ``TWO_SHOT``). ``all_reduce``'s
+    door has no module of its own (``kraken.runtime.collectives``): those four, gathered."""
+    if FRONT_DOORS[op][0] is not None:
+        return importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
+    from kraken.runtime import collectives
+
+    one, two = (importlib.import_module(f"{package}.{m}") for m in FRONT_DOORS[op][1:])
+    door = collectives.all_reduce if package == "kraken" else collectives.helion_all_reduce
+    return types.SimpleNamespace(all_reduce=door, plan=collectives.all_reduce_plan, ONE_SHOT=one, TWO_SHOT=two)
 
 
 @pytest.mark.parametrize("op,world_size,last_one_shot", EXPECTED, ids=[f"{o}-ws{w}" for o, w, _ in EXPECTED])
@@ -68,8 +82,8 @@ def test_sizes_the_table_counts():
 @pytest.mark.parametrize("op", sorted(FRONT_DOORS))
 @pytest.mark.parametrize("world_size,size", [(2, 8), (2, 1 << 22), (4, 8), (4, 1 << 22), (8, 100), (8, 1 << 20)])
 def test_plan_is_the_chosen_recipes_plan(op, world_size, size):
-    door, one, two = (importlib.import_module(f"kraken.{m}") for m in FRONT_DOORS[op])
-    twin = importlib.import_module(f"helion_ports.{FRONT_DOORS[op][0]}")
+    door, twin = door_of("kraken", op), door_of("helion_ports", op)
+    one, two = (importlib.import_module(f"kraken.{m}") for m in FRONT_DOORS[op][1:])
     assert twin.plan is door.plan  # one plan, one choice
     shot = crossover.choose(op, size, world_size)
     args = (size, world_size) if op == "all_reduce" else (size, 4096, world_size)
@@ -90,7 +104,7 @@ def recorded_recipes(monkeypatch, package: str, op: str) -> list:
     """The front door's two recipes' ``launch`` replaced by recorders of (shot, the door's input as the launch got
     it, the launch configuration); returns the record. The doors launch the chosen recipe on the preparation they
     keep (``door_call``): ``all_reduce``'s passes an ordinary input as ``x`` (staged), the bias family's first."""
-    door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
+    door = door_of(package, op)
     calls = []
     for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
         assert recipe.__name__ == f"{package}.{FRONT_DOORS[op][1 if shot == 'one' else 2]}"
@@ -131,7 +145,7 @@ def two_ranks(monkeypatch):
 @pytest.mark.parametrize("op", sorted(FRONT_DOORS))
 def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op):
     """The call reaches the recipe the table names, with the caller's group and config less ``shot``."""
-    door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
+    door = door_of(package, op)
     fn = getattr(door, op)
     assert fn is getattr(importlib.import_module(package), op)  # exported
     calls = recorded_recipes(monkeypatch, package, op)
@@ -159,7 +173,7 @@ def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op)
 def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatch, package, op):
     """While Dynamo traces, the doors neither check nor prepare (``door_call``): they call the chosen recipe's public
     function (its operator there) with the caller's arguments and group, the config less ``shot``."""
-    door = importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
+    door = door_of(package, op)
     calls = []
     for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
         public = crossover.PUBLIC[recipe.__name__.split(".")[0]]  # where its public function (operator) is
@@ -208,8 +222,8 @@ def test_one_rank_alone_bad_raises_through_the_door_on_a_signature_the_recipe_ra
     (agreed, prepared); then rank 1 alone passes bad input to the front door on it. Rank 0 must raise too, naming
     rank 1, before any launch: the door agrees on its own first call of a signature, since the recipe's prepared
     call (shared with direct calls) would skip the exchange and launch, leaving rank 1 to raise alone."""
-    door_path, one_path, _ = FRONT_DOORS[op]
-    door, one_shot = (importlib.import_module(f"kraken.{m}") for m in (door_path, one_path))
+    _, one_path, _ = FRONT_DOORS[op]
+    door = door_of("kraken", op)
     rest, argument, message = RECIPE_FIRST[op]
     x = torch.randn(7000, dtype=BF16) if op == "all_reduce" else torch.randn(7, 1000, dtype=BF16)
     assert crossover.choose(op, crossover.size_of(op, x), 2) == "one"  # the door calls the recipe that ran
@@ -237,7 +251,7 @@ def test_each_door_agrees_on_its_own_first_calls(two_ranks, monkeypatch, op):
     doors = []
     for package in ("kraken", "helion_ports"):
         recorded_recipes(monkeypatch, package, op)
-        doors.append(getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}"), op))
+        doors.append(getattr(door_of(package, op), op))
     kraken_door, twin_door = doors
     kraken_door(x, *rest)
     two_ranks.other = rank_one_bad(argument, message)
@@ -256,19 +270,20 @@ def test_forced_shots_that_differ_between_ranks_raise_on_every_rank(two_ranks, m
     two_ranks.other = lambda mine: (tuple((n, (("shot", "two"),) if n == "config" else s) for n, s in mine[0]), None)
     differs = "config: rank 0 (('shot', 'one'),), rank 1 (('shot', 'two'),)"
     with pytest.raises(ValueError, match=re.escape(f"ranks disagree on the input's shape/dtype ({differs})")):
-        getattr(importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}"), op)(x, *rest, shot="one")
+        getattr(door_of(package, op), op)(x, *rest, shot="one")
     assert calls == []
 
 
 def test_front_door_launch_reaches_the_chosen_kernel():
-    """``launch`` with ``plan``'s choice launches that recipe's kernel (CPU stand-ins, captured, not run)."""
+    """The benchmark's example of the door (its pair names the two-shot modules) launches the kernel of the recipe
+    the door's ``plan`` chooses, of the pair's package (CPU stand-ins, captured, not run)."""
     from benchmark.ops.all_reduce import auto_example
 
     for package in ("kraken", "helion_ports"):
-        door = importlib.import_module(f"{package}.comm.all_reduce")
+        pair_module = importlib.import_module(f"{package}.comm.two_shot_all_reduce")
         for numel, expected in ((10007, "one_shot"), (1 << 20 | 7, "two_shot")):
             with sm90.capture_launches() as launches:
-                auto_example(door, 4, shape=(numel,))
+                auto_example(pair_module, 4, shape=(numel,))
             (launch,) = launches
             assert expected in launch.kernel.fn.__name__ or expected in launch.kernel.__name__, (package, numel)
 

@@ -14,7 +14,7 @@ from benchmark import sm90
 from benchmark.ops import all_gather as all_gather_op
 from benchmark.ops import reduce_scatter as reduce_scatter_op
 from fake_world import FakeWorld
-from kraken.runtime import groups, symm
+from kraken.runtime import collectives, groups, staging, symm
 
 RS = ("kraken.comm.reduce_scatter", "helion_ports.comm.reduce_scatter")
 AG = ("kraken.comm.all_gather", "helion_ports.comm.all_gather")
@@ -24,6 +24,11 @@ NUMELS = (1, 7, 63, 64, 4095, 10007, 1 << 16, (1 << 20) + 3, 1 << 25, 3 * (1 << 
 
 def module(path: str):
     return importlib.import_module(path)
+
+
+def public(path: str):
+    """The installed function of a recipe or twin module: ``kraken.<name>`` or ``helion_ports.<name>``."""
+    return getattr(importlib.import_module(path.split(".", 1)[0]), path.rsplit(".", 1)[1])
 
 
 # ---------------------------------------------------------------------------
@@ -37,13 +42,12 @@ def block_ranges(shard: int, cfg: dict) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("path", [RS[0], AG[0]])
-def test_plans_stay_inside_the_pad_and_cover_each_shard_once(path, monkeypatch):
-    monkeypatch.setattr(groups, "signal_pad_bytes", lambda: PAD)
+def test_plans_stay_inside_the_pad_and_cover_each_shard_once(path):
     plan = module(path).plan
     for ws in range(2, 9):
         for n in NUMELS:
             shard = n  # all_gather plans its shard; reduce_scatter its input, ws shards
-            cfg = plan(n if path == AG[0] else n * ws, ws, {"max_blocks": 100_000})
+            cfg = plan(n if path == AG[0] else n * ws, ws, {"max_blocks": 100_000}, pad_bytes=PAD)
             assert 1 <= cfg["num_blocks"] <= groups.max_barrier_blocks(ws, PAD), (ws, n, cfg)
             assert cfg["chunk"] % 64 == 0, "every chunk starts 16-byte aligned within its shard"
             bs = cfg["block_size"]
@@ -62,6 +66,28 @@ def test_the_block_shrinks_as_the_world_and_the_element_grow():
         assert [mod.plan(1 << 24, ws, {})["block_size"] for ws in (2, 3, 4, 8)] == [8192, 4096, 4096, 2048]
         assert [mod.plan(1 << 24, ws, {}, 4)["block_size"] for ws in (2, 3, 4, 8)] == [4096, 2048, 2048, 1024]
         assert mod.plan(1 << 24, 2, {"block_size": 1024})["block_size"] == 1024
+
+
+TWINNED = ("comm.two_shot_all_reduce", "comm.reduce_scatter", "comm.all_gather")
+
+
+@pytest.mark.parametrize("path", TWINNED)
+def test_the_twins_plan_is_the_recipes(path):
+    """Each twin carries a copy of its recipe's plan and defaults (it imports no recipe): they agree everywhere."""
+    recipe, twin = module(f"kraken.{path}"), module(f"helion_ports.{path}")
+    assert twin.DEFAULT_CONFIG == recipe.DEFAULT_CONFIG
+    configs = ({}, {"max_blocks": 7}, {"block_size": 1024, "num_warps": 4}, {"max_blocks": 100_000})
+    itemsizes = (2,) if path.endswith("two_shot_all_reduce") else (2, 4)
+    for ws in range(1, 9):
+        for n in NUMELS + (3 << 30,):
+            for config in configs:
+                for pad in (None, PAD, 4096):
+                    for itemsize in itemsizes:
+                        extra = () if len(itemsizes) == 1 else (itemsize,)
+                        expected = recipe.plan(n, ws, config, *extra, pad_bytes=pad)
+                        assert twin.plan(n, ws, config, *extra, pad_bytes=pad) == expected, (path, ws, n, config)
+    with pytest.raises(TypeError, match="unknown config keys"):
+        twin.plan(10, 2, {"blocksize": 1})
 
 
 def emulate_reduce_scatter(inputs: list[torch.Tensor], rank: int, cfg: dict) -> torch.Tensor:
@@ -118,7 +144,7 @@ def test_index_math_gives_the_collective(ws, shard):
 
 @pytest.mark.parametrize("path", RS + AG)
 def test_tensor_checks(path):
-    fn = getattr(module(path), path.rsplit(".", 1)[1])
+    fn = public(path)
     with pytest.raises(ValueError, match="dtype int32; supported: bfloat16, float16, float32"):
         fn(torch.zeros(8, dtype=torch.int32))
     with pytest.raises(ValueError, match="must be contiguous"):
@@ -130,17 +156,17 @@ def test_tensor_checks(path):
 
 
 def test_shape_checks():
-    rs, ag = module(RS[0]), module(AG[0])
+    check_shape = collectives.check_shape
     with pytest.raises(ValueError, match=r"first dimension M = 7 is not divisible by the world size 2"):
-        rs.check_shape((7, 3), 2, "reduce_scatter")
+        check_shape((7, 3), 2, "reduce_scatter")
     with pytest.raises(ValueError, match=r"M = 12 is not divisible by the world size 8"):
-        rs.check_shape((12,), 8, "reduce_scatter")
-    rs.check_shape((24, 5), 8, "reduce_scatter")
-    for mod in (rs, ag):
-        with pytest.raises(ValueError, match="at least one dimension"):
-            mod.check_shape((), 2, "op")
-        mod.check_shape((1 << 30, 4), 2, "op")  # past 2**31 elements: taken, with 64-bit offsets
-    ag.check_shape((7, 3), 2, "all_gather")  # any M gathers
+        check_shape((12,), 8, "reduce_scatter")
+    check_shape((24, 5), 8, "reduce_scatter")
+    for scatter in (True, False):
+        with pytest.raises(ValueError, match="at least one dimension .rows to (scatter|gather)"):
+            check_shape((), 2, "op", scatter)
+        check_shape((1 << 30, 4), 2, "op", scatter)  # past 2**31 elements: taken, with 64-bit offsets
+    check_shape((7, 3), 2, "all_gather", scatter=False)  # any M gathers
 
 
 COLLECTIVES = ("kraken.comm.one_shot_all_reduce", "kraken.comm.two_shot_all_reduce", RS[0], AG[0])
@@ -202,7 +228,6 @@ def test_bad_rows_raise_on_every_rank_before_any_launch(path, monkeypatch):
     """M not divisible by the world size raises a ValueError naming both on every rank (the ranks exchange
     their verdicts, ``agreement.agreed``) and before anything is launched. CPU tensors stand in for CUDA."""
     mod = module(path)
-    recipe = module(path.replace("helion_ports.", "kraken.", 1))
     real_check = groups.check_tensor
 
     def every_check_but_the_device(tensor, name, op):
@@ -216,9 +241,10 @@ def test_bad_rows_raise_on_every_rank_before_any_launch(path, monkeypatch):
     monkeypatch.setattr(groups, "check_tensor", every_check_but_the_device)
     monkeypatch.setattr(symm, "symm_context", lambda t, group, op: FakeContext(t))
     monkeypatch.setattr(symm, "is_symmetric", lambda tensor: True)  # the CPU stand-ins take the symmetric path
-    launches = []
-    monkeypatch.setattr(mod, "launch", lambda *args, **kwargs: launches.append(args))
-    fn = getattr(mod, path.rsplit(".", 1)[1])
+    launches = []  # the product's call of the launch (recipe's or twin's) on its prepared call
+    monkeypatch.setattr(staging, "launched", lambda launch, ctx, cfg, staged, tensor, *out: launches.append(
+        (launch, *out)))
+    fn = public(path)
     if "reduce_scatter" in path:
         with pytest.raises(ValueError, match=r"on ranks 0, 1: the first dimension M = 5 is not divisible by the world size 2"):
             fn(torch.zeros(5, 3))
@@ -229,10 +255,10 @@ def test_bad_rows_raise_on_every_rank_before_any_launch(path, monkeypatch):
     with pytest.raises(TypeError, match="unknown config keys"):
         fn(torch.zeros(4, 3), bogus=1)
     assert not launches
-    fn(torch.zeros(4, 3))  # a good call reaches the launch with the shared plan
+    fn(torch.zeros(4, 3))  # a good call reaches this module's launch
     (args,) = launches
+    assert args[0] is mod.launch
     assert args[1].shape == ((2, 3) if "reduce_scatter" in path else (8, 3))
-    assert recipe.prepare is mod.prepare
 
 
 # ---------------------------------------------------------------------------

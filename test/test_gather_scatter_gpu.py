@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from kraken.runtime import collectives
 from gpu_utils import DTYPES, POISON, assert_close, heartbeat, needs_gpus, run_on_gpus
 
 pytestmark = needs_gpus
@@ -32,8 +33,9 @@ STRESS_CASE = (8191, 8)
 
 
 def load(path: str):
-    package, name = path.rsplit(".", 1)
-    return importlib.import_module(path), getattr(importlib.import_module(package), name)  # (the package's export)
+    """The module and its installed function (``kraken.<name>`` or ``helion_ports.<name>``)."""
+    top, name = path.split(".", 1)[0], path.rsplit(".", 1)[1]
+    return importlib.import_module(path), getattr(importlib.import_module(top), name)
 
 
 def rank_values(seed: int, rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -59,8 +61,9 @@ def all_gather_ref(seed: int, shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def launch_into(module, tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The public call's own prepare/launch, into a caller-owned (poisoned) output."""
-    ctx, cfg = module.prepare(tensor, None, "test", {})
+    """The product's prepared call (one of its own, named "test ...") and the module's launch, into a caller-owned
+    (poisoned) output."""
+    ctx, cfg = collectives.prepare(tensor, None, f"test {module.__name__.rsplit('.', 1)[1]}", {})
     return module.launch(ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **cfg, group_name=ctx.group_name)
 
 

@@ -37,12 +37,17 @@ def fn(prefix: str, module: str, name: str):
     return getattr(importlib.import_module(f"{prefix}.{module}"), name)
 
 
+def public(prefix: str, name: str):
+    """The installed function: ``kraken.<name>`` or ``helion_ports.<name>``."""
+    return getattr(importlib.import_module(prefix), name)
+
+
 def check_collectives(world_size: int, rank: int) -> None:
     shard = -(-PAST // world_size // 64) * 64  # elements per rank: the output (gather) or the input (scatter) > 2**31
     mine = values(1, rank, (shard,))
     for prefix in PREFIXES:
         heartbeat(f"{prefix} all_gather")
-        out = fn(prefix, "comm.all_gather", "all_gather")(mine)
+        out = public(prefix, "all_gather")(mine)
         assert out.numel() == world_size * shard > 2**31
         for r in range(world_size):
             assert torch.equal(out[r * shard:(r + 1) * shard], values(1, r, (shard,))), f"{prefix} all_gather rank {r}"
@@ -55,7 +60,7 @@ def check_collectives(world_size: int, rank: int) -> None:
         expected += values(2, r, (world_size * shard,))[rank * shard:(rank + 1) * shard].float()
     for prefix in PREFIXES:
         heartbeat(f"{prefix} reduce_scatter")
-        out = fn(prefix, "comm.reduce_scatter", "reduce_scatter")(x)
+        out = public(prefix, "reduce_scatter")(x)
         assert torch.equal(out.float(), expected), f"{prefix} reduce_scatter"
         del out
     del expected
@@ -69,9 +74,9 @@ def check_collectives(world_size: int, rank: int) -> None:
             heartbeat(f"{prefix} all_reduce shot={shot}")
             if (prefix, shot) == ("helion_ports", "two"):  # the twin refuses them (see its launch), before any launch
                 with pytest.raises(ValueError, match="pass 2\\*\\*31 - 1"):
-                    fn(prefix, "comm.all_reduce", "all_reduce")(x, shot=shot)
+                    public(prefix, "all_reduce")(x, shot=shot)
                 continue
-            summed = fn(prefix, "comm.all_reduce", "all_reduce")(x.clone(), shot=shot)
+            summed = public(prefix, "all_reduce")(x.clone(), shot=shot)
             assert torch.equal(summed.float(), total), f"{prefix} all_reduce shot={shot}"
             del summed
             torch.cuda.empty_cache()

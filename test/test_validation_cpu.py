@@ -13,9 +13,9 @@ from kraken.runtime import agreement, groups, symm
 
 ENTRY_POINTS = [
     ("kraken.runtime.collectives", "one_shot_all_reduce"),
-    ("kraken.comm.two_shot_all_reduce", "two_shot_all_reduce"),
+    ("kraken.runtime.collectives", "two_shot_all_reduce"),
     ("helion_ports", "one_shot_all_reduce"),
-    ("helion_ports.comm.two_shot_all_reduce", "two_shot_all_reduce"),
+    ("helion_ports", "two_shot_all_reduce"),
 ]
 
 

@@ -6,8 +6,6 @@ rank contributes a ``NUMEL / world_size``-element shard.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.distributed as dist
 

@@ -13,7 +13,7 @@ from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 
 ONE_SHOT = "comm.one_shot_all_reduce"
 TWO_SHOT = "comm.two_shot_all_reduce"
-AUTO = "comm.all_reduce"  # the front door: one-shot or two-shot by kraken.runtime.crossover
+AUTO = "all_reduce"  # the front door (kraken.all_reduce): one-shot or two-shot by kraken.runtime.crossover
 
 
 def make_inputs(shape, dtype, seed):
@@ -54,11 +54,15 @@ def example(module, world_size: int, shape=(10007,)) -> None:
 
 
 def auto_example(module, world_size: int, shape=(10007,)) -> None:
-    """A CPU stand-in launch of the front door (or its twin): the recipe its ``plan`` picks at this size."""
+    """A CPU stand-in launch of the front door (``kraken.all_reduce``, or its twin): the recipe of ``module``'s
+    package (``kraken`` or ``helion_ports``) that the door's plan (``kraken.runtime.collectives.all_reduce_plan``)
+    picks at this size. The door is no module of its own: its pair names the two-shot recipes."""
+    from kraken.runtime.collectives import all_reduce_plan
+
     (numel,) = shape
-    peers = tuple(torch.randn(numel, dtype=torch.bfloat16) for _ in range(world_size))
-    cfg = module.plan(numel, world_size, {})
-    module.launch(peers, torch.empty_like(peers[0]), FAKE_SIGNAL_PADS, example_rank(world_size), **cfg)
+    shot = all_reduce_plan(numel, world_size, {})["shot"]
+    package = module.__name__.split(".", 1)[0]
+    example(importlib.import_module(f"{package}.{ONE_SHOT if shot == 'one' else TWO_SHOT}"), world_size, shape)
 
 
 def nvlink_bytes(shape, dtype, world_size):
@@ -93,7 +97,7 @@ register(
         pairs=[
             Pair("triton_1shot", "helion_1shot", f"kraken.{ONE_SHOT}", f"helion_ports.{ONE_SHOT}", example),
             Pair("triton_2shot", "helion_2shot", f"kraken.{TWO_SHOT}", f"helion_ports.{TWO_SHOT}", example),
-            Pair("triton_auto", "helion_auto", f"kraken.{AUTO}", f"helion_ports.{AUTO}", auto_example),
+            Pair("triton_auto", "helion_auto", f"kraken.{TWO_SHOT}", f"helion_ports.{TWO_SHOT}", auto_example),
         ],
     )
 )

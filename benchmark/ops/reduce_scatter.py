@@ -6,8 +6,6 @@ rank gets its ``NUMEL / world_size`` elements of the sum over ranks.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.distributed as dist
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._blocks.helion import flat_kernel, run
-from helion_ports.comm.all_gather import all_gather as helion_all_gather
+from kraken.runtime.collectives import helion_all_gather
 from kraken._gemm_core import flattens
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
 from kraken.comm.all_gather_with_progress import start as start_gather

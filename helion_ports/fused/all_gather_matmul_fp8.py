@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._blocks.helion import run
-from helion_ports.comm.all_gather import all_gather as helion_all_gather
+from kraken.runtime.collectives import helion_all_gather
 from helion_ports.fused.all_gather_matmul import compiled  # the bf16 twin's kernel, scaled
 from kraken._gemm_core import tma_fp8
 from kraken.comm.all_gather_with_progress import start as start_gather

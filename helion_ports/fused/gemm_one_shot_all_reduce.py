@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._blocks.helion import flat_kernel, own_storage, run, views
-from helion_ports.comm.all_reduce import all_reduce as helion_all_reduce
+from kraken.runtime.collectives import helion_all_reduce
 from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT, SYMM_MEM_SYNC
 from kraken._gemm_core import tma_operands
 from kraken.fused.gemm_one_shot_all_reduce import (  # shared with the recipe

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from kraken._blocks.helion import flat_kernel, own_storage, run
 from kraken._ptx_utils.inline_source import EPOCH_SEND, EPOCH_SYNC, EPOCH_WAIT
 from kraken._gemm_core import tma_operands
-from helion_ports.comm.reduce_scatter import reduce_scatter as helion_reduce_scatter
+from kraken.runtime.collectives import helion_reduce_scatter
 from kraken.fused.gemm_reduce_scatter import call, chunk_tile, plan, prepare, rounds_of  # shared with the recipe
 from kraken.runtime.launcher import jit_launch
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from kraken._blocks.helion import flat_kernel, own_storage, run
-from helion_ports.comm.reduce_scatter import reduce_scatter as helion_reduce_scatter
+from kraken.runtime.collectives import helion_reduce_scatter
 from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter_body  # the bf16 twin's, scaled
 from kraken.fused.gemm_reduce_scatter_fp8 import (  # shared with the recipe
     OP, b_operand, call, chunk_tile, plan, prepare, rounds_of, tma_a,

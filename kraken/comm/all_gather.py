@@ -1,9 +1,9 @@
 """All-gather: every rank gets every rank's shard, in rank order, in a new tensor.
 
-Each rank's input is its shard, ``[M, ...]`` in symmetric memory; the output is
-``[world_size * M, ...]`` with rank ``r``'s shard at rows ``r * M .. (r + 1) * M``.
-Every rank pulls the ``world_size - 1`` peers' shards with SM loads (and copies
-its own): ``(world_size - 1) / world_size`` of the output crosses NVLink once.
+Each rank's input is its shard, ``[M, ...]``; the output is ``[world_size * M, ...]``
+with rank ``r``'s shard at rows ``r * M .. (r + 1) * M``. Every rank pulls the
+``world_size - 1`` peers' shards with SM loads (and copies its own):
+``(world_size - 1) / world_size`` of the output crosses NVLink once.
 
 A persistent grid of ``num_blocks`` blocks splits the shard into contiguous
 chunks. Block ``b`` of every rank copies chunk ``b`` of every rank's shard and
@@ -20,29 +20,45 @@ uses barrier slot ``b``:
 3. barrier (release): "I am done reading your shard", so when the kernel
    returns every rank may overwrite its input.
 
-An ordinary tensor (not in symmetric memory) is staged (``kraken.runtime.staging``):
-block ``b`` first copies chunk ``b`` of it into kraken's symmetric workspace,
-and its first barrier releases those writes; the peers are the workspace.
+An ordinary tensor (not in symmetric memory) is staged (``STAGED``): block ``b``
+first copies chunk ``b`` of it into this rank's symmetric buffer, and its first
+barrier releases those writes; the peers are those buffers. A symmetric tensor
+is read in place.
+
+Layout: ``[M, ...]``, contiguous, bf16/fp16/fp32, read as a flat array. Past
+2**31 output elements the kernel computes its offsets in 64 bits (``WIDE``).
+
+This file is the recipe: the kernel, ``plan`` (pure), ``launch`` (the seam the
+installed package's fast path calls with its own ``launcher``) and a plain host
+function. ``kraken.all_gather`` is the same kernel behind the product layer
+(``kraken.runtime.collectives``: checks agreed across ranks, a prepared call per
+signature, a shared workspace, replayed launches).
+
+    torchrun --nproc-per-node 2 kraken/comm/all_gather.py
 """
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
 
 from kraken._blocks import copy_slice
-from kraken._ptx_utils import symm_mem_sync
-from kraken.comm.reduce_scatter import shard_plan
-from kraken.runtime import agreement, groups, staging
-from kraken.runtime.launcher import jit_launch
+from kraken._ptx_utils import barrier_blocks, symm_mem_sync
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): the best at 4M and 32M
-# bf16 output elements (19.4 and 108.1 us).
+# bf16 output elements.
 DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 132}
-# A thread loads at most 64 bytes per step over all ranks, as in the reduce-scatter (``shard_plan``; twice
-# that, an unaligned shard's scalar loads spilled at world size 8).
+# Bytes a thread loads per step over all ranks, as in the reduce-scatter: with more, ptxas stores before it
+# has issued every load (and an unaligned shard's scalar loads spilled at world size 8).
+MAX_BYTES_PER_THREAD = 64
+CHUNK_ALIGN = 64  # elements: every block's chunk starts 16-byte aligned within the shard
+MAX_INDEX = 2**31 - 1  # the largest offset 32-bit arithmetic reaches; past it the kernel runs WIDE
 
 
 @triton.jit
@@ -83,6 +99,39 @@ def all_gather_kernel(
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan(shard: int, world_size: int, config: dict, itemsize: int = 2, pad_bytes: int | None = None) -> dict:
+    """The launch configuration for a ``shard``-element input of ``itemsize``-byte elements: ``DEFAULT_CONFIG``
+    overridden by ``config``, then ``shard_plan``. Shared with the Helion twin."""
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"all_gather: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    return shard_plan(shard, world_size, {**DEFAULT_CONFIG, **config}, itemsize, pad_bytes)
+
+
+def shard_plan(shard: int, world_size: int, cfg: dict, itemsize: int, pad_bytes: int | None = None) -> dict:
+    """The persistent grid over a ``shard``-element shard read from every rank, for a resolved ``cfg``
+    (block_size, num_warps, max_blocks): a block of at most ``MAX_BYTES_PER_THREAD`` per thread over all ranks, at
+    most one block per ``block_size`` elements, ``max_blocks``, and the block ids the signal pad holds
+    (``pad_bytes``; by default torch's pad size), each block an aligned chunk of the shard."""
+    per_rank_bytes = 1 << ((MAX_BYTES_PER_THREAD // world_size).bit_length() - 1)  # a power of two
+    per_peer = max(1, per_rank_bytes // itemsize)  # values per thread and rank
+    block_size = min(cfg["block_size"], per_peer * 32 * cfg["num_warps"])
+    pad_bytes = symm_mem.get_signal_pad_size() if pad_bytes is None else pad_bytes
+    num_blocks = max(1, min(cdiv(shard, block_size), cfg["max_blocks"], barrier_blocks(world_size, pad_bytes)))
+    chunk = cdiv(cdiv(shard, num_blocks), CHUNK_ALIGN) * CHUNK_ALIGN
+    return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk,
+            "wide": world_size * shard > MAX_INDEX}
+
+
+def triton_launch(kernel, grid: tuple[int, ...], *args, **meta):
+    """``launch``'s default launcher: Triton's own ``kernel[grid](...)``."""
+    return kernel[grid](*args, **meta)
+
+
 def launch(
     peers: tuple[torch.Tensor, ...],
     out: torch.Tensor,
@@ -94,15 +143,16 @@ def launch(
     chunk: int,
     wide: bool = False,
     group_name: str = "",
-    launcher=jit_launch,
+    launcher=triton_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+    """Launch on planned arguments (no checks); the same signature as the Helion twin's ``launch``.
 
     ``peers[r]`` is rank r's shard; ``out`` has ``world_size`` shards. ``wide``: more than 2**31 - 1
     elements to address (64-bit offsets). ``group_name`` is unused here; Helion takes it as its
-    ``hl.ProcessGroupName``. ``x``: an ordinary input to stage into ``peers[rank]`` (the workspace) first; None
-    when the peers are the input.
+    ``hl.ProcessGroupName``. ``launcher(kernel, grid, *args, **meta)``: Triton's own launch, or the one the
+    installed package's prepared call passes (its host fast path). ``x``: an ordinary input to stage into
+    ``peers[rank]`` first; None when the peers are the input.
     """
     local = peers[rank]
     sources = peers[rank + 1:] + peers[:rank + 1]
@@ -114,41 +164,63 @@ def launch(
     return out
 
 
-def plan(shard: int, world_size: int, config: dict, itemsize: int = 2) -> dict:
-    """Resolve the launch configuration for a ``shard``-element input of ``itemsize``-byte elements
-    (shared with the Helion port)."""
-    return shard_plan(shard, world_size, groups.resolve_config(config, DEFAULT_CONFIG, "all_gather"), itemsize)
-
-
-def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
-    """At least one dimension."""
-    if len(shape) == 0:
-        raise ValueError(f"{op}: tensor must have at least one dimension (rows to gather), got a 0-d tensor")
-
-
-def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
-    """Validate and agree (first call of a signature), plan."""
-    with agreement.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
-        groups.check_tensor(tensor, "tensor", op)
-        world_size = groups.world_size_of(group, op)
-        check_shape(tuple(tensor.shape), world_size, op)
-        launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
-        groups.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return launch_cfg
-
-
-# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.runtime.staging.
-prepare, prepare_staged, prepare_call = staging.prepares(check)
+def symmetric_peers(numel: int, dtype: torch.dtype, device: torch.device, group) -> tuple:
+    """A symmetric buffer of ``numel`` elements on every rank of ``group`` (a collective: every rank calls it):
+    (every rank's buffer as this rank sees it, the signal pads' pointer array, this rank)."""
+    buf = symm_mem.empty(numel, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buf, group if isinstance(group, str) else group.group_name)
+    peers = tuple(buf if r == handle.rank else handle.get_buffer(r, (numel,), dtype)
+                  for r in range(handle.world_size))
+    return peers, handle.signal_pad_ptrs_dev, handle.rank
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
-    """Every rank's ``tensor`` stacked along the first dimension in rank order, as a new
-    ``[world_size * M, ...]`` tensor.
+    """Every rank's ``tensor`` stacked along the first dimension in rank order, as a new ``[world_size * M, ...]``
+    tensor (``group``: the default group when None); ``tensor`` is left unchanged.
 
-    ``tensor`` (this rank's shard, ``[M, ...]``): contiguous, bf16/fp16/fp32, on the GPU; in symmetric
-    memory (``kraken.symm_empty``) it is read in place, otherwise staged inside the kernel; it is left
-    unchanged. ``config`` overrides ``DEFAULT_CONFIG``.
-    """
-    ctx, launch_cfg, staged = prepare_call(tensor, group, "all_gather", config)
-    out = staging.new_rows(tensor, ctx.world_size * tensor.shape[0])
-    return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)
+    The recipe spelled out: a symmetric buffer on every rank, the plan, one launch that stages ``tensor`` into the
+    buffer and copies every rank's buffer into the output. It allocates and rendezvouses on every call and checks
+    nothing; ``kraken.all_gather`` is the installed one (checks agreed across ranks, prepared calls, a symmetric
+    tensor read in place)."""
+    group = dist.group.WORLD if group is None else group
+    peers, signal_pad_ptrs, rank = symmetric_peers(tensor.numel(), tensor.dtype, tensor.device, group)
+    out = tensor.new_empty((len(peers) * tensor.shape[0], *tensor.shape[1:]))
+    cfg = plan(tensor.numel(), len(peers), config, tensor.element_size())
+    return launch(peers, out, signal_pad_ptrs, rank, **cfg, x=tensor)
+
+
+def main(rows: int = 1 << 20, iters: int = 100) -> None:
+    """Check against NCCL's all-gather and time the kernel on a symmetric input (``torchrun``, or alone)."""
+    if "RANK" not in os.environ:  # run alone: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    x = torch.randn(rows, dtype=torch.bfloat16, device="cuda")
+    expected = torch.empty(world_size * rows, dtype=x.dtype, device="cuda")
+    dist.all_gather_into_tensor(expected, x)
+    assert torch.equal(all_gather(x), expected), "all_gather differs from NCCL's"
+
+    peers, signal_pad_ptrs, rank = symmetric_peers(rows, x.dtype, x.device, dist.group.WORLD)
+    peers[rank].copy_(x)
+    out, cfg = torch.empty_like(expected), plan(rows, world_size, {}, x.element_size())
+    for _ in range(10):  # warm up (compile)
+        launch(peers, out, signal_pad_ptrs, rank, **cfg)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        launch(peers, out, signal_pad_ptrs, rank, **cfg)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - start) / iters * 1e6
+    assert torch.equal(out, expected), "all_gather (symmetric input) differs from NCCL's"
+    if rank == 0:
+        print(f"all_gather: {rows} bf16 x {world_size} ranks: matches NCCL, {us:.1f} us per call "
+              f"(eager launches; {cfg})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

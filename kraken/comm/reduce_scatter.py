@@ -1,10 +1,10 @@
 """Reduce-scatter: rank ``r`` gets shard ``r`` of the sum over ranks, in a new tensor.
 
-The input is ``[M, ...]`` in symmetric memory, ``M`` divisible by the world
-size; shard ``r`` is rows ``r * M / ws .. (r + 1) * M / ws``, i.e. the contiguous
-elements ``r * shard .. (r + 1) * shard``. Each rank reads only its own shard
-of every peer's buffer: ``(world_size - 1) / world_size`` of the data crosses
-NVLink once, the least any reduce-scatter can move.
+The input is ``[M, ...]``, ``M`` divisible by the world size; shard ``r`` is rows
+``r * M / ws .. (r + 1) * M / ws``, i.e. the contiguous elements
+``r * shard .. (r + 1) * shard``. Each rank reads only its own shard of every
+peer's buffer: ``(world_size - 1) / world_size`` of the data crosses NVLink once,
+the least any reduce-scatter can move.
 
 A persistent grid of ``num_blocks`` blocks splits the shard into contiguous
 chunks. Block ``b`` of every rank handles chunk ``b`` and uses barrier slot ``b``:
@@ -18,32 +18,43 @@ chunks. Block ``b`` of every rank handles chunk ``b`` and uses barrier slot ``b`
 3. barrier (release): "I am done reading your buffer", so when the kernel
    returns every rank may overwrite its input.
 
-An ordinary tensor (not in symmetric memory) is staged (``kraken.runtime.staging``):
-block ``b`` first copies chunk ``b`` of every shard (what each owner's block
-``b`` reads) into kraken's symmetric workspace, and its first barrier releases
-those writes; the peers are the workspace.
+An ordinary tensor (not in symmetric memory) is staged (``STAGED``): block ``b``
+first copies chunk ``b`` of every shard (what each owner's block ``b`` reads)
+into this rank's symmetric buffer, and its first barrier releases those writes;
+the peers are those buffers. A symmetric tensor is read in place.
 
-Tried and measured on 2x H200 (eager, bf16, commit 778521e): both barriers as
-epoch barriers (a posted store, no compare-and-swap round trip) on a pad of their
-own. No gain where the barriers dominate (4K elements: 7.1 against 7.3 us, NCCL
-6.4) and slower from 128K (8.3 against 7.8 us; 1M: 10.9 against 9.9); the same
-for the all-gather. So both keep the compare-and-swap barrier.
+Both barriers compare-and-swap: epoch barriers (a posted store, no
+compare-and-swap round trip) on a pad of their own gained nothing where the
+barriers dominate and lost from 128K elements on, here and in the all-gather.
+
+Layout: ``[M, ...]``, contiguous, bf16/fp16/fp32, read as a flat array. Past
+2**31 elements the kernel computes its offsets in 64 bits (``WIDE``).
+
+This file is the recipe: the kernel, ``plan`` (pure), ``launch`` (the seam the
+installed package's fast path calls with its own ``launcher``) and a plain host
+function. ``kraken.reduce_scatter`` is the same kernel behind the product layer
+(``kraken.runtime.collectives``: checks agreed across ranks, a prepared call per
+signature, a shared workspace, replayed launches).
+
+    torchrun --nproc-per-node 2 kraken/comm/reduce_scatter.py
 """
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
 
 from kraken._blocks import copy_slice
-from kraken._ptx_utils import symm_mem_sync
-from kraken.runtime import agreement, groups, staging
-from kraken.runtime.launcher import jit_launch
+from kraken._ptx_utils import barrier_blocks, symm_mem_sync
 
 # Swept on 2x H200 (block/warps 4096/8, 8192/16, 16384/32 x 132, 264, 528 blocks): within 0.3% of the best
-# at 4M and 32M bf16 elements (19.4 and 109.1 us).
+# at 4M and 32M bf16 elements.
 DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 132}
 # Bytes a thread loads per step, over all peers: four 16-byte vectors. With more (fp32 at 2 ranks, or
 # bf16 at 4, at 8192-element blocks), ptxas starts adding before it has issued every load, and a step
@@ -93,6 +104,39 @@ def reduce_scatter_kernel(
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan(numel: int, world_size: int, config: dict, itemsize: int = 2, pad_bytes: int | None = None) -> dict:
+    """The launch configuration for ``numel`` input elements of ``itemsize`` bytes: ``DEFAULT_CONFIG`` overridden
+    by ``config``, then ``shard_plan`` over this rank's shard. Shared with the Helion twin."""
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"reduce_scatter: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    return shard_plan(numel // world_size, world_size, {**DEFAULT_CONFIG, **config}, itemsize, pad_bytes)
+
+
+def shard_plan(shard: int, world_size: int, cfg: dict, itemsize: int, pad_bytes: int | None = None) -> dict:
+    """The persistent grid over a ``shard``-element shard read from every rank, for a resolved ``cfg``
+    (block_size, num_warps, max_blocks): a block of at most ``MAX_BYTES_PER_THREAD`` per thread over all ranks, at
+    most one block per ``block_size`` elements, ``max_blocks``, and the block ids the signal pad holds
+    (``pad_bytes``; by default torch's pad size), each block an aligned chunk of the shard."""
+    per_rank_bytes = 1 << ((MAX_BYTES_PER_THREAD // world_size).bit_length() - 1)  # a power of two
+    per_peer = max(1, per_rank_bytes // itemsize)  # values per thread and rank
+    block_size = min(cfg["block_size"], per_peer * 32 * cfg["num_warps"])
+    pad_bytes = symm_mem.get_signal_pad_size() if pad_bytes is None else pad_bytes
+    num_blocks = max(1, min(cdiv(shard, block_size), cfg["max_blocks"], barrier_blocks(world_size, pad_bytes)))
+    chunk = cdiv(cdiv(shard, num_blocks), CHUNK_ALIGN) * CHUNK_ALIGN
+    return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk,
+            "wide": world_size * shard > MAX_INDEX}
+
+
+def triton_launch(kernel, grid: tuple[int, ...], *args, **meta):
+    """``launch``'s default launcher: Triton's own ``kernel[grid](...)``."""
+    return kernel[grid](*args, **meta)
+
+
 def launch(
     peers: tuple[torch.Tensor, ...],
     out: torch.Tensor,
@@ -104,15 +148,16 @@ def launch(
     chunk: int,
     wide: bool = False,
     group_name: str = "",
-    launcher=jit_launch,
+    launcher=triton_launch,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+    """Launch on planned arguments (no checks); the same signature as the Helion twin's ``launch``.
 
     ``out`` holds this rank's shard (``peers[r].numel() // world_size`` elements). ``wide``: more than
     2**31 - 1 elements to address (64-bit offsets). ``group_name`` is unused here; Helion takes it as its
-    ``hl.ProcessGroupName``. ``x``: an ordinary input to stage into ``peers[rank]`` (the workspace) first; None
-    when the peers are the input.
+    ``hl.ProcessGroupName``. ``launcher(kernel, grid, *args, **meta)``: Triton's own launch, or the one the
+    installed package's prepared call passes (its host fast path). ``x``: an ordinary input to stage into
+    ``peers[rank]`` first; None when the peers are the input.
     """
     local = peers[rank]
     launcher(
@@ -123,59 +168,65 @@ def launch(
     return out
 
 
-def plan(numel: int, world_size: int, config: dict, itemsize: int = 2) -> dict:
-    """Resolve the launch configuration for ``numel`` input elements of ``itemsize`` bytes
-    (shared with the Helion port)."""
-    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "reduce_scatter")
-    return shard_plan(numel // world_size, world_size, cfg, itemsize)
-
-
-def shard_plan(shard: int, world_size: int, cfg: dict, itemsize: int) -> dict:
-    """The persistent grid over a ``shard``-element shard read from every rank, for a resolved ``cfg``
-    (block_size, num_warps, max_blocks): shared by reduce-scatter and all-gather, which load alike."""
-    per_rank_bytes = 1 << ((MAX_BYTES_PER_THREAD // world_size).bit_length() - 1)  # a power of two
-    per_peer = max(1, per_rank_bytes // itemsize)  # values per thread and rank
-    block_size = min(cfg["block_size"], per_peer * 32 * cfg["num_warps"])
-    num_blocks = groups.persistent_grid(groups.cdiv(shard, block_size), cfg["max_blocks"], world_size)
-    chunk = groups.round_up(groups.cdiv(shard, num_blocks), CHUNK_ALIGN)
-    return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk,
-            "wide": world_size * shard > MAX_INDEX}
-
-
-def check_shape(shape: tuple[int, ...], world_size: int, op: str) -> None:
-    """The input's rows must split evenly over the ranks (a ValueError naming M and the world size)."""
-    if len(shape) == 0:
-        raise ValueError(f"{op}: tensor must have at least one dimension (rows to scatter), got a 0-d tensor")
-    if shape[0] % world_size != 0:
-        raise ValueError(
-            f"{op}: the first dimension M = {shape[0]} is not divisible by the world size {world_size}; "
-            f"every rank gets M / {world_size} rows"
-        )
-
-
-def check(tensor: torch.Tensor, group, op: str, config: dict, staged: bool) -> dict:
-    """Validate and agree (first call of a signature), plan."""
-    with agreement.agreed(op, group, tensor=tensor, staged=staged, config=config):  # any rank's bad input: all raise
-        groups.check_tensor(tensor, "tensor", op)
-        world_size = groups.world_size_of(group, op)
-        check_shape(tuple(tensor.shape), world_size, op)
-        launch_cfg = plan(tensor.numel(), world_size, config, tensor.element_size())
-        groups.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return launch_cfg
-
-
-# Kept per signature: (the peers' symmetric context, the launch configuration); see kraken.runtime.staging.
-prepare, prepare_staged, prepare_call = staging.prepares(check)
+def symmetric_peers(numel: int, dtype: torch.dtype, device: torch.device, group) -> tuple:
+    """A symmetric buffer of ``numel`` elements on every rank of ``group`` (a collective: every rank calls it):
+    (every rank's buffer as this rank sees it, the signal pads' pointer array, this rank)."""
+    buf = symm_mem.empty(numel, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buf, group if isinstance(group, str) else group.group_name)
+    peers = tuple(buf if r == handle.rank else handle.get_buffer(r, (numel,), dtype)
+                  for r in range(handle.world_size))
+    return peers, handle.signal_pad_ptrs_dev, handle.rank
 
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config) -> torch.Tensor:
-    """This rank's ``[M / world_size, ...]`` rows of the sum of ``tensor`` over the group, as a new tensor.
+    """This rank's ``[M / world_size, ...]`` rows of the sum of ``tensor`` over ``group`` (the default group when
+    None), as a new tensor; ``tensor`` is left unchanged.
 
-    ``tensor``: ``[M, ...]`` with ``M`` divisible by the world size, contiguous, bf16/fp16/fp32, on the GPU;
-    in symmetric memory (``kraken.symm_empty``) it is read in place, otherwise staged inside the kernel; it
-    is left unchanged. The sum runs in rank order in fp32 and is rounded once. ``config`` overrides
-    ``DEFAULT_CONFIG``.
-    """
-    ctx, launch_cfg, staged = prepare_call(tensor, group, "reduce_scatter", config)
-    out = staging.new_rows(tensor, tensor.shape[0] // ctx.world_size)
-    return staging.launched(launch, ctx, launch_cfg, staged, tensor, out)
+    The recipe spelled out: a symmetric buffer on every rank, the plan, one launch that stages ``tensor`` into the
+    buffer and sums this rank's shard over the peers' buffers. It allocates and rendezvouses on every call and
+    checks nothing (``M`` must divide by the world size); ``kraken.reduce_scatter`` is the installed one (checks
+    agreed across ranks, prepared calls, a symmetric tensor read in place)."""
+    group = dist.group.WORLD if group is None else group
+    peers, signal_pad_ptrs, rank = symmetric_peers(tensor.numel(), tensor.dtype, tensor.device, group)
+    out = tensor.new_empty((tensor.shape[0] // len(peers), *tensor.shape[1:]))
+    cfg = plan(tensor.numel(), len(peers), config, tensor.element_size())
+    return launch(peers, out, signal_pad_ptrs, rank, **cfg, x=tensor)
+
+
+def main(rows: int = 1 << 20, iters: int = 100) -> None:
+    """Check against NCCL's reduce-scatter and time the kernel on a symmetric input (``torchrun``, or alone)."""
+    if "RANK" not in os.environ:  # run alone: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    numel = rows * world_size
+    x = torch.randn(numel, dtype=torch.bfloat16, device="cuda")
+    expected = torch.empty(rows, dtype=torch.float32, device="cuda")
+    dist.reduce_scatter_tensor(expected, x.float())
+    got = reduce_scatter(x)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * world_size)
+
+    peers, signal_pad_ptrs, rank = symmetric_peers(numel, x.dtype, x.device, dist.group.WORLD)
+    peers[rank].copy_(x)
+    out, cfg = torch.empty(rows, dtype=x.dtype, device=x.device), plan(numel, world_size, {}, x.element_size())
+    for _ in range(10):  # warm up (compile)
+        launch(peers, out, signal_pad_ptrs, rank, **cfg)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        launch(peers, out, signal_pad_ptrs, rank, **cfg)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - start) / iters * 1e6
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * world_size)
+    if rank == 0:
+        print(f"reduce_scatter: {numel} bf16 x {world_size} ranks: matches NCCL, {us:.1f} us per call "
+              f"(eager launches; {cfg})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

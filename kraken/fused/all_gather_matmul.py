@@ -57,7 +57,7 @@ from kraken._gemm_core import (
     INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, balanced_grid, flattens, mainloop,
     skinny_or_large_tiles, tile_coords, tma_operands,
 )
-from kraken.comm.all_gather import all_gather as sm_all_gather
+from kraken.runtime.collectives import all_gather as sm_all_gather
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.runtime import agreement, crossover, graphs, groups, prepared, symm
 from kraken.runtime.launcher import Launcher, jit_launch, tma_operand

@@ -50,7 +50,7 @@ from kraken._gemm_core import FP8, MAX_INDEX, flattens, tma_fp8
 from kraken._gemm_core import FP8_B_LAYOUTS as B_LAYOUTS
 from kraken._gemm_core import FP8_MAX_BLOCK_K as MAX_BLOCK_K
 from kraken._gemm_core import fp8_b_operand as b_operand
-from kraken.comm.all_gather import all_gather as sm_all_gather
+from kraken.runtime.collectives import all_gather as sm_all_gather
 from kraken.comm.all_gather_with_progress import start as start_gather
 from kraken.fused.all_gather_matmul import (  # noqa: F401 (RESERVED_SMS: the plan's, used by tests)
     GROUP_M, RESERVED_SMS, all_gather_matmul_kernel, chunk_views, progress_flags, tile_plan,

@@ -70,7 +70,7 @@ from kraken._gemm_core import (  # noqa: F401 (OUT_DTYPES, SKINNY_M: this recipe
     OUT_DTYPES, SKINNY_M, TILE_CONFIGS, mainloop, skinny_or_large_tiles, tile_coords, tma_operands,
 )
 from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait, symm_mem_sync
-from kraken.comm.all_reduce import all_reduce as sm_all_reduce
+from kraken.runtime.collectives import all_reduce as sm_all_reduce
 from kraken.runtime import agreement, crossover, groups, prepared, symm
 from kraken.runtime.gemm_checks import check_inputs
 from kraken.runtime.launcher import Launcher, jit_launch, tma_operand

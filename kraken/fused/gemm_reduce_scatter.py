@@ -44,7 +44,7 @@ from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too
     tile_coords, tma_operands,
 )
 from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait
-from kraken.comm.reduce_scatter import reduce_scatter as sm_reduce_scatter
+from kraken.runtime.collectives import reduce_scatter as sm_reduce_scatter
 from kraken.runtime import agreement, crossover, groups, prepared, symm
 from kraken.runtime.gemm_checks import check_inputs
 from kraken.runtime.launcher import Launcher, jit_launch, tma_operand

@@ -39,7 +39,7 @@ from kraken.fused.gemm_reduce_scatter import (  # the bf16 recipe's kernel and h
     GROUP_M, LAUNCH_KEYS, chunk_tile, default_config, gemm_reduce_scatter_kernel, planned, rounds_of, with_grid,
     with_workspace,
 )
-from kraken.comm.reduce_scatter import reduce_scatter as sm_reduce_scatter
+from kraken.runtime.collectives import reduce_scatter as sm_reduce_scatter
 from kraken.runtime import agreement, crossover, groups, prepared, replay, symm
 from kraken.runtime.gemm_checks import check_fp8_inputs, check_out_dtype
 from kraken.runtime.launcher import jit_launch, tma_operand

@@ -16,8 +16,8 @@ One module per topic (importing this package imports none of them):
 * ``crossover``: one-shot or two-shot, fused or sequential, by size and world size (the front doors' table);
 * ``library``: the recipes as ``torch.library`` operators, and their front doors.
 * ``moe_ops``: the MoE pair as operators, the dispatch's handle crossing as tensors.
-* ``collectives``: the product layer of the standalone collective recipes (checks, prepared calls, the public
-  functions ``kraken.comm`` exports; so far ``one_shot_all_reduce``);
+* ``collectives``: the product layer of the collective recipes (one ``check``, the prepared calls, the public
+  functions ``kraken.<name>`` and ``helion_ports.<name>`` of the four collectives, and the all-reduce front door);
 * ``gemm_checks``: the GEMM recipes' argument checks.
 
 Functions that tests replace (``groups.check_tensor``, ``symm.symm_context``, ...) are called through their

@@ -84,7 +84,7 @@ def writes_first(first: torch.Tensor, *rest) -> None:
 
 
 def scattered(tensor: torch.Tensor, group, world_size, config) -> torch.Tensor:
-    from kraken.comm.reduce_scatter import check_shape  # the recipe's own error, at trace time
+    from kraken.runtime.collectives import check_shape  # the product's own error, at trace time
 
     check_shape(tuple(tensor.shape), world_size, "reduce_scatter")
     return tensor.new_empty((tensor.shape[0] // world_size, *tensor.shape[1:]))

@@ -3,13 +3,13 @@ behind the same product layer; operators ``torch.ops.kraken_helion.<name>`` unde
 """
 
 from helion_ports.comm import one_shot_all_reduce as one_shot_twin
-from helion_ports.comm.all_gather import all_gather
+from kraken.runtime.collectives import helion_all_gather as all_gather
 from helion_ports.comm.all_gather_with_progress import all_gather_with_progress
-from helion_ports.comm.all_reduce import all_reduce
+from kraken.runtime.collectives import helion_all_reduce as all_reduce
 from helion_ports.comm.moe_combine import moe_combine
 from helion_ports.comm.moe_dispatch import moe_dispatch
-from helion_ports.comm.reduce_scatter import reduce_scatter
-from helion_ports.comm.two_shot_all_reduce import two_shot_all_reduce
+from kraken.runtime.collectives import helion_reduce_scatter as reduce_scatter
+from kraken.runtime.collectives import helion_two_shot_all_reduce as two_shot_all_reduce
 from helion_ports.fused.all_gather_matmul import all_gather_matmul
 from helion_ports.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
 from helion_ports.fused.all_reduce_bias import all_reduce_bias
