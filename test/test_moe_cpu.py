@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -95,6 +96,23 @@ def test_the_twins_plan_as_their_recipes(ws):
         twin_dispatch.plan(4, 2, 8, 4, 2, {"bogus": 1})
     with pytest.raises(TypeError, match="unknown config keys"):
         twin_combine.plan(4, 8, 2, {"bogus": 1})
+
+
+@pytest.mark.parametrize("recipe_path,twin_path", zip(DISPATCH[:1] + COMBINE[:1], DISPATCH[1:] + COMBINE[1:]))
+def test_the_twins_have_their_recipes_signatures(recipe_path, twin_path):
+    """The plain host function and ``launch`` of a twin take its recipe's arguments (``launch``'s default launcher
+    aside: Triton's own launch in a recipe, None in a twin), and the installed twin its installed recipe's."""
+    recipe, twin = module(recipe_path), module(twin_path)
+    name = recipe_path.rsplit(".", 1)[1]
+
+    def seam(fn):
+        signature = inspect.signature(fn)
+        return signature.replace(parameters=[p.replace(default="a launcher") if p.name == "launcher" else p
+                                             for p in signature.parameters.values()])
+
+    for attr in (name, "launch"):
+        assert seam(getattr(twin, attr)) == seam(getattr(recipe, attr)), f"{name}.{attr}"
+    assert inspect.signature(getattr(module("helion_ports"), name)) == inspect.signature(getattr(module("kraken"), name))
 
 
 def test_default_capacity_is_twice_an_even_share():
