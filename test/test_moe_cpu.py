@@ -1,5 +1,5 @@
 """MoE dispatch and combine without a GPU: the plans fit the signal pad and cover every pair and token once,
-the plain-torch reference has the documented layout and capacity rule, the four dispatch kernels and the
+the twins plan as their recipes and take their arguments, the plain-torch reference has the documented layout and capacity rule, the four dispatch kernels and the
 combine kernel, the recipes' and the Helion twins' alike, run end to end under the Triton interpreter (fake
 peers, barriers as no-ops) and agree with the reference exactly, the NCCL baseline gives the same layout,
 bad input raises on every rank before any launch (a fake two-rank world), warm calls take the host fast path
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -25,12 +26,13 @@ from benchmark import harness, registry, sm90
 from benchmark.cli import parse_args
 from benchmark.ops import moe as moe_op
 from fake_world import FakeWorld
-from kraken.runtime import groups, prepared, symm
+from kraken.runtime import graphs, groups, moe, prepared, symm
 from test_fast_path_cpu import WARM_CALLS, same_kind, symmetric_world
 from test_fast_path_cpu import launches as fast_path_launches  # noqa: F401 (a fixture, used by its name)
 
-DISPATCH = ("kraken.comm.moe_dispatch", "helion_ports.comm.moe_dispatch")
+DISPATCH = ("kraken.comm.moe_dispatch", "helion_ports.comm.moe_dispatch")  # the recipe and its twin
 COMBINE = ("kraken.comm.moe_combine", "helion_ports.comm.moe_combine")
+PACKAGES = ("kraken", "helion_ports")  # the installed functions: kraken.moe_dispatch, helion_ports.moe_dispatch
 PAD = 9216  # torch 2.11's default signal pad
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,10 +51,9 @@ D, C = module(DISPATCH[0]), module(COMBINE[0])
 
 @pytest.mark.parametrize("ws", [2, 3, 8])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (37, 2), (128, 8), (4096, 8), (4097, 3)])
-def test_plans_fit_the_pad_and_cover_everything_once(ws, tokens, top_k, monkeypatch):
-    monkeypatch.setattr(groups, "signal_pad_bytes", lambda: PAD)
+def test_plans_fit_the_pad_and_cover_everything_once(ws, tokens, top_k):
     for max_blocks in (132, 100_000):
-        cfg = D.plan(tokens, top_k, 4096, 8 * ws, ws, {"max_blocks": max_blocks})
+        cfg = D.plan(tokens, top_k, 4096, 8 * ws, ws, {"max_blocks": max_blocks}, pad_bytes=PAD)
         assert 1 <= cfg["num_blocks"] <= groups.max_barrier_blocks(ws, PAD)
         covered = torch.zeros(tokens * top_k, dtype=torch.int32)
         for b in range(cfg["num_blocks"]):
@@ -62,7 +63,7 @@ def test_plans_fit_the_pad_and_cover_everything_once(ws, tokens, top_k, monkeypa
         assert cfg["pairs_per_block"] % cfg["rows"] == 0
         assert cfg["num_chunks"] * D.CHUNK >= tokens * top_k
         assert cfg["e_pad"] >= 8 * ws and cfg["ws_pad"] >= ws
-        ccfg = C.plan(tokens, 4096, ws, {"max_blocks": max_blocks})
+        ccfg = C.plan(tokens, 4096, ws, {"max_blocks": max_blocks}, pad_bytes=PAD)
         assert 1 <= ccfg["num_blocks"] <= groups.max_barrier_blocks(ws, PAD)
         covered = torch.zeros(tokens, dtype=torch.int32)
         for b in range(ccfg["num_blocks"]):
@@ -73,6 +74,46 @@ def test_plans_fit_the_pad_and_cover_everything_once(ws, tokens, top_k, monkeypa
         D.plan(4, 2, 8, 4, 2, {"bogus": 1})
     with pytest.raises(TypeError, match="unknown config keys"):
         C.plan(4, 8, 2, {"bogus": 1})
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3, 8])
+def test_the_twins_plan_as_their_recipes(ws):
+    """A twin's ``plan``, ``DEFAULT_CONFIG`` and capacity rule are copies of its recipe's; the installed functions
+    plan with the recipe's for both."""
+    twin_dispatch, twin_combine = module(DISPATCH[1]), module(COMBINE[1])
+    assert twin_dispatch.DEFAULT_CONFIG == D.DEFAULT_CONFIG and twin_combine.DEFAULT_CONFIG == C.DEFAULT_CONFIG
+    assert twin_dispatch.CHUNK == D.CHUNK and twin_dispatch.default_capacity(37, 3) == D.default_capacity(37, 3)
+    for tokens, top_k, hidden in ((1, 1, 1), (37, 2, 129), (4097, 3, 7168), (65536, 8, 4096)):
+        for config in ({}, {"max_blocks": 100_000}, {"rows": 8, "block_h": 256}):
+            for pad in (PAD, 1 << 16):
+                assert twin_dispatch.plan(tokens, top_k, hidden, 8 * ws, ws, config, pad_bytes=pad) == D.plan(
+                    tokens, top_k, hidden, 8 * ws, ws, config, pad_bytes=pad)
+        for config in ({}, {"max_blocks": 7}, {"tokens": 8, "block_h": 512}):
+            assert twin_combine.plan(tokens, hidden, ws, config, pad_bytes=PAD) == C.plan(tokens, hidden, ws, config,
+                                                                                          pad_bytes=PAD)
+    assert D.plan(37, 2, 129, 8 * ws, ws, {}) == D.plan(37, 2, 129, 8 * ws, ws, {}, pad_bytes=PAD)  # torch's pad
+    with pytest.raises(TypeError, match="unknown config keys"):
+        twin_dispatch.plan(4, 2, 8, 4, 2, {"bogus": 1})
+    with pytest.raises(TypeError, match="unknown config keys"):
+        twin_combine.plan(4, 8, 2, {"bogus": 1})
+
+
+@pytest.mark.parametrize("recipe_path,twin_path", zip(DISPATCH[:1] + COMBINE[:1], DISPATCH[1:] + COMBINE[1:]))
+def test_the_twins_have_their_recipes_signatures(recipe_path, twin_path):
+    """The plain host function and ``launch`` of a twin take its recipe's arguments (``launch``'s default launcher
+    aside: Triton's own launch in a recipe, None in a twin), and the installed twin its installed recipe's."""
+    recipe, twin = module(recipe_path), module(twin_path)
+    name = recipe_path.rsplit(".", 1)[1]
+
+    def seam(fn):
+        signature = inspect.signature(fn)
+        return signature.replace(parameters=[p.replace(default="a launcher") if p.name == "launcher" else p
+                                             for p in signature.parameters.values()])
+
+    for attr in (name, "launch"):
+        assert seam(getattr(twin, attr)) == seam(getattr(recipe, attr)), f"{name}.{attr}"
+    installed = (getattr(module(package), name) for package in PACKAGES)
+    assert inspect.signature(next(installed)) == inspect.signature(next(installed))
 
 
 def test_default_capacity_is_twice_an_even_share():
@@ -150,8 +191,7 @@ def interpret_case(ws, tokens, hidden, num_experts, top_k, capacity, skewed, bad
     twins' launches run instead: Helion generates its Triton (with the barrier snippets swapped for a thread
     barrier, since the interpreter runs no inline PTX) and the interpreter runs that."""
     sm90.fix_interpreter_scalars()
-    D.symm_mem_sync = no_barrier
-    C.symm_mem_sync = no_barrier
+    D.symm_mem_sync = C.symm_mem_sync = module("kraken._blocks.moe").symm_mem_sync = no_barrier
     launches = (D.launch, C.launch)
     if backend == "helion":
         twin_dispatch, twin_combine = module(DISPATCH[1]), module(COMBINE[1])
@@ -174,16 +214,16 @@ def run_case(ws, tokens, hidden, num_experts, top_k, capacity, skewed, bad, seed
     cfg = D.plan(tokens, top_k, hidden, num_experts, ws, {"max_blocks": 7, "rows": 4, "block_h": 16})
     recv = tuple(torch.full((capacity, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(ws))
     counts = tuple(torch.zeros(ws, cfg["e_pad"], dtype=torch.int32) for _ in range(ws))
-    handles, counts_ctxs = [], []
-    for r in range(ws):
-        recv_ctx = symm.SymmContext(r, ws, "", recv, 0)
-        counts_ctxs.append(symm.SymmContext(r, ws, "", counts, 0))
-        handles.append(D.new_handle(all_tokens[r], all_ids[r], num_experts, recv[r], recv_ctx, capacity))
+    # The routing outputs as the installed dispatch lays them out: views of its handle's one allocation.
+    handles = [moe.new_handle(all_tokens[r], all_ids[r], num_experts, recv[r], symm.SymmContext(r, ws, "", recv, 0),
+                              capacity) for r in range(ws)]
+    outputs = [(h.slots, h.recv_counts, h.recv_offsets, h.status) for h in handles]
     for _ in range(2):
         for r in range(ws):
-            D.route(all_ids[r], handles[r], counts_ctxs[r], r, **cfg)
+            D.route(all_ids[r], *outputs[r], counts, 0, r, num_experts, capacity, cfg["num_chunks"], cfg["e_pad"],
+                    cfg["ws_pad"])
     for r in range(ws):
-        D.launch(all_tokens[r], all_ids[r], handles[r], counts_ctxs[r], r, **cfg)
+        D.launch(all_tokens[r], all_ids[r], *outputs[r], recv, 0, counts, 0, r, num_experts, capacity, **cfg)
     ref = D.reference_slots(all_ids, num_experts, capacity)
     for r in range(ws):
         h = handles[r]
@@ -204,7 +244,7 @@ def run_case(ws, tokens, hidden, num_experts, top_k, capacity, skewed, bad, seed
     for r in range(ws):
         w = torch.rand(tokens, top_k, generator=gen)
         out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16)
-        C.launch(out, w, handles[r], r, **ccfg)
+        C.launch(out, w, handles[r].slots, recv, 0, r, capacity, **ccfg)
         expected = C.reference_combine(list(expert_out), ref["slots"], w, r, capacity)
         assert not torch.isnan(out.float()).any(), f"rank {r}: combine read an unwritten row or left one"
         torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
@@ -240,13 +280,13 @@ def every_check_but_the_device(real_check):
     return check
 
 
-@pytest.mark.parametrize("path", DISPATCH)
-def test_dispatch_bad_input_raises_on_every_rank_before_any_launch(path, monkeypatch):
-    mod = module(path)
+@pytest.mark.parametrize("package", PACKAGES)
+def test_dispatch_bad_input_raises_on_every_rank_before_any_launch(package, monkeypatch):
+    mod = module(package)
     world = FakeWorld(monkeypatch)  # rank 1 passes the same arguments
     monkeypatch.setattr(groups, "check_tensor", every_check_but_the_device(groups.check_tensor))
     launches = []
-    monkeypatch.setattr(mod, "launch", lambda *args, **kwargs: launches.append(args))
+    monkeypatch.setattr(graphs, "graphed", lambda *args, **kwargs: launches.append(args))  # the launches' way
     tokens, ids = torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.int64)
     cases = [
         ((tokens.int(), ids, 4), ValueError, "tokens has dtype int32"),
@@ -275,9 +315,9 @@ def test_dispatch_bad_input_on_one_rank_raises_on_both(monkeypatch):
 
     FakeWorld(monkeypatch, other=other)
     monkeypatch.setattr(groups, "check_tensor", every_check_but_the_device(groups.check_tensor))
-    monkeypatch.setattr(D, "buffers", lambda *a: pytest.fail("allocated after a failed agreement"))
+    monkeypatch.setattr(moe, "buffers", lambda *a: pytest.fail("allocated after a failed agreement"))
     with pytest.raises(ValueError, match="bad input on rank 1: expert_ids has dtype float32"):
-        D.moe_dispatch(torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.int64), 4)
+        moe.moe_dispatch(torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.int64), 4)
 
 
 def test_combine_checks(monkeypatch):
@@ -285,10 +325,10 @@ def test_combine_checks(monkeypatch):
     monkeypatch.setattr(groups, "check_tensor", every_check_but_the_device(groups.check_tensor))
     recv = torch.zeros(24, 8, dtype=torch.bfloat16)
     ctx = symm.SymmContext(0, 2, "fake", (recv, recv), 0)
-    handle = D.new_handle(torch.zeros(6, 8, dtype=torch.bfloat16), torch.zeros(6, 2, dtype=torch.int64), 4, recv, ctx,
-                          24)
-    for path in COMBINE:
-        fn = module(path).moe_combine
+    handle = moe.new_handle(torch.zeros(6, 8, dtype=torch.bfloat16), torch.zeros(6, 2, dtype=torch.int64), 4, recv,
+                            ctx, 24)
+    for package in PACKAGES:
+        fn = module(package).moe_combine
         with pytest.raises(TypeError, match="handle must be the MoEHandle"):
             fn(recv, object(), torch.zeros(6, 2))
         with pytest.raises(ValueError, match="expert_out has dtype float32"):
@@ -321,12 +361,11 @@ def test_warm_calls_do_no_per_call_work(package, monkeypatch, fast_path_launches
     launches = fast_path_launches
     counts = symmetric_world(monkeypatch, DISPATCH[0])  # a fake 2-rank world; this process's peers are zeros
     monkeypatch.setattr(symm, "symm_empty", lambda shape, dtype, device, group: torch.zeros(shape, dtype=dtype))
-    monkeypatch.setattr(D, "_buffers", {})
+    monkeypatch.setattr(moe, "_buffers", {})
     combine_plans = []
     real_plan = C.plan
     monkeypatch.setattr(C, "plan", lambda *args: combine_plans.append(args) or real_plan(*args))
-    dispatch = module(f"{package}.comm.moe_dispatch").moe_dispatch
-    combine = module(f"{package}.comm.moe_combine").moe_combine
+    dispatch, combine = module(package).moe_dispatch, module(package).moe_combine
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
     ids, weights = torch.randint(0, 4, (37, 2), generator=gen), torch.rand(37, 2, generator=gen)
@@ -434,13 +473,9 @@ def test_every_rank_compiles(path):
     at ranks 0 and 2 (a tuple takes constexpr indices only)."""
     shape = (37, 129, 6, 2, moe_op.UNIFORM)
     for rank in range(3):
-        tokens, ids, handle, counts_ctx, cfg = moe_op.example_handle(path, 3, shape, rank=rank)
+        example = moe_op.dispatch_example if "dispatch" in path else moe_op.combine_example
         with sm90.capture_launches() as launches:
-            if "dispatch" in path:
-                module(path).launch(tokens, ids, handle, counts_ctx, rank, **cfg)
-            else:
-                module(path).launch(torch.empty(37, 129, dtype=torch.bfloat16), torch.rand(37, 2), handle, rank,
-                                    **C.plan(37, 129, 3, {}))
+            example(module(path), 3, shape=shape, rank=rank)
         for launch in launches:
             assert sm90.compile_sm90(launch).asm["ptx"], (path, rank, launch.kernel.fn.__name__)
 

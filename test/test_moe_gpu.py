@@ -1,6 +1,7 @@
 """GPU tests of MoE dispatch and combine, the recipes and their Helion twins (one process per GPU).
 
-One spawn per backend runs every check: on fresh random tokens and routing (all-gathered, so every rank
+One spawn per backend (the installed pair, ``kraken.moe_dispatch`` / ``moe_combine``, or the twins',
+``helion_ports.``) runs every check: on fresh random tokens and routing (all-gathered, so every rank
 builds the exact reference with plain torch, ``reference_slots`` / ``reference_dispatch`` /
 ``reference_combine``), for each dtype and for odd, skewed (most experts empty) and large-hidden cases:
 the handle's slots, counts and offsets equal the reference, the received rows equal it bitwise and no other
@@ -9,30 +10,37 @@ their summed weights, combine of another expert output (an ordinary tensor) the 
 overflow (reported on the device, ``check`` raising on every rank, the rows that fit still right), bad input
 on one rank (expert ids out of range: ``check`` raises on every rank; a wrong dtype: every rank raises before
 any launch) with the group working afterwards, a CUDA graph of dispatch + combine replayed on new routing,
-and 600 back-to-back dispatch + combine rounds on rotating inputs.
+and 600 back-to-back dispatch + combine rounds on rotating inputs. Each recipe and twin file runs its own
+``main`` under ``torchrun``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_utils import POISON, assert_close, heartbeat, needs_gpus, run_on_gpus
+from gpu_utils import POISON, WORLD_SIZE, assert_close, heartbeat, needs_gpus, run_on_gpus
 
 pytestmark = needs_gpus
 
-MODULES = {
-    "triton": ("kraken.comm.moe_dispatch", "kraken.comm.moe_combine"),
-    "helion": ("helion_ports.comm.moe_dispatch", "helion_ports.comm.moe_combine"),
-}
+MODULES = {"triton": "kraken", "helion": "helion_ports"}  # the packages whose installed pair each backend runs
 
 
 def load(backend: str):
-    dispatch_path, combine_path = MODULES[backend]
-    return (importlib.import_module(dispatch_path).moe_dispatch, importlib.import_module(combine_path).moe_combine)
+    package = importlib.import_module(MODULES[backend])
+    return package.moe_dispatch, package.moe_combine
+
+
+def check(handle) -> None:
+    """The installed pair's status check (a collective: raises on every rank)."""
+    importlib.import_module("kraken.runtime.moe").check(handle)
 
 
 def gather(x: torch.Tensor) -> list[torch.Tensor]:
@@ -130,7 +138,7 @@ def correctness(backend: str) -> None:
                 assert_close(out, (x.float() * w.sum(1, keepdim=True)).to(dtype), f"{what}: tokens x summed weights")
             else:
                 with pytest.raises(ValueError, match="dropped past capacity"):
-                    importlib.import_module("kraken.comm.moe_dispatch").check(handle)
+                    check(handle)
             # Another expert: an ordinary tensor, copied into the receive buffer by the combine.
             expert_out = torch.nan_to_num(recv.float() * 2 + 1, nan=0.0).to(dtype)
             out = combine(expert_out, handle, w)
@@ -142,7 +150,6 @@ def overflow_and_bad_input(backend: str) -> None:
     """Capacity overflow and out-of-range ids are reported on the device and raise on every rank through
     ``check``; a wrong dtype on one rank raises on every rank before any launch; the group works afterwards."""
     dispatch, combine = load(backend)
-    check = importlib.import_module("kraken.comm.moe_dispatch").check
     ws, rank = dist.get_world_size(), dist.get_rank()
     experts = 2 * ws
     heartbeat(f"{backend} overflow")
@@ -246,3 +253,17 @@ def worker(backend: str) -> None:
 @pytest.mark.parametrize("backend", list(MODULES))
 def test_moe_dispatch_and_combine(backend):
     run_on_gpus(worker, backend, name=f"moe {backend}")
+
+
+@pytest.mark.parametrize("path", ["kraken/comm/moe_dispatch.py", "kraken/comm/moe_combine.py",
+                                  "helion_ports/comm/moe_dispatch.py", "helion_ports/comm/moe_combine.py"])
+def test_each_file_runs_under_torchrun(path):
+    """Each recipe and twin file's ``main`` (``torchrun --nproc-per-node N file.py``): its own check against plain
+    torch passes and it prints its time per call."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={WORLD_SIZE}", path], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "us per call" in result.stdout, result.stdout[-2000:]

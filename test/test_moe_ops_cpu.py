@@ -21,12 +21,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import helion_ports
 import kraken
-from kraken.runtime import groups, library, moe_ops, prepared, symm
+from kraken.runtime import groups, library, moe, moe_ops, prepared, symm
 
-D = importlib.import_module("kraken.comm.moe_dispatch")
+D = importlib.import_module("kraken.comm.moe_dispatch")  # the recipes: plans, plain-torch references
 C = importlib.import_module("kraken.comm.moe_combine")
 PACKAGES = {"kraken": kraken, "kraken_helion": helion_ports}  # op namespace -> package
-RECIPES = {"kraken": ("kraken.comm.moe_dispatch", "kraken.comm.moe_combine"),
+RECIPES = {"kraken": ("kraken.comm.moe_dispatch", "kraken.comm.moe_combine"),  # whose launch each installed one drives
            "kraken_helion": ("helion_ports.comm.moe_dispatch", "helion_ports.comm.moe_combine")}
 
 
@@ -54,8 +54,7 @@ def test_the_pair_are_operators_whose_schemas_follow_the_recipes(namespace):
     for schema in (dispatch._schema, combine._schema):
         written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         assert written == (["recv"] if "combine" in schema.name else [])
-    recipe_dispatch, recipe_combine = (getattr(importlib.import_module(path), name).__wrapped__
-                                       for path, name in zip(RECIPES[namespace], moe_ops.NAMES))
+    recipe_dispatch, recipe_combine = (getattr(PACKAGES[namespace], name).__wrapped__ for name in moe_ops.NAMES)
     parameters = [name for name in inspect.signature(recipe_dispatch).parameters]
     expected = [n for p in parameters for n in ((p, "world_size") if p == "group" else (p,))]
     assert [a.name for a in dispatch._schema.arguments] == expected
@@ -76,11 +75,11 @@ SHAPES = [(1, 1, 1, 1, 1, None), (37, 129, 8, 2, 4, None), (300, 64, 16, 4, 8, 7
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-H{s[1]}-E{s[2]}-k{s[3]}-ws{s[4]}-c{s[5]}" for s in SHAPES])
 def test_fakes_give_the_recipes_shapes(namespace, shape):
     """``recv [capacity, H]`` in the tokens' dtype (the default capacity ``2 * T * k``), ``routing`` as long as the
-    allocation of ``moe_dispatch.new_handle``, the combine's ``[T, H]`` in the expert outputs' dtype."""
+    allocation of ``kraken.runtime.moe.new_handle``, the combine's ``[T, H]`` in the expert outputs' dtype."""
     tokens, hidden, experts, top_k, ws, capacity = shape
     rows = 2 * tokens * top_k if capacity is None else capacity
     recv_ctx = symm.SymmContext(0, ws, "", (), 0)
-    handle = D.new_handle(torch.empty(tokens, hidden), torch.empty(tokens, top_k, dtype=torch.int64), experts,
+    handle = moe.new_handle(torch.empty(tokens, hidden), torch.empty(tokens, top_k, dtype=torch.int64), experts,
                           torch.empty(rows, hidden), recv_ctx, rows)
     with FakeTensorMode():
         for dtype, ids_dtype in ((torch.bfloat16, torch.int64), (torch.float32, torch.int32)):
@@ -114,19 +113,18 @@ def world_of_one():
 
 
 class Emulated:
-    """The recipes' host functions (``dispatch``, ``combine``: both recipes' and twins' go through them) on CPU in a
+    """The installed functions' host code (``kraken.runtime.moe``'s ``dispatch``, ``combine``: the recipes' and the
+    twins' go through them) on CPU in a
     world of one: the routing from ``reference_slots``, the rows from ``reference_dispatch``, the combine from
     ``reference_combine``; one NaN-filled CPU tensor per shape stands in for the symmetric receive buffer. Records
-    which recipe ran and whether the combine copied its expert outputs into the buffer."""
+    which op ran and whether the combine copied its expert outputs into the buffer."""
 
     def __init__(self, monkeypatch):
         self.calls, self.buffers = [], {}
         self.received = self.expert_out = None  # the last dispatch's rows, the last combine's expert outputs
-        for path in ("kraken.comm.moe_dispatch", "helion_ports.comm.moe_dispatch"):
-            monkeypatch.setattr(importlib.import_module(path), "dispatch", self.dispatch)
-        for path in ("kraken.comm.moe_combine", "helion_ports.comm.moe_combine"):
-            monkeypatch.setattr(importlib.import_module(path), "combine", self.combine)
-        monkeypatch.setattr(D, "buffers", self.find_buffers)
+        monkeypatch.setattr(moe, "dispatch", self.dispatch)
+        monkeypatch.setattr(moe, "combine", self.combine)
+        monkeypatch.setattr(moe, "buffers", self.find_buffers)
         monkeypatch.setattr(groups, "check_tensor", lambda *args, **kwargs: None)  # CPU tensors stand in for CUDA ones
 
     def find_buffers(self, capacity, hidden, dtype, e_pad, device, group, op):
@@ -139,8 +137,8 @@ class Emulated:
     def dispatch(self, launch, op, tokens, expert_ids, num_experts, group, capacity, check_status, config):
         capacity = D.default_capacity(*expert_ids.shape) if capacity is None else capacity
         e_pad = D.plan(*expert_ids.shape, tokens.shape[1], num_experts, 1, config)["e_pad"]
-        recv, recv_ctx, _ = D.buffers(capacity, tokens.shape[1], tokens.dtype, e_pad, tokens.device, group, op)
-        handle = D.new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity)
+        recv, recv_ctx, _ = moe.buffers(capacity, tokens.shape[1], tokens.dtype, e_pad, tokens.device, group, op)
+        handle = moe.new_handle(tokens, expert_ids, num_experts, recv, recv_ctx, capacity)
         ref = D.reference_slots([expert_ids], num_experts, capacity)
         handle.routing.zero_()
         handle.status.copy_(torch.tensor([ref["dropped"][0], ref["bad"][0]]))
@@ -154,7 +152,7 @@ class Emulated:
         return recv, handle.recv_counts, handle
 
     def combine(self, launch, op, expert_out, handle, weights, config):
-        C.check_inputs(expert_out, handle, weights, op)
+        moe.check_combine(expert_out, handle, weights, op)
         copied = expert_out.data_ptr() != handle.recv.data_ptr()
         if copied:
             handle.recv.copy_(expert_out)
@@ -335,7 +333,7 @@ def test_a_handle_crosses_between_eager_and_compiled_code(emulated):
 
     dispatch = torch.compile(lambda x, ids: comm.moe_dispatch(x, ids, EXPERTS), backend="aot_eager", fullgraph=True)
     recv2, counts2, handle2 = dispatch(x, ids)
-    assert type(handle2) is moe_ops.OperatorHandle and isinstance(handle2, D.MoEHandle)
+    assert type(handle2) is moe_ops.OperatorHandle and isinstance(handle2, moe.MoEHandle)
     assert recv2.data_ptr() == recv.data_ptr(), "the receive buffer itself"
     assert torch.equal(handle2.slots, slots) and torch.equal(handle2.recv_offsets, offsets)
     assert torch.equal(counts2, counts) and counts2.data_ptr() == handle2.recv_counts.data_ptr()
@@ -369,14 +367,19 @@ def test_the_operators_refuse_another_dispatchs_routing_and_another_world_size(e
 # ---------------------------------------------------------------------------
 
 
-def test_front_doors_keep_the_recipes_signatures_and_are_the_modules_functions():
+def test_front_doors_keep_the_installed_signatures_and_are_the_modules_functions():
+    """Each door has its installed function's signature and docstring; that function drives its recipe's or twin's
+    ``launch``; kraken's doors are also ``kraken.runtime.moe``'s functions (the twins' are made there by the same
+    factories, not that module's own)."""
     for namespace, package in PACKAGES.items():
         for path, name in zip(RECIPES[namespace], moe_ops.NAMES):
             door = getattr(package, name)
-            recipe = door.__wrapped__
-            assert inspect.signature(door) == inspect.signature(recipe) and door.__doc__ == recipe.__doc__
+            installed = door.__wrapped__
+            assert inspect.signature(door) == inspect.signature(installed) and door.__doc__ == installed.__doc__
             assert door.op._opoverload is op(namespace, name)
-            assert getattr(importlib.import_module(path), name) is door
+            assert inspect.getclosurevars(installed).nonlocals["launch"] is importlib.import_module(path).launch
+    for name in moe_ops.NAMES:
+        assert getattr(moe, name) is getattr(kraken, name) and getattr(moe, name) is not getattr(helion_ports, name)
 
 
 def test_eager_front_doors_call_the_recipes_and_cost_little():

@@ -34,7 +34,6 @@ import triton
 
 from benchmark.registry import Op, Pair, SYNC_US, copy_backend, copy_work, nvlink_us, public, register
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
-from kraken.runtime.symm import SymmContext
 
 DISPATCH, COMBINE = "comm.moe_dispatch", "comm.moe_combine"
 SHAPE_FORMAT = "TxHxExKxSKEW"
@@ -181,7 +180,9 @@ def example_shape(world_size: int) -> tuple[int, ...]:
     return (37, 129, 2 * world_size, 2, UNIFORM)  # odd: every tail masked, nothing 16-byte aligned
 
 
-def example_handle(module_path: str, world_size: int, shape, rank: int | None = None):
+def example_routing(world_size: int, shape, rank: int | None = None) -> tuple[tuple, dict]:
+    """A dispatch launch's positional arguments (CPU stand-ins: every rank's receive buffer and count table as fake
+    peers, uninitialised routing outputs) and its plan."""
     num_tokens, hidden, num_experts, top_k, _ = shape
     rank = example_rank(world_size) if rank is None else rank
     dispatch = importlib.import_module(f"kraken.{DISPATCH}")
@@ -189,30 +190,32 @@ def example_handle(module_path: str, world_size: int, shape, rank: int | None = 
     cfg = dispatch.plan(num_tokens, top_k, hidden, num_experts, world_size, {})
     recv = tuple(torch.empty(capacity, hidden, dtype=torch.bfloat16) for _ in range(world_size))
     counts = tuple(torch.empty(world_size, cfg["e_pad"], dtype=torch.int32) for _ in range(world_size))
-    recv_ctx = SymmContext(rank, world_size, "", recv, FAKE_SIGNAL_PADS)
-    counts_ctx = SymmContext(rank, world_size, "", counts, FAKE_SIGNAL_PADS)
     tokens = torch.randn(num_tokens, hidden).to(torch.bfloat16)
     ids = torch.randint(0, num_experts, (num_tokens, top_k))
-    handle = dispatch.new_handle(tokens, ids, num_experts, recv[rank], recv_ctx, capacity)
-    return tokens, ids, handle, counts_ctx, cfg
+    local = num_experts // world_size
+    routing = (torch.empty(num_tokens, top_k, dtype=torch.int32), *(torch.empty(n, dtype=torch.int32)
+                                                                    for n in (local, local, 2)))
+    return (tokens, ids, *routing, recv, FAKE_SIGNAL_PADS, counts, FAKE_SIGNAL_PADS, rank, num_experts, capacity), cfg
 
 
-def dispatch_example(module, world_size: int, shape=None) -> None:
+def dispatch_example(module, world_size: int, shape=None, rank: int | None = None) -> None:
     shape = shape or example_shape(world_size)
     check_shape(shape, world_size)
-    tokens, ids, handle, counts_ctx, cfg = example_handle(module.__name__, world_size, shape)
-    module.launch(tokens, ids, handle, counts_ctx, example_rank(world_size), **cfg)
+    args, cfg = example_routing(world_size, shape, rank)
+    module.launch(*args, **cfg)
 
 
-def combine_example(module, world_size: int, shape=None) -> None:
+def combine_example(module, world_size: int, shape=None, rank: int | None = None) -> None:
     shape = shape or example_shape(world_size)
     check_shape(shape, world_size)
     num_tokens, hidden, _, top_k, _ = shape
-    _, _, handle, _, _ = example_handle(module.__name__, world_size, shape)
-    combine = importlib.import_module(f"kraken.{COMBINE}")
-    cfg = combine.plan(num_tokens, hidden, world_size, {})
+    rank = example_rank(world_size) if rank is None else rank
+    capacity = 2 * num_tokens * top_k
+    recv = tuple(torch.empty(capacity, hidden, dtype=torch.bfloat16) for _ in range(world_size))
+    slots = torch.empty(num_tokens, top_k, dtype=torch.int32)
+    cfg = importlib.import_module(f"kraken.{COMBINE}").plan(num_tokens, hidden, world_size, {})
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
-    module.launch(out, torch.rand(num_tokens, top_k), handle, example_rank(world_size), **cfg)
+    module.launch(out, torch.rand(num_tokens, top_k), slots, recv, FAKE_SIGNAL_PADS, rank, capacity, **cfg)
 
 
 def routed_rows(i: dict) -> torch.Tensor:

@@ -15,6 +15,7 @@ One module per topic (importing this package imports none of them):
 * ``staging``: ordinary tensors into the symmetric-memory collectives (their two prepared calls);
 * ``crossover``: one-shot or two-shot, fused or sequential, by size and world size (the front doors' table);
 * ``library``: the recipes as ``torch.library`` operators, and their front doors.
+* ``moe``: the MoE pair's product layer (checks, buffers, the handle, the installed dispatch and combine);
 * ``moe_ops``: the MoE pair as operators, the dispatch's handle crossing as tensors.
 * ``collectives``: the product layer of the collective recipes (one ``check``, the prepared calls, the public
   functions ``kraken.<name>`` and ``helion_ports.<name>`` of the four collectives, and the all-reduce front door);

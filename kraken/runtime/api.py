@@ -8,8 +8,8 @@ Each is a recipe behind the product layer (checks agreed across ranks, prepared 
 from kraken.runtime.collectives import all_gather
 from kraken.comm.all_gather_with_progress import all_gather_with_progress
 from kraken.runtime.collectives import all_reduce
-from kraken.comm.moe_combine import moe_combine
-from kraken.comm.moe_dispatch import moe_dispatch
+from kraken.runtime.moe import moe_combine
+from kraken.runtime.moe import moe_dispatch
 from kraken.runtime.collectives import one_shot_all_reduce
 from kraken.runtime.collectives import reduce_scatter
 from kraken.runtime.collectives import two_shot_all_reduce

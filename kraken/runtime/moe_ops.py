@@ -3,7 +3,7 @@ boundary as tensors.
 
 The rest of the recipes are operators by one table (``kraken/runtime/library.py``, whose conventions hold here: the
 group by name then its size, ``**config`` as text). What the MoE pair adds is the handle
-(``kraken.comm.moe_dispatch.MoEHandle``), a Python object that no schema can carry. It is made of one int32 tensor,
+(``kraken.runtime.moe.MoEHandle``), a Python object that no schema can carry. It is made of one int32 tensor,
 ``routing`` (status, slots, receive counts and offsets), the receive buffer ``recv`` and numbers (the expert count,
 the capacity, which is ``recv``'s row count, and the group), so the dispatch operator returns the two tensors and
 the combine operator takes them back beside the numbers (``kraken_helion::`` for the twins)::
@@ -31,11 +31,11 @@ may compute a read of ``recv`` where its result is used. Reading ``recv`` for th
 takes is safe (they run before it); a result read from it and used only after the next dispatch of that shape is
 not.
 
-The front doors: in eager each calls its recipe straight away (one ``torch.compiler.is_dynamo_compiling()`` check,
-as ``library.front_door``); while Dynamo traces, ``moe_dispatch`` calls its operator and returns ``(recv,
-handle.recv_counts, handle)`` with an ``OperatorHandle`` (a ``MoEHandle`` made of the operator's tensors), and
-``moe_combine`` takes any ``MoEHandle`` (that one, or one that an eager dispatch made) apart into its operator's
-arguments.
+The front doors: in eager each calls its installed function (``kraken.runtime.moe``) straight away (one
+``torch.compiler.is_dynamo_compiling()`` check, as ``library.front_door``); while Dynamo traces, ``moe_dispatch``
+calls its operator and returns ``(recv, handle.recv_counts, handle)`` with an ``OperatorHandle`` (a ``MoEHandle``
+made of the operator's tensors), and ``moe_combine`` takes any ``MoEHandle`` (that one, or one that an eager
+dispatch made) apart into its operator's arguments.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from typing import Callable
 
 import torch
 
-from kraken.runtime import library, prepared
-from kraken.comm.moe_dispatch import MoEHandle, default_capacity
+from kraken.runtime import library, moe, prepared
+from kraken.runtime.moe import MoEHandle, default_capacity
 
 NAMES = ("moe_dispatch", "moe_combine")
 
@@ -58,7 +58,7 @@ NAMES = ("moe_dispatch", "moe_combine")
 
 
 def routing_size(num_pairs, num_experts, world_size):
-    """``MoEHandle.routing``'s length (``moe_dispatch.new_handle``): status padded to 4, slots, counts, offsets."""
+    """``MoEHandle.routing``'s length (``moe.new_handle``): status padded to 4, slots, counts, offsets."""
     return 4 + num_pairs + 2 * (num_experts // world_size)
 
 
@@ -88,12 +88,11 @@ COMBINE_SCHEMA = ("(Tensor expert_out, Tensor(a!) recv, Tensor routing, SymInt n
 @prepared.per_signature(lambda group, world_size, num_experts, shape, dtype, device: (
     group, world_size, num_experts, shape, dtype, device))
 def receive_buffer(group, world_size: int, num_experts: int, shape: tuple, dtype, device) -> tuple:
-    """``(recv, recv_context)``: the dispatch's receive buffer of this shape (``moe_dispatch.buffers``, keyed by
-    the padded expert count of the dispatch's plan) and its peers; kept per signature."""
-    dispatch = sys.modules["kraken.comm.moe_dispatch"]
+    """``(recv, recv_context)``: the dispatch's receive buffer of this shape (``kraken.runtime.moe.buffers``, keyed
+    by the padded expert count of the dispatch's plan) and its peers; kept per signature."""
     capacity, hidden = shape
-    e_pad = dispatch.plan(1, 1, hidden, num_experts, world_size, {})["e_pad"]
-    recv, recv_context, _ = dispatch.buffers(capacity, hidden, dtype, e_pad, device, group, "moe_combine")
+    e_pad = moe.DISPATCH.plan(1, 1, hidden, num_experts, world_size, {})["e_pad"]
+    recv, recv_context, _ = moe.buffers(capacity, hidden, dtype, e_pad, device, group, "moe_combine")
     return recv, recv_context
 
 
@@ -194,7 +193,8 @@ def combine_door(recipe: Callable, op) -> Callable:
 
 def install_front_doors(exports, namespace: str) -> None:
     """Register the MoE pair of the package ``exports`` (if it has them) in ``namespace`` and put the front doors in
-    the package and in the recipes' modules (as ``library.install_front_doors``)."""
+    the package and in the module that defines each (as ``library.install_front_doors``: ``kraken.moe_dispatch is
+    kraken.runtime.moe.moe_dispatch``; a twin made there by a factory is not that module's own)."""
     dispatch, combine = (getattr(exports, name, None) for name in NAMES)
     if dispatch is None or combine is None or hasattr(dispatch, "op"):
         return
@@ -202,4 +202,6 @@ def install_front_doors(exports, namespace: str) -> None:
              combine_door(combine, register_combine(combine, namespace)))
     for name, recipe, door in zip(NAMES, (dispatch, combine), doors):
         setattr(exports, name, door)
-        setattr(sys.modules[recipe.__module__], name, door)
+        home = sys.modules[recipe.__module__]
+        if getattr(home, name, None) is recipe:
+            setattr(home, name, door)

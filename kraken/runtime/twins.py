@@ -6,10 +6,10 @@ from helion_ports.comm import one_shot_all_reduce as one_shot_twin
 from kraken.runtime.collectives import helion_all_gather as all_gather
 from helion_ports.comm.all_gather_with_progress import all_gather_with_progress
 from kraken.runtime.collectives import helion_all_reduce as all_reduce
-from helion_ports.comm.moe_combine import moe_combine
-from helion_ports.comm.moe_dispatch import moe_dispatch
 from kraken.runtime.collectives import helion_reduce_scatter as reduce_scatter
 from kraken.runtime.collectives import helion_two_shot_all_reduce as two_shot_all_reduce
+from helion_ports.comm import moe_combine as moe_combine_twin
+from helion_ports.comm import moe_dispatch as moe_dispatch_twin
 from helion_ports.fused.all_gather_matmul import all_gather_matmul
 from helion_ports.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
 from helion_ports.fused.all_reduce_bias import all_reduce_bias
@@ -24,10 +24,13 @@ from helion_ports.fused.rms_norm import rms_norm
 from helion_ports.fused.two_shot_all_reduce_bias import two_shot_all_reduce_bias
 from helion_ports.fused.two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
 from kraken.runtime import collectives
+from kraken.runtime import moe
 from kraken.runtime.api import COMM, FUSED
 from kraken.runtime.library import install_front_doors
 
 one_shot_all_reduce = collectives.one_shot_all_reduce_with(one_shot_twin.launch, "helion one_shot_all_reduce")
+moe_combine = moe.moe_combine_with(moe_combine_twin.launch, "helion moe_combine")
+moe_dispatch = moe.moe_dispatch_with(moe_dispatch_twin.launch, "helion moe_dispatch")
 
 __all__ = [*COMM, *FUSED]
 
