@@ -6,15 +6,15 @@ Each is a recipe behind the product layer (checks agreed across ranks, prepared 
 """
 
 from kraken.comm.all_gather import all_gather
-from kraken.comm.all_gather_with_progress import all_gather_with_progress
+from kraken.runtime.progress import all_gather_with_progress
 from kraken.comm.all_reduce import all_reduce
 from kraken.comm.moe_combine import moe_combine
 from kraken.comm.moe_dispatch import moe_dispatch
 from kraken.runtime.collectives import one_shot_all_reduce
 from kraken.comm.reduce_scatter import reduce_scatter
 from kraken.comm.two_shot_all_reduce import two_shot_all_reduce
-from kraken.fused.all_gather_matmul import all_gather_matmul
-from kraken.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
+from kraken.runtime.gather_matmul import all_gather_matmul
+from kraken.runtime.gather_matmul import all_gather_matmul_fp8
 from kraken.fused.all_reduce_bias import all_reduce_bias
 from kraken.fused.all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
 from kraken.fused.context_parallel_attention import context_parallel_attention

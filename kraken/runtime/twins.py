@@ -4,14 +4,14 @@ behind the same product layer; operators ``torch.ops.kraken_helion.<name>`` unde
 
 from helion_ports.comm import one_shot_all_reduce as one_shot_twin
 from helion_ports.comm.all_gather import all_gather
-from helion_ports.comm.all_gather_with_progress import all_gather_with_progress
+from helion_ports.comm import all_gather_with_progress as progress_twin
 from helion_ports.comm.all_reduce import all_reduce
 from helion_ports.comm.moe_combine import moe_combine
 from helion_ports.comm.moe_dispatch import moe_dispatch
 from helion_ports.comm.reduce_scatter import reduce_scatter
 from helion_ports.comm.two_shot_all_reduce import two_shot_all_reduce
-from helion_ports.fused.all_gather_matmul import all_gather_matmul
-from helion_ports.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
+from helion_ports.fused import all_gather_matmul as agm_twin
+from helion_ports.fused import all_gather_matmul_fp8 as agm_fp8_twin
 from helion_ports.fused.all_reduce_bias import all_reduce_bias
 from helion_ports.fused.all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
 from helion_ports.fused.context_parallel_attention import context_parallel_attention
@@ -23,11 +23,16 @@ from helion_ports.fused.one_shot_all_reduce_bias_rms_norm import one_shot_all_re
 from helion_ports.fused.rms_norm import rms_norm
 from helion_ports.fused.two_shot_all_reduce_bias import two_shot_all_reduce_bias
 from helion_ports.fused.two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
-from kraken.runtime import collectives
+from kraken.runtime import collectives, gather_matmul, progress
 from kraken.runtime.api import COMM, FUSED
 from kraken.runtime.library import install_front_doors
 
 one_shot_all_reduce = collectives.one_shot_all_reduce_with(one_shot_twin.launch, "helion one_shot_all_reduce")
+all_gather_with_progress = progress.all_gather_with_progress_with(progress_twin.launch,
+                                                                  "helion all_gather_with_progress")
+all_gather_matmul = gather_matmul.all_gather_matmul_with(agm_twin.launch, "helion all_gather_matmul", "helion_ports")
+all_gather_matmul_fp8 = gather_matmul.all_gather_matmul_fp8_with(agm_fp8_twin.launch, "helion all_gather_matmul_fp8",
+                                                                 "helion_ports")
 
 __all__ = [*COMM, *FUSED]
 
