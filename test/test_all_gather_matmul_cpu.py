@@ -137,6 +137,21 @@ def test_twin_copies_the_plan_and_signatures():
         assert parameters(getattr(twin, name)) == parameters(getattr(recipe, name)), name
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_twin_barrier_compiles_to_the_recipes_barrier(world_size):
+    """The gather's barrier: one block, one warp, no shared memory, the same system-scope CAS release/acquire pair in
+    the twin's Helion kernel as in the recipe's Triton one."""
+    with sm90.capture_launches() as launches:
+        recipe.barrier(sm90.FAKE_SIGNAL_PADS, world_size - 1, world_size)
+        twin.barrier(torch.zeros(world_size, dtype=torch.int32), sm90.FAKE_SIGNAL_PADS, world_size - 1, world_size, "")
+    assert [(tuple(launch.grid), launch.kwargs.get("num_warps")) for launch in launches] == [((1,), 1)] * 2
+    t, h = (sm90.kernel_stats(launch) for launch in launches)
+    assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
+    assert dict(sm90.barrier_opcodes(t["ptx"])) == {
+        "atom.global.release.sys.cas.b32": 1, "atom.global.acquire.sys.cas.b32": 1}
+    assert t["shared_bytes"] == h["shared_bytes"] == 0
+
+
 def test_wait_async_is_the_gmem_wait_plus_the_proxy_fence():
     """The twin's wait snippet is built from the same PTX strings as ``gmem_barrier.wait_async``."""
     snippet = twin.WAIT_FLAG.format(progress="p", index="i", value=1)
