@@ -313,6 +313,59 @@ def test_bad_scale_raises_on_every_rank(monkeypatch):
         gather_matmul.prepare_fp8.uncached(a, b, sa, sb, None, recipe.OP, {})
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_the_gather_stages_for_the_peers_and_flags_only_their_chunks(monkeypatch, world_size):
+    """The recipe's launch on CPU stand-ins (this process the last rank): the flags reset before the fork (not in a
+    group of one), the staging kernel on the side stream only for the peers, two barriers around each peer's chunk
+    copied and then flagged (rank + 1 first; my chunk never: the GEMM reads my rows from ``a``), the GEMM on the
+    current stream, the join last."""
+    import contextlib
+    from types import SimpleNamespace
+
+    events: list = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append("fork" if self.name == "side" else "join")
+
+    class Flags:
+        def zero_(self):
+            events.append("reset")
+
+        def view(self, dtype):
+            return self
+
+    monkeypatch.setattr(recipe, "side_stream", lambda device: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream("current"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(recipe, "_SymmetricMemory", SimpleNamespace(
+        stream_write_value32=lambda flags, index, value: events.append(("flag", index, value))))
+
+    def launcher(kernel, grid, *args, **meta):
+        events.append("barrier" if "barrier" in kernel.fn.__name__ else kernel.fn.__name__)
+
+    rows, n, k, rank = 3, 32, 64, world_size - 1
+    width = recipe.row_bytes(k)
+    buffers = [torch.randint(0, 255, (world_size * rows, width), dtype=torch.uint8) for _ in range(world_size)]
+    peers = tuple(buffers[r][r * rows:(r + 1) * rows] for r in range(world_size))
+    gathered = buffers[rank]
+    own_values, own_scales = recipe.buffer_views(peers[rank], k)
+    a, b = torch.randn(rows, k).to(FP8), torch.randn(n, k).to(FP8).t()
+    cfg = recipe.plan(rows, n, k, world_size, {}, sm90.H200_NUM_SMS)
+    out = torch.empty(world_size * rows, n, dtype=torch.bfloat16)
+    recipe.launch(a, b, torch.ones(rows, 1), torch.ones(1, n), peers, gathered, own_values, own_scales, out, Flags(),
+                  0, rank, **cfg, launcher=launcher)
+    order = [(rank + step) % world_size for step in range(1, world_size)]
+    staged = ["reset", "fork", "stage_kernel"] if world_size > 1 else ["fork"]
+    assert events == staged + ["barrier"] + [("flag", peer, 1) for peer in order] + [
+        "barrier", "all_gather_matmul_kernel", "join"], events
+    for peer in order:  # values and scales, each peer's whole rows
+        assert torch.equal(gathered[peer * rows:(peer + 1) * rows], peers[peer])
+
+
 # ---------------------------------------------------------------------------
 # The numbers, in the Triton interpreter
 # ---------------------------------------------------------------------------
