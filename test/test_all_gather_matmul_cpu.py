@@ -24,6 +24,7 @@ TWIN = "helion_ports.fused.all_gather_matmul"
 recipe = importlib.import_module(RECIPE)
 twin = importlib.import_module(TWIN)
 gather = importlib.import_module("kraken.comm.all_gather_with_progress")
+progress = importlib.import_module("kraken.runtime.progress")
 
 H200_SHARED_BYTES = 232448  # 227 KiB per block
 # (rows per rank, N, K): the 128x256 tiles (default shapes from M = 1024 on), the 128x128 tiles (256 and 512
@@ -41,7 +42,7 @@ def compile_stats(module, world_size: int, shape, **config) -> dict:
 
 def barrier_kernel_stats(world_size: int) -> dict:
     with sm90.capture_launches() as launches:
-        gather.barrier(sm90.FAKE_SIGNAL_PADS, 1, world_size)
+        recipe.barrier(sm90.FAKE_SIGNAL_PADS, 1, world_size)
     (launch,) = launches
     return sm90.kernel_stats(launch)
 
@@ -109,10 +110,46 @@ def test_b_layouts_need_no_copy_when_tma_can_read_them():
     assert torch.equal(a_pad[:, :60], a60) and torch.equal(b_pad[:, :60], w60) and not b_pad[:, 60:].any()
 
 
-def test_twin_shares_plan_and_signatures():
-    assert twin.plan is recipe.plan and twin.prepare is recipe.prepare and twin.tma_inputs is recipe.tma_inputs
+def parameters(fn) -> list:
+    """A signature's parameters but the launcher's default (Triton's launch in a recipe, None in a twin)."""
+    return [(p.name, p.kind, p.default if p.name != "launcher" else None)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def test_twin_copies_the_plan_and_signatures():
+    """The twin holds its own copy of the plan (no import of the recipe): the same configuration everywhere."""
+    assert twin.plan is not recipe.plan and twin.tma_inputs is not recipe.tma_inputs
+    for name in ("TILE_CONFIGS", "DEFAULT_CONFIG", "B_LAYOUTS", "GROUP_M", "RESERVED_SMS", "MIN_TILES_PER_SM", "OP"):
+        assert getattr(twin, name) == getattr(recipe, name), name
+    for world_size in (1, 2, 3, 8):
+        for m, n, k in [(1, 8, 16), (40, 4096, 4096), (128, 8192, 8192), (1024, 14336, 8192), (37, 100, 72)]:
+            for config in ({}, {"max_blocks": 7}, {"block_m": 64, "block_n": 64, "group_m": 1, "b_layout": "nk"}):
+                got = twin.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
+                assert got == recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS), (m, n, k, config)
+    for module in (recipe, twin):
+        with pytest.raises(TypeError, match="unknown config keys"):
+            module.plan(64, 64, 64, 2, {"blockm": 64}, 132)
+    a60, w60 = torch.randn(16, 60, dtype=torch.bfloat16), torch.randn(32, 60, dtype=torch.bfloat16)
+    for layout in ("auto", "nk", "kn"):
+        for got, want in zip(twin.tma_inputs(a60, w60.t(), layout, 64), recipe.tma_inputs(a60, w60.t(), layout, 64)):
+            assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
     for name in ("launch", "launch_matmul", "all_gather_matmul"):
-        assert inspect.signature(getattr(twin, name)) == inspect.signature(getattr(recipe, name)), name
+        assert parameters(getattr(twin, name)) == parameters(getattr(recipe, name)), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_twin_barrier_compiles_to_the_recipes_barrier(world_size):
+    """The gather's barrier: one block, one warp, no shared memory, the same system-scope CAS release/acquire pair in
+    the twin's Helion kernel as in the recipe's Triton one."""
+    with sm90.capture_launches() as launches:
+        recipe.barrier(sm90.FAKE_SIGNAL_PADS, world_size - 1, world_size)
+        twin.barrier(torch.zeros(world_size, dtype=torch.int32), sm90.FAKE_SIGNAL_PADS, world_size - 1, world_size, "")
+    assert [(tuple(launch.grid), launch.kwargs.get("num_warps")) for launch in launches] == [((1,), 1)] * 2
+    t, h = (sm90.kernel_stats(launch) for launch in launches)
+    assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
+    assert dict(sm90.barrier_opcodes(t["ptx"])) == {
+        "atom.global.release.sys.cas.b32": 1, "atom.global.acquire.sys.cas.b32": 1}
+    assert t["shared_bytes"] == h["shared_bytes"] == 0
 
 
 def test_wait_async_is_the_gmem_wait_plus_the_proxy_fence():
@@ -218,9 +255,9 @@ def test_plan_refuses_bad_config():
 BF16 = torch.bfloat16
 
 
-@pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
-def test_bad_input_is_refused_on_the_host(module):
-    fn = module.all_gather_matmul
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+def test_bad_input_is_refused_on_the_host(package):
+    fn = importlib.import_module(package).all_gather_matmul  # the installed one
     a, b = torch.zeros(8, 16, dtype=BF16), torch.zeros(16, 32, dtype=BF16)
     with pytest.raises(ValueError, match=r"inner dimensions differ: a is \(8, 16\), b is \(32, 8\)"):
         fn(a, torch.zeros(32, 8, dtype=BF16))
@@ -245,54 +282,106 @@ def test_bad_input_is_refused_on_the_host(module):
 
 def test_gather_refuses_bad_input_on_the_host():
     with pytest.raises(TypeError, match="shard must be a torch.Tensor"):
-        gather.all_gather_with_progress([1, 2])
+        progress.all_gather_with_progress([1, 2])
     with pytest.raises(ValueError, match="shard must be contiguous"):
-        gather.all_gather_with_progress(torch.zeros(4, 4).t())
+        progress.all_gather_with_progress(torch.zeros(4, 4).t())
     with pytest.raises(ValueError, match="shard must be on a CUDA device"):
-        gather.all_gather_with_progress(torch.zeros(4, 4))
+        progress.all_gather_with_progress(torch.zeros(4, 4))
 
 
-@pytest.mark.parametrize("world_size,flag_own", [(1, False), (1, True), (2, False), (2, True), (4, False)])
-def test_gather_flags_only_what_a_consumer_reads(monkeypatch, world_size, flag_own):
-    """The gather's host protocol on CPU stand-ins (this process the last rank; my shard my chunk of ``out``, as the
-    GEMM consumers' buffers): the flags are reset before the fork, each peer's chunk is copied and then flagged,
-    and my own chunk is flagged only with ``flag_own``; the GEMM consumers pass False (their kernels read my rows
-    from ``a``), so a group of one writes no flag and resets none. Two barriers either way."""
+class Events:
+    """CPU stand-ins for what a gather does on the GPU, each noted in ``events``: the side stream's fork and the
+    join (``wait_stream``), the flags' reset (``zero_``) and writes (``stream_write_value32``), the launches."""
+
+    def __init__(self, monkeypatch, module):
+        import contextlib
+
+        self.events: list = []
+        events = self.events
+
+        class Stream:
+            def __init__(self, name):
+                self.name = name
+
+            def wait_stream(self, other):
+                events.append("fork" if self.name == "side" else "join")
+
+        class Flags:  # the progress flags: their reset and their writes (the stream operations' uint32 view)
+            def zero_(self):
+                events.append("reset")
+
+            def view(self, dtype):
+                return self
+
+        self.flags = Flags()
+        monkeypatch.setattr(module, "side_stream", lambda device: Stream("side"))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream("current"))
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(module, "_SymmetricMemory", SimpleNamespace(
+            stream_write_value32=lambda flags, index, value: events.append(("flag", index, value))))
+
+    def launcher(self, kernel, grid, *args, **meta):
+        self.events.append("barrier" if "barrier" in kernel.fn.__name__ else kernel.fn.__name__)
+
+
+@pytest.mark.parametrize("world_size,return_a", [(1, False), (1, True), (2, False), (2, True), (4, False)])
+def test_the_gather_flags_only_what_the_gemm_waits_for(monkeypatch, world_size, return_a):
+    """The recipe's launch on CPU stand-ins (this process the last rank, every rank's own chunk of its buffer as the
+    prepared call gives it): the flags are reset before the fork (not in a group of one: no flag is written), my rows
+    are staged into my chunk for the peers (and the snapshot), each peer's chunk is copied and then flagged, rank + 1
+    first; my own chunk is never flagged (the GEMM reads my rows from ``a``); two barriers around the copies; the GEMM
+    on the current stream; the join last."""
+    fake = Events(monkeypatch, recipe)
+    rows, k, rank = 3, 16, world_size - 1
+    buffers = [torch.full((world_size * rows, k), float("nan"), dtype=torch.bfloat16) for _ in range(world_size)]
+    for r in range(world_size - 1):  # the peers' rows, staged in their own chunks
+        buffers[r][r * rows:(r + 1) * rows] = torch.randn(rows, k).to(torch.bfloat16)
+    peers = tuple(buffers[r][r * rows:(r + 1) * rows] for r in range(world_size))
+    gathered = buffers[rank]
+    a, b = torch.randn(rows, k).to(torch.bfloat16), torch.randn(k, 8).to(torch.bfloat16)
+    a_out = torch.empty_like(gathered) if return_a else None
+    cfg = recipe.plan(rows, 8, k, world_size, {}, sm90.H200_NUM_SMS)
+    out = torch.empty(world_size * rows, 8, dtype=torch.bfloat16)
+    recipe.launch(a, b, peers, gathered, out, fake.flags, 0, rank, a_out, **cfg, launcher=fake.launcher)
+    order = [(rank + step) % world_size for step in range(1, world_size)]
+    reset = ["reset"] if world_size > 1 else []
+    assert fake.events == reset + ["fork", "barrier"] + [("flag", peer, 1) for peer in order] + [
+        "barrier", "all_gather_matmul_kernel", "join"], fake.events
+    for peer in order:
+        assert torch.equal(gathered[peer * rows:(peer + 1) * rows], peers[peer])
+    staged = torch.equal(gathered[rank * rows:(rank + 1) * rows], a)  # for the peers, and the snapshot
+    assert staged == (world_size > 1 or return_a)
+    if return_a:
+        assert torch.equal(a_out, gathered)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_standalone_gather_flags_every_chunk(monkeypatch, world_size):
+    """The installed gather's protocol on CPU stand-ins (``kraken.runtime.progress.start`` with the recipe's exchange,
+    this process the last rank): the flags reset before the fork, each peer's chunk copied then flagged (rank + 1
+    first), my own rows copied and flagged last, two barriers, the join when the caller waits."""
     import contextlib
 
     events: list = []
 
-    class Graphs:  # what graphs.forked launches: the head on the current stream, the tail on the side stream
-        def join(self, device_index):
-            events.append("join")
-
-    def forked(key, head, tail, plain, side):
+    def forked(key, head, tail, plain, side):  # what graphs.forked launches: the head, the fork, the tail
         head()
         events.append("fork")
         tail()
-        return Graphs()
+        return SimpleNamespace(join=lambda device_index: events.append("join"))
 
-    monkeypatch.setattr(gather, "copy_stream", lambda device: SimpleNamespace(device_index=0))
-    monkeypatch.setattr(gather, "fork", lambda stream: events.append("fork"))
-    monkeypatch.setattr(gather, "join", lambda stream: events.append("join"))
-    monkeypatch.setattr(gather, "on_stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(gather, "reset_flags", lambda progress: events.append("reset"))
-    monkeypatch.setattr(gather, "set_flag", lambda progress, index, value=1: events.append(("flag", index)))
-    monkeypatch.setattr(graphs, "graphed", lambda key, run, device: run())  # the graph of the exchange: run it plainly
-    monkeypatch.setattr(graphs, "forked", forked)  # (nothing to stage: a group of one)
-    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+    monkeypatch.setattr(progress, "copy_stream", lambda device: SimpleNamespace(device_index=0))
+    monkeypatch.setattr(progress, "on_stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(progress, "reset_flags", lambda flags: events.append("reset"))
+    monkeypatch.setattr(gather, "set_flag", lambda flags, index, value=1: events.append(("flag", index)))
+    monkeypatch.setattr(graphs, "forked", forked)
     rows, rank = 3, world_size - 1
+    peers = tuple(torch.randn(rows, 5) for _ in range(world_size))
     out = torch.full((world_size * rows, 5), float("nan"))
-    peers = tuple(out[r * rows:(r + 1) * rows] if r == rank else torch.randn(rows, 5) for r in range(world_size))
-    mine = torch.randn(rows, 5)
     barrier = lambda kernel, grid, *args, **meta: events.append("barrier")  # noqa: E731
-    gather.start(peers, 0, rank, out, torch.zeros(world_size, dtype=torch.int32), stage_from=mine,
-                 launcher=barrier, flag_own=flag_own).wait()
+    progress.start(gather.launch, peers, 0, rank, out, torch.zeros(world_size, dtype=torch.int32),
+                   launcher=barrier).wait()
     order = [(rank + step) % world_size for step in range(1, world_size)]
-    flags = [("flag", peer) for peer in order] + ([("flag", rank)] if flag_own else [])
-    reset = ["reset"] if flags else []
-    assert events == reset + ["fork", "barrier"] + flags + ["barrier", "join"], events
-    for peer in order:
-        assert torch.equal(out[peer * rows:(peer + 1) * rows], peers[peer])
-    # My shard is staged for the peers (not for a group of one, where nobody reads it).
-    assert torch.equal(peers[rank], mine) == (world_size > 1)
+    assert events == ["reset", "fork", "barrier"] + [("flag", peer) for peer in order] + [
+        ("flag", rank), "barrier", "join"], events
+    assert torch.equal(out, torch.cat(peers))

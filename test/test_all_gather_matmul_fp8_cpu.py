@@ -21,7 +21,7 @@ from benchmark import registry, sm90
 from benchmark.ops import all_gather_matmul_fp8 as op
 from fake_world import FakeWorld
 from kraken._gemm_core import flattens
-from kraken.runtime import groups
+from kraken.runtime import gather_matmul, groups
 
 RECIPE = "kraken.fused.all_gather_matmul_fp8"
 TWIN = "helion_ports.fused.all_gather_matmul_fp8"
@@ -158,10 +158,46 @@ def test_gather_buffer_rows_hold_values_and_scale():
     assert stats["spill_bytes"] == 0 and "ld.global.v4" in stats["ptx"] and "st.global.v4" in stats["ptx"]
 
 
-def test_twin_shares_plan_and_signatures():
-    assert twin.plan is recipe.plan and twin.prepare is recipe.prepare and twin.b_operand is recipe.b_operand
-    for name in ("launch", "launch_matmul", "all_gather_matmul_fp8"):
-        assert inspect.signature(getattr(twin, name)) == inspect.signature(getattr(recipe, name)), name
+def parameters(fn) -> list:
+    """A signature's parameters but the launcher's default (Triton's launch in a recipe, None in a twin)."""
+    return [(p.name, p.kind, p.default if p.name != "launcher" else None)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def test_twin_copies_the_plan_and_signatures():
+    """The twin holds its own copies of the plan and the buffer layout (no import of the recipe): equal everywhere."""
+    assert twin.plan is not recipe.plan and twin.buffer_views is not recipe.buffer_views
+    for name in ("TILE_CONFIGS", "DEFAULT_CONFIG", "B_LAYOUTS", "GROUP_M", "RESERVED_SMS", "MIN_TILES_PER_SM", "OP",
+                 "OUT_DTYPE", "SCALE_BYTES", "ROW_ALIGN", "STAGE_BLOCK_M", "STAGE_BLOCK_K", "STAGE_WARPS"):
+        assert getattr(twin, name) == getattr(recipe, name), name
+    for world_size in (1, 2, 3, 8):
+        for m, n, k in [(1, 8, 16), (37, 100, 72), (128, 8192, 8192), (1024, 14336, 8192), (16, 8192, 8192)]:
+            for config in ({}, {"max_blocks": 7}, {"block_m": 64, "block_n": 64, "block_k": 64, "group_m": 1}):
+                got = twin.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS)
+                assert got == recipe.plan(m, n, k, world_size, config, sm90.H200_NUM_SMS), (m, n, k, config)
+    for k in (16, 72, 112, 113, 8192):
+        assert twin.row_bytes(k) == recipe.row_bytes(k)
+        gathered = torch.zeros(4, recipe.row_bytes(k), dtype=torch.uint8)
+        for got, want in zip(twin.buffer_views(gathered, k), recipe.buffer_views(gathered, k)):
+            assert (got.shape, got.stride(), got.dtype, got.data_ptr()) == (want.shape, want.stride(), want.dtype,
+                                                                          want.data_ptr())
+    for name in ("launch", "launch_matmul", "stage", "all_gather_matmul_fp8"):
+        assert parameters(getattr(twin, name)) == parameters(getattr(recipe, name)), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_twin_barrier_compiles_to_the_recipes_barrier(world_size):
+    """The gather's barrier: one block, one warp, no shared memory, the same system-scope CAS release/acquire pair in
+    the twin's Helion kernel as in the recipe's Triton one."""
+    with sm90.capture_launches() as launches:
+        recipe.barrier(sm90.FAKE_SIGNAL_PADS, world_size - 1, world_size)
+        twin.barrier(torch.zeros(world_size, dtype=torch.int32), sm90.FAKE_SIGNAL_PADS, world_size - 1, world_size, "")
+    assert [(tuple(launch.grid), launch.kwargs.get("num_warps")) for launch in launches] == [((1,), 1)] * 2
+    t, h = (sm90.kernel_stats(launch) for launch in launches)
+    assert sm90.barrier_opcodes(h["ptx"]) == sm90.barrier_opcodes(t["ptx"])
+    assert dict(sm90.barrier_opcodes(t["ptx"])) == {
+        "atom.global.release.sys.cas.b32": 1, "atom.global.acquire.sys.cas.b32": 1}
+    assert t["shared_bytes"] == h["shared_bytes"] == 0
 
 
 def test_op_registration():
@@ -224,9 +260,9 @@ def fp8_inputs(m=8, n=32, k=16):
     return torch.zeros(m, k, dtype=FP8), torch.zeros(n, k, dtype=FP8).t(), torch.ones(m, 1), torch.ones(1, n)
 
 
-@pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
-def test_bad_input_is_refused_on_the_host(module):
-    fn = module.all_gather_matmul_fp8
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+def test_bad_input_is_refused_on_the_host(package):
+    fn = importlib.import_module(package).all_gather_matmul_fp8  # the installed one
     a, b, sa, sb = fp8_inputs()
     with pytest.raises(ValueError, match=r"a must be a 2-D float8_e4m3fn tensor, got bfloat16"):
         fn(a.to(torch.bfloat16), b, sa, sb)
@@ -267,14 +303,67 @@ def test_bad_scale_raises_on_every_rank(monkeypatch):
     rank1 = ("ValueError", "scale_b must be float32, got float16")
     world = FakeWorld(monkeypatch, other=lambda mine: (mine[0], rank1))
     with pytest.raises(ValueError, match=r"bad input on rank 0: scale_a must be float32.*; rank 1: scale_b must be"):
-        recipe.prepare.uncached(a, b, sa.double(), sb, None, recipe.OP, {})
+        gather_matmul.prepare_fp8.uncached(a, b, sa.double(), sb, None, recipe.OP, {})
     assert world.exchanges == 1
     # Rank 1 passed a per-tensor scale_a where rank 0 passed a row-wise one.
     other = lambda mine: (tuple((n, ("tensor", (), "float32", "cpu", True)) if n == "scale_a" else (n, v)  # noqa: E731
                                 for n, v in mine[0]), mine[1])
     FakeWorld(monkeypatch, other=other)
     with pytest.raises(ValueError, match=r"ranks disagree on the input's shape/dtype \(scale_a: rank 0 .*\(8, 1\).*rank 1"):
-        recipe.prepare.uncached(a, b, sa, sb, None, recipe.OP, {})
+        gather_matmul.prepare_fp8.uncached(a, b, sa, sb, None, recipe.OP, {})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_the_gather_stages_for_the_peers_and_flags_only_their_chunks(monkeypatch, world_size):
+    """The recipe's launch on CPU stand-ins (this process the last rank): the flags reset before the fork (not in a
+    group of one), the staging kernel on the side stream only for the peers, two barriers around each peer's chunk
+    copied and then flagged (rank + 1 first; my chunk never: the GEMM reads my rows from ``a``), the GEMM on the
+    current stream, the join last."""
+    import contextlib
+    from types import SimpleNamespace
+
+    events: list = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append("fork" if self.name == "side" else "join")
+
+    class Flags:
+        def zero_(self):
+            events.append("reset")
+
+        def view(self, dtype):
+            return self
+
+    monkeypatch.setattr(recipe, "side_stream", lambda device: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream("current"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(recipe, "_SymmetricMemory", SimpleNamespace(
+        stream_write_value32=lambda flags, index, value: events.append(("flag", index, value))))
+
+    def launcher(kernel, grid, *args, **meta):
+        events.append("barrier" if "barrier" in kernel.fn.__name__ else kernel.fn.__name__)
+
+    rows, n, k, rank = 3, 32, 64, world_size - 1
+    width = recipe.row_bytes(k)
+    buffers = [torch.randint(0, 255, (world_size * rows, width), dtype=torch.uint8) for _ in range(world_size)]
+    peers = tuple(buffers[r][r * rows:(r + 1) * rows] for r in range(world_size))
+    gathered = buffers[rank]
+    own_values, own_scales = recipe.buffer_views(peers[rank], k)
+    a, b = torch.randn(rows, k).to(FP8), torch.randn(n, k).to(FP8).t()
+    cfg = recipe.plan(rows, n, k, world_size, {}, sm90.H200_NUM_SMS)
+    out = torch.empty(world_size * rows, n, dtype=torch.bfloat16)
+    recipe.launch(a, b, torch.ones(rows, 1), torch.ones(1, n), peers, gathered, own_values, own_scales, out, Flags(),
+                  0, rank, **cfg, launcher=launcher)
+    order = [(rank + step) % world_size for step in range(1, world_size)]
+    staged = ["reset", "fork", "stage_kernel"] if world_size > 1 else ["fork"]
+    assert events == staged + ["barrier"] + [("flag", peer, 1) for peer in order] + [
+        "barrier", "all_gather_matmul_kernel", "join"], events
+    for peer in order:  # values and scales, each peer's whole rows
+        assert torch.equal(gathered[peer * rows:(peer + 1) * rows], peers[peer])
 
 
 # ---------------------------------------------------------------------------
@@ -301,8 +390,8 @@ from benchmark.ops.all_gather_matmul_fp8 import dequantized, rank_operands
 def count_wait(flag_ptr, value):
     tl.atomic_add(flag_ptr, 1)  # the inline-PTX wait cannot run here: count who waits for which chunk instead
 
-importlib.import_module("kraken.fused.all_gather_matmul").wait_async = count_wait  # where the shared kernel is
-importlib.import_module("helion_ports.fused.all_gather_matmul").WAIT_FLAG = "tl.debug_barrier()"  # the body's module
+m.wait_async = count_wait  # the recipe's kernel (its own copy of the bf16 recipe's)
+twin.WAIT_FLAG = "tl.debug_barrier()"  # the twin's body (its own copy of the bf16 twin's)
 
 worst = 0.0
 # (rows per rank, N, K, world size, per-tensor scales, b layout, config, module)

@@ -19,16 +19,17 @@ import torch.distributed as dist
 
 from benchmark.ops.all_gather_matmul_fp8 import FP8, dequantized, rank_operands
 from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
-from kraken.runtime import crossover
+from kraken.runtime import crossover, gather_matmul
 
 OP = "all_gather_matmul_fp8"
 
 pytestmark = needs_gpus
 
-MODULES = {
+MODULES = {  # the recipe and its twin (``launch``, the plain function)
     "triton": "kraken.fused.all_gather_matmul_fp8",
     "helion": "helion_ports.fused.all_gather_matmul_fp8",
 }
+PACKAGES = {"triton": "kraken", "helion": "helion_ports"}  # the installed functions
 BF16 = torch.bfloat16
 # bf16 output of an exact (dequantised) product: the tensor cores' fp32 accumulation (Triton's fp8 dot on sm_90
 # uses their reduced-precision accumulator over the whole k loop, ``max_num_imprecise_acc`` 2**30), one bf16 rounding.
@@ -67,8 +68,8 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str, tolerance: float = TO
 
 
 def launch_into(module, a, b, scale_a, scale_b, out: torch.Tensor, **config) -> torch.Tensor:
-    """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
-    ctx, cfg = module.prepare(a, b, scale_a, scale_b, None, "test", config)
+    """The public call's own prepare and the recipe's (or twin's) launch, but into a caller-owned (poisoned) output."""
+    ctx, cfg = gather_matmul.prepare_fp8(a, b, scale_a, scale_b, None, "test", config)
     return module.launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out, **cfg,
                          group_name=ctx.group_name)
 
@@ -184,10 +185,23 @@ def sequential_form(backend: str, fn) -> None:
     check_graph_replays(f"{backend} sequential", fn, inputs, [0, 1], form="sequential")
 
 
+def plain_function(backend: str, module) -> None:
+    """The recipe's (or twin's) plain host function against float64, row-wise and per-tensor scales."""
+    for seed, (shape, per_tensor) in enumerate((((37, 100, 72), False), ((129, 257, 136), True)), start=700):
+        what = f"{backend} plain {'x'.join(map(str, shape))} per_tensor={per_tensor}"
+        heartbeat(what)
+        a, b, scale_a, scale_b = operands(shape, seed, per_tensor)
+        out = module.all_gather_matmul_fp8(a, b, scale_a, scale_b)
+        torch.cuda.synchronize()
+        check(out, reference(shape, seed, per_tensor), what)
+
+
 def worker(backend: str) -> None:
     module = importlib.import_module(MODULES[backend])
-    sequential_form(backend, module.all_gather_matmul_fp8)
-    fn = functools.partial(module.all_gather_matmul_fp8, form="fused")  # the fused kernel, at every size
+    public = importlib.import_module(PACKAGES[backend]).all_gather_matmul_fp8
+    plain_function(backend, module)
+    sequential_form(backend, public)
+    fn = functools.partial(public, form="fused")  # the fused kernel, at every size
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     bad_input(backend, module, fn)

@@ -18,16 +18,17 @@ import torch.distributed as dist
 
 from benchmark.ops.all_gather_matmul import rank_operands
 from gpu_utils import POISON, TOLERANCE, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
-from kraken.runtime import crossover, graphs
+from kraken.runtime import crossover, gather_matmul, graphs
 
 OP = "all_gather_matmul"
 
 pytestmark = needs_gpus
 
-MODULES = {
+MODULES = {  # the recipe and its twin (``launch``, the plain function)
     "triton": "kraken.fused.all_gather_matmul",
     "helion": "helion_ports.fused.all_gather_matmul",
 }
+PACKAGES = {"triton": "kraken", "helion": "helion_ports"}  # the installed functions
 BF16, FP16 = torch.bfloat16, torch.float16
 # (rows per rank, N, K). Odd: one row per rank; tails everywhere, N or K not multiples of 8 (the padded
 # operands); a chunk end inside a tile. Classes: the 128x128 and 128x256 tiles.
@@ -58,8 +59,8 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 def launch_into(module, a, b, out: torch.Tensor, **config) -> torch.Tensor:
-    """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
-    ctx, cfg = module.prepare(a, b, None, "test", config, False)
+    """The public call's own prepare and the recipe's (or twin's) launch, but into a caller-owned (poisoned) output."""
+    ctx, cfg = gather_matmul.prepare(a, b, None, "test", config, False)
     return module.launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, out=out, a_out=None,
                          group_name=ctx.group_name)
 
@@ -128,9 +129,8 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
             for k in range(6):
                 check(outs[k], refs[k], f"{backend} after {i + 1} launches (slot {k}, {shapes[k]})")
                 outs[k].fill_(POISON)
-    # Those launches ran the in-place gather's exchange from its CUDA graph after the first call of each shape.
-    # (two graphs forked and joined where nothing is staged: a group of one; the exchange after the staging beyond)
-    assert any(isinstance(e, (torch.cuda.CUDAGraph, graphs.ForkedGraph)) for e in graphs._graphs.values()), (
+    # The public calls among them ran from a CUDA graph after the first call of each shape.
+    assert any(isinstance(e, torch.cuda.CUDAGraph) for e in graphs._graphs.values()), (
         f"{backend}: nothing replayed from a graph")
 
     slots = range(0, 6, 2)  # the graph replays one shape
@@ -218,10 +218,25 @@ def sequential_form(backend: str, fn) -> None:
     check_graph_replays(f"{backend} sequential", fn, inputs, [0, 1], form="sequential")
 
 
+def plain_function(backend: str, module) -> None:
+    """The recipe's (or twin's) plain host function, with its gathered ``a``, against float64 on odd shapes."""
+    world_size = dist.get_world_size()
+    for seed, shape in enumerate(ODD_SHAPES, start=700):
+        what = f"{backend} plain {'x'.join(map(str, shape))}"
+        heartbeat(what)
+        a, b = operands(shape, BF16, seed)
+        gathered, out = module.all_gather_matmul(a, b, return_a=True)
+        torch.cuda.synchronize()
+        check(out, reference(shape, BF16, seed, world_size), what)
+        assert torch.equal(gathered, torch.cat(all_rows(a))), f"{what}: the returned gathered a"
+
+
 def worker(backend: str) -> None:
     module = importlib.import_module(MODULES[backend])
-    sequential_form(backend, module.all_gather_matmul)
-    fn = functools.partial(module.all_gather_matmul, form="fused")  # the fused kernel, at every size
+    public = importlib.import_module(PACKAGES[backend]).all_gather_matmul
+    plain_function(backend, module)
+    sequential_form(backend, public)
+    fn = functools.partial(public, form="fused")  # the fused kernel, at every size
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     replayed_front_door(backend, fn)
@@ -254,7 +269,7 @@ def gather_worker() -> None:
             assert started.order[0] == rank and sorted(started.order) == list(range(world_size))
     # Calls on the same buffers run from two graphs (``graphs.ForkedGraph``) from the second on: each gathers what the
     # shards hold after the current stream's slow write, and writes every flag again.
-    from kraken.comm.all_gather_with_progress import OP
+    from kraken.runtime.progress import OP
 
     shard = kraken.symm_empty((64, 256), BF16)
     out = torch.empty((world_size * 64, 256), dtype=BF16, device="cuda")

@@ -755,7 +755,7 @@ def fake_device(monkeypatch) -> list:
     import importlib
     import types
 
-    gather = importlib.import_module("kraken.comm.all_gather_with_progress")  # the package exports the function
+    gather = importlib.import_module("kraken.runtime.progress")  # the gather's primitives (its join)
     flags: list = []
     forks: list = []
     monkeypatch.setattr(torch.cuda, "get_device_properties",

@@ -487,7 +487,7 @@ def test_gather_with_progress_keeps_its_barrier_launcher_per_group_and_rank():
     """``all_gather_with_progress`` launches its two barriers per call through a launcher kept per (signal pad,
     rank, world size), the barrier kernels' every argument: the same one for the same group and rank, another
     for another rank or group (a kernel specialised for one rank must never launch for another)."""
-    from kraken.comm.all_gather_with_progress import barrier_launcher
+    from kraken.runtime.progress import barrier_launcher
 
     def ctx(rank, world_size, pads):
         return symm.SymmContext(rank, world_size, "fake", (), pads)
@@ -501,28 +501,30 @@ def test_gather_with_progress_keeps_its_barrier_launcher_per_group_and_rank():
 @pytest.mark.parametrize("package", ["kraken", "helion_ports"])
 def test_a_standalone_gather_prepares_once_and_keeps_its_launcher(monkeypatch, package):
     """``all_gather_with_progress`` (and its twin) checks the shard and finds its peers on the first call of a
-    signature only, and hands ``start`` the same launcher object on every call: ``start`` replays the exchange from
-    a graph kept per launcher (``graphs.graphed``), which a new launcher per call (the twin's Helion barrier was one)
-    would never find. ``out`` and ``progress`` are new on every call."""
-    module = importlib.import_module(f"{package}.comm.all_gather_with_progress")
+    signature only, and hands ``start`` its exchange (the recipe's ``launch``, or the twin's) and the same launcher
+    object on every call: ``start`` replays the exchange from graphs kept per launcher (``graphs.forked``), which a new
+    launcher per call would never find. ``out`` and ``progress`` are new on every call."""
+    progress = importlib.import_module("kraken.runtime.progress")
+    exchange = importlib.import_module(f"{package}.comm.all_gather_with_progress").launch
+    fn = importlib.import_module(package).all_gather_with_progress
     prepared.forget_prepared_calls()
     contexts, started = [], []
     monkeypatch.setattr(groups, "check_tensor", lambda *args, **kwargs: None)
     monkeypatch.setattr(symm, "symm_context", lambda tensor, group, op, name="tensor": contexts.append(name) or
                         symm.SymmContext(0, 2, "fake", (tensor, torch.zeros_like(tensor)), sm90.FAKE_SIGNAL_PADS))
-    monkeypatch.setattr(module, "start" if package == "kraken" else "recipe_start",
-                        lambda *args, launcher, **kwargs: started.append((args, launcher)))
+    monkeypatch.setattr(progress, "start", lambda *args: started.append(args))
     shard = torch.randn(4, 8)
     try:  # no prepared call built on fakes outlives the test
         for _ in range(3):
-            module.all_gather_with_progress(shard)
+            fn(shard)
         assert contexts == ["shard"] and len(started) == 3
-        assert len({id(launcher) for _, launcher in started}) == 1
-        outs = [args[3] for args, _ in started]
+        assert all(args[0] is exchange for args in started)
+        assert len({id(args[6]) for args in started}) == 1
+        outs = [args[4] for args in started]
         assert all(out.shape == (8, 8) for out in outs) and len({id(out) for out in outs}) == 3
-        assert all(args[4].shape == (2,) and args[4].dtype == torch.int32 for args, _ in started)
+        assert all(args[5].shape == (2,) and args[5].dtype == torch.int32 for args in started)
         other = torch.randn(4, 16)  # another signature: checked and rendezvoused again
-        module.all_gather_with_progress(other)
+        fn(other)
         assert contexts == ["shard", "shard"]
     finally:
         prepared.forget_prepared_calls()

@@ -17,7 +17,6 @@ import kraken
 from benchmark import sm90
 from fake_world import FakeWorld
 from kraken.runtime import crossover, groups, prepared, symm
-from kraken.runtime.launcher import jit_launch
 
 K = 1024
 # (op, world size, the largest size that runs one-shot): the table in words (docs/history.md's measurements).
@@ -295,16 +294,28 @@ def test_front_door_launch_reaches_the_chosen_kernel():
 GATHER = "comm.all_gather_with_progress"
 
 
+def parameters(fn) -> list:
+    """A signature's parameters but the launcher's default (Triton's launch in a recipe, None in a twin)."""
+    return [(p.name, p.kind, p.default if p.name != "launcher" else None)
+            for p in inspect.signature(fn).parameters.values()]
+
+
 def test_gather_twin_mirrors_its_recipe():
     recipe, twin = (importlib.import_module(f"{p}.{GATHER}") for p in ("kraken", "helion_ports"))
-    assert helion_ports.all_gather_with_progress is twin.all_gather_with_progress
-    for name in ("all_gather_with_progress", "start"):
-        assert inspect.signature(getattr(twin, name)) == inspect.signature(getattr(recipe, name)), name
+    twins, progress = (importlib.import_module(f"kraken.runtime.{m}") for m in ("twins", "progress"))
+    assert helion_ports.all_gather_with_progress is twins.all_gather_with_progress
+    assert kraken.all_gather_with_progress is progress.all_gather_with_progress
+    for name in ("all_gather_with_progress", "launch", "plan", "set_flag"):
+        assert parameters(getattr(twin, name)) == parameters(getattr(recipe, name)), name
     # The twin's barrier also takes Helion's process-group name, after the recipe's arguments.
-    recipe_params = list(inspect.signature(recipe.barrier).parameters.values())
-    assert list(inspect.signature(twin.barrier).parameters.values())[:len(recipe_params)] == recipe_params
-    # What is host code is shared, not copied.
-    assert twin.GatherInProgress is recipe.GatherInProgress and twin.prepare is recipe.prepare
+    recipe_params = [p.name for p in inspect.signature(recipe.barrier).parameters.values()]
+    assert [p.name for p in inspect.signature(twin.barrier).parameters.values()][:len(recipe_params)] == recipe_params
+    # Its own copy of the plan and constants (no import of the recipe).
+    for rank, world_size in ((0, 1), (1, 2), (3, 4), (7, 8), (2, 8)):
+        assert twin.plan(rank, world_size) == recipe.plan(rank, world_size)
+        assert progress.copy_order(rank, world_size) == recipe.plan(rank, world_size)["order"]
+    for name in ("BARRIER_BLOCK", "BARRIER_WARPS", "LANDED"):
+        assert getattr(twin, name) == getattr(recipe, name), name
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 8])
@@ -325,18 +336,23 @@ def test_gather_twin_barrier_compiles_to_the_recipes_barrier(world_size):
     assert twin["spill_bytes"] == 0
 
 
-def test_gather_twin_start_launches_only_the_helion_barrier():
-    """The twin hands the recipe's ``start`` a launcher that swaps the Triton barrier for the Helion one and
-    refuses any other kernel (``start`` launches nothing else)."""
+def test_gather_twin_launches_only_the_helion_barrier(monkeypatch):
+    """The twin's exchange launches its Helion barrier (twice: around the copies) through the installed package's
+    launcher, never the recipe's Triton kernel; on one rank it copies my rows and flags them."""
     twin = importlib.import_module(f"helion_ports.{GATHER}")
-    recipe = importlib.import_module(f"kraken.{GATHER}")
-    with sm90.capture_launches() as launches:
-        twin.HelionBarrier(jit_launch)(recipe.shard_barrier_kernel, (1,), sm90.FAKE_SIGNAL_PADS, 0, 2,
-                                       BLOCK_ID=recipe.BARRIER_BLOCK, num_warps=recipe.BARRIER_WARPS)
-    (launch,) = launches
-    assert launch.kernel is not recipe.shard_barrier_kernel
-    with pytest.raises(AssertionError):
-        twin.HelionBarrier(jit_launch)(object(), (1,), sm90.FAKE_SIGNAL_PADS, 0, 2, BLOCK_ID=0)
+    ran: list = []
+
+    class Through:  # a prepared call's launcher: the Helion kernels go through its ``helion``
+        def helion(self, kernel, args, kernel_args=None):
+            ran.append((kernel, args[1:4]))
+
+    shard, out = torch.randn(3, 4), torch.zeros(3, 4)
+    flags: list = []
+    monkeypatch.setattr(twin, "set_flag", lambda progress, index, value=1: flags.append(index))
+    twin.launch((shard,), out, torch.zeros(1, dtype=torch.int32), sm90.FAKE_SIGNAL_PADS, 0, (0,), launcher=Through())
+    assert [kernel for kernel, _ in ran] == [twin.compiled()] * 2
+    assert [args for _, args in ran] == [(sm90.FAKE_SIGNAL_PADS, 0, 1)] * 2
+    assert flags == [0] and torch.equal(out, shard)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """GPU test of the missing twin, ``helion_ports.comm.all_gather_with_progress``, against its recipe: the same
-rows bitwise and every flag set, on odd shapes and dtypes; 50 calls back to back alternating recipe and twin
-(both barriers self-reset on the same pad); CUDA-graph replays equal to eager."""
+rows bitwise and every flag set, on odd shapes and dtypes, for the plain functions and the installed ones; 50
+installed calls back to back alternating recipe and twin (both barriers self-reset on the same pad); CUDA-graph
+replays equal to eager."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def shard_values(seed: int, rank: int, shape, dtype) -> torch.Tensor:
 
 
 def worker() -> None:
+    import helion_ports
     import kraken
 
     recipe, twin = (importlib.import_module(f"{p}.{MODULE}") for p in ("kraken", "helion_ports"))
@@ -34,7 +36,7 @@ def worker() -> None:
             shard = kraken.symm_empty(shape, dtype)
             shard.copy_(shard_values(seed, dist.get_rank(), shape, dtype))
             expected = torch.cat([shard_values(seed, r, shape, dtype) for r in range(world_size)])
-            for module in (recipe, twin):
+            for module in (recipe, twin, kraken, helion_ports):  # the plain functions, the installed ones
                 what = f"{module.__name__} {dtype} {shape}"
                 heartbeat(what)
                 out = torch.full((world_size * shape[0], shape[1]), POISON, dtype=dtype, device="cuda")
@@ -48,7 +50,7 @@ def worker() -> None:
     srcs = [shard_values(100 + s, dist.get_rank(), shape, dtype) for s in range(5)]
     expected = [torch.cat([shard_values(100 + s, r, shape, dtype) for r in range(world_size)]) for s in range(5)]
     for i in range(50):
-        module = (recipe, twin)[i % 2]
+        module = (kraken, helion_ports)[i % 2]
         shard.copy_(srcs[i % 5])
         out = module.all_gather_with_progress(shard).wait()
         if i % 10 == 9:
@@ -57,7 +59,7 @@ def worker() -> None:
             assert torch.equal(out, expected[i % 5]), f"call {i} ({module.__name__})"
     inputs = [(s,) for s in srcs[:3]]
     check_graph_replays("helion all_gather_with_progress",
-                        lambda src: twin.all_gather_with_progress(shard.copy_(src)).wait(), inputs, range(3))
+                        lambda src: helion_ports.all_gather_with_progress(shard.copy_(src)).wait(), inputs, range(3))
 
 
 def test_gather_twin_against_its_recipe():

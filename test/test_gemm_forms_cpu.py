@@ -20,6 +20,12 @@ RECIPES = {  # op -> (kraken module, helion module, whether a holds one rank's r
     "gemm_one_shot_all_reduce": ("kraken.fused.gemm_one_shot_all_reduce",
                                  "helion_ports.fused.gemm_one_shot_all_reduce", False),
 }
+PRODUCT = {"all_gather_matmul": "kraken.runtime.gather_matmul"}  # op -> its product layer, where not its recipe
+
+
+def product(op: str):
+    """The module of ``op``'s ``call``, ``check_sequential`` and ``prepare``."""
+    return importlib.import_module(PRODUCT.get(op, RECIPES[op][0]))
 
 
 @pytest.mark.parametrize("op", sorted(crossover.FUSED_FROM) + ["helion gemm_reduce_scatter"])
@@ -85,7 +91,7 @@ def test_sequential_form_is_the_collective_and_the_gemm(two_ranks, monkeypatch, 
     """Below the crossover the call is the collective and cuBLAS, with the same result as the float64 reference
     (rank 1's operand twice rank 0's); no fused kernel is prepared."""
     module = importlib.import_module(RECIPES[op][package])
-    recipe = importlib.import_module(RECIPES[op][0])
+    recipe = product(op)
     monkeypatch.setattr(recipe, "check_sequential", lambda a, b, world_size, op: None)  # CPU tensors
     monkeypatch.setattr(recipe, "prepare", lambda *args: pytest.fail("the fused form was prepared"))
     if op == "gemm_one_shot_all_reduce":  # by rows always fused: forced here (its fill rule has a test of its own)
@@ -114,7 +120,7 @@ def test_sequential_form_is_the_collective_and_the_gemm(two_ranks, monkeypatch, 
 def test_forms_that_differ_between_ranks_raise_on_every_rank(two_ranks, monkeypatch, op):
     """``form`` is part of the agreed signature: rank 0 forcing sequential while rank 1 forces fused would launch
     different kernels against each other; both raise instead, and nothing runs."""
-    recipe = importlib.import_module(RECIPES[op][0])
+    recipe = product(op)
     two_ranks.other = lambda mine: (tuple((n, (("form", "fused"),) if n == "config" else s) for n, s in mine[0]),
                                     None)
     a, b = torch.randn(4, 24, dtype=BF16), torch.randn(24, 40, dtype=BF16)
@@ -127,7 +133,7 @@ def test_forms_that_differ_between_ranks_raise_on_every_rank(two_ranks, monkeypa
 @pytest.mark.parametrize("op", sorted(RECIPES))
 def test_one_rank_bad_input_in_the_sequential_form_raises_on_every_rank(two_ranks, op):
     """The sequential form's checks run inside the agreement: rank 1's bad input raises on rank 0 too."""
-    recipe = importlib.import_module(RECIPES[op][0])
+    recipe = product(op)
     two_ranks.other = lambda mine: (mine[0], ("ValueError", "a is bad"))
     a, b = torch.randn(4, 24, dtype=BF16), torch.randn(24, 40, dtype=BF16)
     args = (a, b, None, False) if op == "all_gather_matmul" else (a, b, None, BF16)
@@ -151,12 +157,12 @@ def test_gemm_all_reduce_prefers_sequential_where_its_tiles_fill_poorly(monkeypa
 def test_ranks_whose_rows_differ_raise_on_every_rank(two_ranks, monkeypatch):
     """What decides the form is agreed: rank 1 with other rows than rank 0 (one side of the crossover each) raises
     on every rank before anything runs."""
-    recipe = importlib.import_module("kraken.fused.all_gather_matmul_fp8")
-    monkeypatch.setattr(recipe, "check_sequential", lambda *args: None)
+    recipe = importlib.import_module("kraken.runtime.gather_matmul")
+    monkeypatch.setattr(recipe, "check_sequential_fp8", lambda *args: None)
     a, b = torch.zeros(4, 32).to(torch.float8_e4m3fn), torch.zeros(32, 48).to(torch.float8_e4m3fn)
     two_ranks.other = lambda mine: (tuple((n, 4096 if n == "rows" else s) for n, s in mine[0]), None)
     with pytest.raises(ValueError, match=r"ranks disagree on the input's shape/dtype \(rows: rank 0 8, rank 1 4096\)"):
-        recipe.call(None, "all_gather_matmul_fp8", a, b, torch.ones(()), torch.ones(()), None, {},
+        recipe.call_fp8(None, "all_gather_matmul_fp8", a, b, torch.ones(()), torch.ones(()), None, {},
                     lambda *rest: pytest.fail("a collective ran"))
 
 

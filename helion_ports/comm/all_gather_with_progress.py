@@ -1,36 +1,35 @@
-"""Helion twin of ``kraken.comm.all_gather_with_progress``: same function, same arguments.
+"""Helion twin of ``kraken/comm/all_gather_with_progress.py``: the same exchange, plan and arguments.
 
-The recipe moves no data with an SM: the copies run on the copy engine and the flags are stream memory
-operations, all host code, which the twin shares (``start``'s protocol, ``GatherInProgress``,
-``set_flag``, the side stream). Its one kernel is the one-block barrier around the copies, and that is
+The recipe moves no data with an SM: the copies run on the copy engine and the flags are stream memory operations,
+host code the twin repeats line for line. Its one kernel is the one-block barrier around the copies, and that is
 what this file ports: ``hl.grid(1)`` is the single block, whose grid index 0 is the barrier's block id
 (``BARRIER_BLOCK``), and the barrier is the kraken PTX through ``hl.inline_triton`` (release + acquire).
-The twin hands the recipe's ``start`` a launcher that runs this kernel wherever the recipe launches its
-Triton barrier, so the copy order, the flags and both barriers stay exactly the recipe's.
+``helion_ports.all_gather_with_progress`` is the installed twin (``kraken.runtime.progress`` driving this
+``launch``).
+
+    torchrun --nproc-per-node 2 helion_ports/comm/all_gather_with_progress.py
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import os
 
 import helion
 import helion.language as hl
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+from torch._C._distributed_c10d import _SymmetricMemory
 
 from kraken._blocks.helion import flat_kernel, run
 from kraken._ptx_utils.inline_source import SYMM_MEM_SYNC
-from kraken.comm.all_gather_with_progress import (  # shared with the Triton recipe
-    BARRIER_BLOCK, BARRIER_WARPS, GatherInProgress, barrier_launcher, prepare, shard_barrier_kernel,
-)
-from kraken.comm.all_gather_with_progress import start as recipe_start
-from kraken.runtime import prepared
-from kraken.runtime.launcher import jit_launch
 
+BARRIER_BLOCK = 0  # the twin's one block (grid index 0) is the barrier's block id
+BARRIER_WARPS = 1
+LANDED = 1
 # "Every write before this is visible to the peers, and theirs to everything after it on this stream."
 SYNC = SYMM_MEM_SYNC[(True, True)]
-assert BARRIER_BLOCK == 0, "the twin's one block (grid index 0) is the barrier's block id"
 
 
 def shard_barrier_body(anchor: torch.Tensor, signal_pad_ptrs: int, rank: int, world_size: hl.constexpr,
@@ -61,48 +60,59 @@ def anchor() -> torch.Tensor:
     return tensor
 
 
-def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=jit_launch, group_name: str = "") -> None:
-    """One cross-rank barrier on the current stream (one block, one warp); mirrors the recipe's ``barrier``
+def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=None, group_name: str = "") -> None:
+    """One cross-rank barrier on the current stream (one block, one warp); the recipe's ``barrier``
     (``group_name``: Helion's ``hl.ProcessGroupName``, unused by the recipe)."""
     run(compiled(), (anchor(), signal_pad_ptrs, rank, world_size, group_name), launcher)
 
 
-class HelionBarrier:
-    """A launcher for the recipe's ``start``: where it launches its Triton barrier (the only kernel it
-    launches), run the Helion barrier instead, through ``launcher``."""
-
-    def __init__(self, launcher, group_name: str = ""):
-        self.launcher, self.group_name = launcher, group_name
-
-    def __call__(self, kernel, grid, signal_pad_ptrs, rank, world_size, **meta):
-        assert kernel is shard_barrier_kernel and tuple(grid) == (1,) and meta["BLOCK_ID"] == BARRIER_BLOCK, kernel
-        barrier(signal_pad_ptrs, rank, world_size, self.launcher, self.group_name)
+def set_flag(progress: torch.Tensor, index: int, value: int = LANDED) -> None:
+    """``progress[index] = value`` on the current stream: a stream memory operation, as the recipe's."""
+    _SymmetricMemory.stream_write_value32(progress.view(torch.uint32), index, value)
 
 
-@functools.lru_cache(maxsize=prepared.MAX_PREPARED)
-def helion_barrier(launcher, group_name: str = "") -> HelionBarrier:
-    """The ``HelionBarrier`` over ``launcher``, one per (launcher, group name): the recipe's exchange replays a
-    graph kept per launcher object (``graphs.graphed``), which a new object per call would never find. Bounded as
-    the prepared calls are (``prepared.MAX_PREPARED``): the all-gather + matmul twins pass their prepared calls'
-    launchers, which must not outlive those calls here."""
-    return HelionBarrier(launcher, group_name)
+def plan(rank: int, world_size: int) -> dict:
+    """The recipe's plan: its own rank first, then from rank + 1 on."""
+    return {"order": tuple((rank + step) % world_size for step in range(world_size))}
 
 
-def start(
+def launch(
     peers: tuple[torch.Tensor, ...],
-    signal_pad_ptrs: int,
-    rank: int,
     out: torch.Tensor,
     progress: torch.Tensor,
-    stage_from: torch.Tensor | None = None,
-    snapshot: torch.Tensor | None = None,
-    stage_launch: Callable[[], None] | None = None,
-    launcher=jit_launch,
-    flag_own: bool = True,
-) -> GatherInProgress:
-    """The recipe's ``start`` with the Helion barrier; mirrors ``kraken.comm.all_gather_with_progress.start``."""
-    return recipe_start(peers, signal_pad_ptrs, rank, out, progress, stage_from=stage_from, snapshot=snapshot,
-                        stage_launch=stage_launch, launcher=helion_barrier(launcher), flag_own=flag_own)
+    signal_pad_ptrs: int,
+    rank: int,
+    order: tuple[int, ...],
+    group_name: str = "",
+    launcher=None,
+) -> torch.Tensor:
+    """The exchange on the current stream, on planned arguments; the recipe's ``launch`` signature, the Helion
+    barrier. ``launcher``: None for a plain call, or the installed package's (``run``)."""
+    shard = peers[rank]
+    rows = shard.shape[0]
+    barrier(signal_pad_ptrs, rank, len(peers), launcher, group_name)
+    for peer in order[1:]:
+        out[peer * rows:(peer + 1) * rows].copy_(peers[peer])
+        set_flag(progress, peer)
+    if out.data_ptr() + rank * shard.nbytes != shard.data_ptr():
+        out[rank * rows:(rank + 1) * rows].copy_(shard)
+    set_flag(progress, rank)
+    barrier(signal_pad_ptrs, rank, len(peers), launcher, group_name)
+    return out
+
+
+class GatherInProgress:
+    """What ``all_gather_with_progress`` started: ``out``, its flags ``progress``, and ``wait()``, the join."""
+
+    def __init__(self, out: torch.Tensor, progress: torch.Tensor, stream: torch.cuda.Stream):
+        self.out, self.progress, self.stream = out, progress, stream
+
+    def wait(self) -> torch.Tensor:
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return self.out
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def all_gather_with_progress(
@@ -112,7 +122,46 @@ def all_gather_with_progress(
     out: torch.Tensor | None = None,
     progress: torch.Tensor | None = None,
 ) -> GatherInProgress:
-    """Start gathering every rank's ``shard`` into ``out`` on the copy engine (see the kraken recipe)."""
-    ctx, out, progress = prepare(shard, group, out, progress)
-    return recipe_start(ctx.peers, ctx.signal_pad_ptrs, ctx.rank, out, progress,
-                        launcher=helion_barrier(barrier_launcher(ctx), ctx.group_name))
+    """Start gathering every rank's symmetric ``shard`` into ``out`` on the copy engine (see the recipe): the peers,
+    the flags zeroed, a side stream forked from the current one, the exchange on it. It checks nothing."""
+    group = dist.group.WORLD if group is None else group
+    name = group if isinstance(group, str) else group.group_name
+    handle = symm_mem.rendezvous(shard, name)
+    world_size, rank = handle.world_size, handle.rank
+    peers = tuple(shard if r == rank else handle.get_buffer(r, tuple(shard.shape), shard.dtype)
+                  for r in range(world_size))
+    out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:])) if out is None else out
+    progress = shard.new_zeros(world_size, dtype=torch.int32) if progress is None else progress.zero_()
+    if shard.device not in _side_streams:
+        _side_streams[shard.device] = torch.cuda.Stream(device=shard.device, priority=-1)
+    side = _side_streams[shard.device]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(peers, out, progress, handle.signal_pad_ptrs_dev, rank, **plan(rank, world_size), group_name=name)
+    return GatherInProgress(out, progress, side)
+
+
+def main(rows: int = 4096, cols: int = 4096) -> None:
+    """Check against NCCL's all-gather (``torchrun``, or alone as a group of one)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    shard = symm_mem.empty(rows, cols, dtype=torch.bfloat16, device=device)
+    shard.copy_(torch.randn(rows, cols, dtype=torch.bfloat16, device=device))
+    expected = torch.empty(world_size * rows, cols, dtype=torch.bfloat16, device=device)
+    dist.all_gather_into_tensor(expected, shard)
+    started = all_gather_with_progress(shard)
+    got = started.wait()
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected) and started.progress.tolist() == [LANDED] * world_size
+    if rank == 0:
+        print(f"helion all_gather_with_progress: {rows}x{cols} bf16 x {world_size} ranks: matches NCCL")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,8 @@
 """Helion twin of ``kraken.fused.all_gather_matmul``: same function, same arguments.
 
-The gather is the recipe's (``kraken.comm.all_gather_with_progress``: copy-engine copies,
-stream memory operations and two one-block barrier kernels, all host code), and so are
-``plan``, ``prepare`` and ``tma_inputs``. The GEMM mirrors the recipe's kernel:
+The gather is the recipe's, line for line (copy-engine copies and stream memory operations on a side stream,
+host code), with the barrier a one-block Helion kernel (the kraken PTX through ``hl.inline_triton``); ``plan`` and
+``tma_inputs`` are copies of the recipe's (a test keeps them equal). The GEMM mirrors the recipe's kernel:
 
 * ``hl.grid(num_blocks)`` is the persistent grid; block ``b`` takes tiles ``b, b +
   num_blocks, ...``, chunk by chunk: this rank's rows first, read from ``a`` itself, then
@@ -23,31 +23,42 @@ stream memory operations and two one-block barrier kernels, all host code), and 
   transposed ``b`` arrives as its [N, K] transpose and each tile is transposed in
   registers (``b_trans``), as the recipe.
 
-The body also serves the fp8 twin (``scaled`` and the scales; off and None here, and absent from the
-generated kernel). The config is explicit: ``block_sizes`` follow the loops (the tile's m
-and n, its k step, per tile loop), from the recipe's ``plan``. Set ``HELION_PRINT_OUTPUT_CODE=1`` to see the
-generated Triton.
+The body also has the fp8 twin's switch (``scaled`` and the scales; off and None here, and absent from the
+generated kernel; ``helion_ports/fused/all_gather_matmul_fp8.py`` holds its own copy). The config is explicit:
+``block_sizes`` follow the loops (the tile's m and n, its k step, per tile loop), from the ``plan``. Set
+``HELION_PRINT_OUTPUT_CODE=1`` to see the generated Triton. ``helion_ports.all_gather_matmul`` is the installed twin
+(``kraken.runtime.gather_matmul`` driving this ``launch``).
+
+    torchrun --nproc-per-node 2 helion_ports/fused/all_gather_matmul.py
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import time
 
 import helion
 import helion.language as hl
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+from torch._C._distributed_c10d import _SymmetricMemory
 
 from kraken._blocks.helion import flat_kernel, run
-from kraken.runtime.collectives import helion_all_gather
-from kraken._gemm_core import flattens
-from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC
-from kraken.comm.all_gather_with_progress import start as start_gather
-from kraken.fused.all_gather_matmul import (  # noqa: F401 (shared with the recipe)
-    OP, call, outputs, plan, prepare, tma_inputs,
+from kraken._gemm_core import (
+    SKINNY_M, TILE_CONFIGS as CORE_TILES, balanced_grid, cdiv, flattens, round_up, skinny_or_large_tiles, tma_operands,
 )
-from kraken.runtime.launcher import jit_launch
+from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC, SYMM_MEM_SYNC
 
+OP = "all_gather_matmul"
+# The recipe's tiles and planning constants (kraken/fused/all_gather_matmul.py), kept equal by a test.
+TILE_CONFIGS = [CORE_TILES[0], {**CORE_TILES[1], "num_stages": 6}]
+MIN_TILES_PER_SM = 0.9
+GROUP_M = 8
+RESERVED_SMS = 1
+B_LAYOUTS = ("auto", "kn", "nk")
+DEFAULT_CONFIG = {**TILE_CONFIGS[0], "group_m": GROUP_M, "max_blocks": None, "b_layout": "auto"}
 # The flag (a pointer expression in the snippet): progress + index.
 WAIT_FLAG = GMEM_WAIT_ASYNC.replace("{flag}", "{progress} + {index}")
 # Per load/store, in program order: the gathered rows and b through TMA, the store to out through pointers.
@@ -175,7 +186,7 @@ def launch_matmul(
     num_warps: int,
     num_stages: int,
     num_blocks: int,
-    launcher=jit_launch,
+    launcher=None,
 ) -> torch.Tensor:
     """The GEMM alone, on TMA-ready operands (``tma_inputs``; my rows ``a``, the peers' in ``gathered``); mirrors
     the recipe's ``launch_matmul``."""
@@ -185,6 +196,126 @@ def launch_matmul(
     )
     run(compiled(block_m, block_n, block_k, num_warps, num_stages, world_size), args, launcher)
     return out
+
+
+def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
+    """``b`` as the kernel reads it: (tensor, transposed). Row-major ``b`` as is; a transposed one (strides
+    (1, K), e.g. ``w.t()``) as ``b.t()`` [N, K]; anything else, or a layout the config forces, copied."""
+    row_major = b.stride(1) == 1 and b.stride(0) >= max(b.shape[1], 1)
+    transposed = b.stride(0) == 1 and b.stride(1) >= max(b.shape[0], 1)
+    if layout == "nk" or (layout == "auto" and transposed and not row_major):
+        bt = b.t()
+        return (bt if bt.is_contiguous() else bt.contiguous()), True
+    return (b if b.is_contiguous() else b.contiguous()), False
+
+
+def tma_inputs(a: torch.Tensor, b: torch.Tensor, b_layout: str, block_m: int = 1
+               ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(a, b, b transposed) as TMA loads them: ``b`` in its layout (``b_operand``), and both zero-padded in
+    k and n where a base or a row is not 16-byte aligned, ``a``'s rows to whole ``block_m`` tiles up to
+    ``SKINNY_M`` rows (``tma_operands``, by way of b's row-major view)."""
+    b, trans = b_operand(b, b_layout)
+    a, b_kn = tma_operands(a, b.t() if trans else b, block_m)
+    if trans:
+        return a, (b if b_kn.data_ptr() == b.data_ptr() else b_kn.t().contiguous()), True
+    return a, b_kn, False
+
+
+def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int, tile_configs: list,
+              defaults: dict, op: str, least_block_k: int = 16, operand_bytes: int = 2) -> tuple[dict, int]:
+    """The GEMM's tiles and grid (the fp8 recipe holds a copy): the largest of ``tile_configs`` that gives ``MIN_TILES_PER_SM`` of the SMs a
+    tile; where none does, up to ``SKINNY_M`` rows, the reduce recipes' skinny tiles (one warpgroup, narrow tiles
+    that fill a wave: ``skinny_or_large_tiles``, ``operand_bytes`` 1 for fp8), else the smallest; under the ``config``;
+    tile sizes powers of two (at least 16, ``block_k`` at least ``least_block_k``); and the grid: at most one block per
+    SM but ``RESERVED_SMS`` (the GEMM waits on flags in local memory and uses no signal pad), never more blocks than
+    tiles, balanced (``balanced_grid``). (cfg, num_blocks)."""
+    def fills(cfg: dict) -> bool:
+        return (world_size * cdiv(m, cfg["block_m"]) * cdiv(n, cfg["block_n"])
+                >= MIN_TILES_PER_SM * num_sms)
+
+    tiles = next((cfg for cfg in tile_configs if fills(cfg)), None)
+    if tiles is None:
+        tiles = skinny_or_large_tiles(m, n, k, num_sms, False, operand_bytes) if m <= SKINNY_M else tile_configs[-1]
+    cfg = {**defaults, **tiles, **config}
+    for key in ("block_m", "block_n", "block_k", "group_m"):
+        value = cfg[key]
+        least = 1 if key == "group_m" else (least_block_k if key == "block_k" else 16)
+        if value < least or value & (value - 1):
+            raise ValueError(f"{op}: {key} must be a power of two{f' >= {least}' if key != 'group_m' else ''}, "
+                             f"got {value}")
+    num_tiles = world_size * cdiv(max(m, 1), cfg["block_m"]) * cdiv(max(n, 1), cfg["block_n"])
+    sms = max(1, num_sms - RESERVED_SMS)
+    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
+    return cfg, balanced_grid(num_tiles, max_blocks)
+
+
+def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
+    """Resolve the launch configuration (a copy of the recipe's): ``m`` is one rank's rows.
+
+    The tiles and the persistent grid of ``tile_plan``.
+    """
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"{OP}: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    cfg, num_blocks = tile_plan(m, n, k, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP)
+    if cfg["b_layout"] not in B_LAYOUTS:
+        raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
+    keys = ("b_layout", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+    return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
+
+
+# ---------------------------------------------------------------------------
+# The gather: the recipe's, with the barrier a Helion kernel
+# ---------------------------------------------------------------------------
+
+# "Every write before this is visible to the peers, and theirs to everything after it on this stream."
+SYNC = SYMM_MEM_SYNC[(True, True)]
+
+
+def barrier_body(anchor: torch.Tensor, signal_pad_ptrs: int, rank: int, world_size: hl.constexpr,
+                 group_name: hl.ProcessGroupName) -> None:
+    # ``anchor`` is never read: a Helion kernel takes its device from a tensor argument. Block id 0 (grid index 0).
+    for block in hl.grid(1):
+        hl.inline_triton(SYNC, args={"signal_pad_ptrs": signal_pad_ptrs, "block_id": block, "rank": rank,
+                                     "world_size": world_size}, output_like=None)
+
+
+@functools.cache
+def compiled_barrier() -> helion.Kernel:
+    """The barrier kernel with an explicit config: one program (``pid_type="flat"``), one warp."""
+    return flat_kernel(barrier_body, (), 1)
+
+
+def barrier(anchor: torch.Tensor, signal_pad_ptrs: int, rank: int, world_size: int, group_name: str,
+            launcher=None) -> None:
+    """One cross-rank barrier on the current stream (one block, one warp: it fits on the SM the GEMM leaves free)."""
+    run(compiled_barrier(), (anchor, signal_pad_ptrs, rank, world_size, group_name), launcher)
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the copies run on (one per device, high priority)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
+    return _side_streams[device]
+
+
+def gather(peers: tuple[torch.Tensor, ...], gathered: torch.Tensor, progress: torch.Tensor, signal_pad_ptrs: int,
+           rank: int, a_out: torch.Tensor | None, group_name: str, launcher) -> None:
+    """The recipe's exchange on the current stream (the side stream), after my rows are in my chunk: the first
+    barrier, each peer's chunk copied (rank + 1 first) and flagged, the ``a_out`` snapshot, the closing barrier."""
+    rows, world_size = peers[rank].shape[0], len(peers)
+    barrier(progress, signal_pad_ptrs, rank, world_size, group_name, launcher)  # every rank's rows are staged
+    flags = progress.view(torch.uint32)
+    for step in range(1, world_size):
+        peer = (rank + step) % world_size
+        gathered[peer * rows:(peer + 1) * rows].copy_(peers[peer])
+        _SymmetricMemory.stream_write_value32(flags, peer, 1)
+    if a_out is not None:
+        a_out.copy_(gathered)
+    barrier(progress, signal_pad_ptrs, rank, world_size, group_name, launcher)  # done reading
 
 
 def launch(
@@ -206,26 +337,99 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=jit_launch,
+    launcher=None,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); mirrors ``kraken.fused.all_gather_matmul.launch`` (the
-    same gather on the copy engine, then this GEMM)."""
-    m = a.shape[0]
+    """Launch on planned arguments (no checks); the recipe's ``launch`` signature and gather, this GEMM.
+
+    ``gathered`` [world_size * M, K'] (K' = K padded for TMA) is this rank's symmetric gather buffer, ``peers[r]``
+    rank r's chunk of rank r's (where r's own rows go); ``progress`` int32[world_size]; ``out`` [world_size * M, N];
+    ``a_out``: where to copy the gathered ``a`` (``return_a``), or None; ``group_name``: Helion's process-group
+    name. ``launcher``: None for a plain call, or the installed package's (``run``).
+    """
+    m, world_size = a.shape[0], len(peers)
     a, b, b_trans = tma_inputs(a, b, b_layout, block_m)
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a if len(a) == m else a[:m],
-                           snapshot=a_out, launcher=launcher, flag_own=False)  # my rows: read from a
-    launch_matmul(a, gathered, b, out, progress, rank, len(peers), b_trans, block_m, block_n, block_k, group_m,
+    side = side_stream(a.device)
+    if world_size > 1:
+        progress.zero_()  # before the fork: no flag of the previous call survives into this one
+    side.wait_stream(torch.cuda.current_stream())  # the fork
+    with torch.cuda.stream(side):
+        if world_size > 1 or a_out is not None:  # my rows into my chunk, for the peers (and the snapshot)
+            peers[rank].copy_(a[:m])
+        gather(peers, gathered, progress, signal_pad_ptrs, rank, a_out, group_name, launcher)
+    launch_matmul(a, gathered, b, out, progress, rank, world_size, b_trans, block_m, block_n, block_k, group_m,
                   num_warps, num_stages, num_blocks, launcher)
-    started.wait()
+    torch.cuda.current_stream().wait_stream(side)  # the join: the caller may write the buffer again
     return out
+
+
+def symmetric_chunks(m: int, k: int, dtype: torch.dtype, device: torch.device, group) -> tuple:
+    """A symmetric gather buffer [world_size * m, k] on every rank of ``group`` (a collective): (this rank's buffer,
+    every rank's own chunk of its buffer as this rank sees it, the signal pads' pointer array, this rank)."""
+    world_size = dist.get_world_size(group)
+    gathered = symm_mem.empty(world_size * m, k, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(gathered, group.group_name)
+    peers = tuple((gathered if r == handle.rank else handle.get_buffer(r, (world_size * m, k), dtype))[r * m:(r + 1) * m]
+                  for r in range(world_size))
+    return gathered, peers, handle.signal_pad_ptrs_dev, handle.rank
 
 
 def all_gather_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
-    group: dist.ProcessGroup | str | None = None,
+    group: dist.ProcessGroup | None = None,
     return_a: bool = False,
     **config,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``all_gather(a) @ b`` (and the gathered ``a`` first when ``return_a``); see the kraken recipe."""
-    return call(launch, f"helion {OP}", a, b, group, return_a, config, helion_all_gather)
+    """``all_gather(a) @ b`` as a new [world_size * M, N] tensor in ``a``'s dtype (and the gathered [world_size * M,
+    K] ``a`` first when ``return_a``); ``a`` [M, K] bf16 or fp16, contiguous, the same shape on every rank.
+
+    The twin spelled out: a symmetric gather buffer on every rank, the plan, one launch. It allocates and
+    rendezvouses on every call and checks nothing; ``helion_ports.all_gather_matmul`` is the installed one."""
+    group = dist.group.WORLD if group is None else group
+    (m, k), n = a.shape, b.shape[1]
+    world_size = dist.get_world_size(group)
+    gathered, peers, signal_pad_ptrs, rank = symmetric_chunks(m, round_up(k, 16 // a.element_size()), a.dtype,
+                                                               a.device, group)
+    cfg = plan(m, n, k, world_size, config, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    out = a.new_empty(world_size * m, n)
+    a_out = torch.empty_like(gathered) if return_a else None
+    progress = torch.zeros(world_size, dtype=torch.int32, device=a.device)
+    launch(a, b, peers, gathered, out, progress, signal_pad_ptrs, rank, a_out, **cfg, group_name=group.group_name)
+    return (a_out[:, :k], out) if return_a else out
+
+
+def main(m: int = 1024, n: int = 8192, k: int = 8192, iters: int = 20) -> None:
+    """Check against NCCL's all-gather and torch's matmul, and time the recipe (``torchrun``, or alone)."""
+    if "RANK" not in os.environ:  # run alone: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    torch.manual_seed(1234)  # the same b on every rank
+    b = torch.randn(k, n, dtype=torch.bfloat16, device=device) / k ** 0.5
+    gathered = torch.empty(world_size * m, k, dtype=a.dtype, device=device)
+    dist.all_gather_into_tensor(gathered, a)
+    expected = gathered @ b
+    got_a, got = all_gather_matmul(a, b, return_a=True)
+    assert torch.equal(got_a, gathered)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    for _ in range(3):  # warm up (compile)
+        all_gather_matmul(a, b)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        all_gather_matmul(a, b)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - start) / iters * 1e6
+    if rank == 0:
+        print(f"helion all_gather_matmul: {world_size}x{m} x {n} x {k} bf16: matches NCCL + torch.matmul, {us:.1f} us per "
+              "call (allocation and rendezvous included)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

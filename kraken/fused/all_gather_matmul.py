@@ -1,70 +1,75 @@
 """All-gather + matmul: ``all_gather(a) @ b`` with the gather hidden under the GEMM.
 
-The column-parallel linear layer of sequence/tensor parallelism: every rank holds
-``a`` [M, K], its M rows of the activations, and the same ``b`` [K, N]; every rank
-needs the product of all ``world_size * M`` rows. The gather moves (ws-1)/ws of
-``a``; the GEMM is far longer, so the craft is starting the GEMM at once and never
-making it wait for rows that are not there yet.
+The column-parallel linear layer of sequence/tensor parallelism: every rank holds ``a`` [M, K], its M rows of the
+activations, and the same ``b`` [K, N]; every rank needs the product of all ``world_size * M`` rows. The gather moves
+(ws-1)/ws of ``a``; the GEMM is far longer, so the craft is starting the GEMM at once and never making it wait for
+rows that are not there yet.
 
-* The gather runs on the copy engine (``kraken.comm.all_gather_with_progress``) into a
-  symmetric gather buffer [world_size * M, K]. On the side stream, the copy engine stages
-  ``a`` into this rank's chunk of it (for the peers to read), the ranks meet at one
-  barrier (a one-block kernel), each peer's chunk is copied from the peer's buffer
-  (rank + 1 first) and flagged, and a last barrier says "done reading". The flags are
-  set by stream memory operations: no SM is involved, so GEMM blocks spinning on a flag
-  cannot starve the copies. A group of one has no peer to stage for: nothing is staged
-  (but for ``return_a``, whose copy of the buffer needs my rows in it).
-* The GEMM is persistent (one block per SM but ``RESERVED_SMS``, left to the barrier
-  kernel) and walks its tiles chunk by chunk: first this rank's rows, read from ``a``
-  itself (so the GEMM starts at once, while the copy engine stages them), then rank + 1's,
-  rank + 2's, ... from the gather buffer, in a second loop (a block's tiles are ``pid, pid +
-  blocks, ...`` across both). At its first tile of each peer's chunk a block
-  waits for the rows' flag: one thread spins on an acquire load, then every thread fences
-  the async proxy (``wait_async``): the rows are read through TMA. Within a chunk, tiles
-  go in ``GROUP_M``-row bands (a band's rows and a column of ``b`` tiles stay in L2).
-* The GEMM is ``kraken._gemm_core.mainloop``: ``a``, the gathered rows and ``b`` load through host-built TMA descriptors
-  (zero-padded in k and n where a base or a row is not 16-byte aligned; ``a``'s rows up to ``SKINNY_M`` padded to whole
-  tiles: ``tma_operands``). Each of the two tile loops has its own k loop; the loops follow each other, so their
-  pipeline buffers share shared memory (a branch between two k loops inside one tile loop keeps both sets alive: twice
-  the shared memory). On the 128x256 tiles the first loop, which waits on no flag, is flattened with its k loop
-  (``kraken._gemm_core.flattens``). A ``b`` stored transposed (``w.t()`` of an [N, K] weight: strides (1, K)) is read as
-  is, its tiles transposed in registers (``b_layout``); any other layout is copied contiguous. ``tl.dot`` accumulates in
-  fp32; the output, in ``a``'s dtype, is stored through pointers, masked to the chunk's rows (a tile at a chunk's end
-  also reads some of the next chunk's rows, and discards them).
+* The gather runs on the copy engine into a symmetric gather buffer [world_size * M, K]. On a side stream, the copy
+  engine stages ``a`` into this rank's chunk of it (for the peers to read), the ranks meet at one barrier (a
+  one-block kernel), each peer's chunk is copied from the peer's buffer (rank + 1 first, so no two ranks read the
+  same peer at once) and flagged, and a last barrier says "done reading". The flags are set by stream memory
+  operations (``cuStreamWriteValue32``, system-scope fence first): no SM is involved, so GEMM blocks spinning on a
+  flag cannot starve the copies. A group of one has no peer to stage for: nothing is staged (but for ``return_a``,
+  whose copy of the buffer needs my rows in it).
+* Memory ordering: the flags are zeroed on the current stream before the side stream forks from it, and only go
+  0 -> 1 within a call; the first barrier follows every write the current stream made before the fork (my rows are
+  complete on every rank before anyone copies them); the closing barrier comes after my last copy of a peer's rows,
+  and the current stream joins the side stream after the GEMM, so the caller's next write to the buffer waits for
+  every peer to be done reading it. Every call (and every CUDA-graph replay) runs the whole protocol, with no host
+  round trip. My own rows carry no flag (the GEMM reads them from ``a``), so a group of one zeroes nothing.
+* The GEMM is persistent (one block per SM but ``RESERVED_SMS``, left to the barrier kernel) and walks its tiles
+  chunk by chunk: first this rank's rows, read from ``a`` itself (so the GEMM starts at once, while the copy engine
+  stages them), then rank + 1's, rank + 2's, ... from the gather buffer, in a second loop (a block's tiles are ``pid,
+  pid + blocks, ...`` across both). At its first tile of each peer's chunk a block waits for the rows' flag: one
+  thread spins on an acquire load, then every thread fences the async proxy (``wait_async``): the rows are read
+  through TMA. Within a chunk, tiles go in ``GROUP_M``-row bands (a band's rows and a column of ``b`` tiles stay in
+  L2).
+* The GEMM is ``kraken._gemm_core.mainloop``: ``a``, the gathered rows and ``b`` load through host-built TMA
+  descriptors (zero-padded in k and n where a base or a row is not 16-byte aligned; ``a``'s rows up to ``SKINNY_M``
+  padded to whole tiles: ``tma_operands``). Each of the two tile loops has its own k loop; the loops follow each
+  other, so their pipeline buffers share shared memory (a branch between two k loops inside one tile loop keeps both
+  sets alive: twice the shared memory). On the 128x256 tiles the first loop, which waits on no flag, is flattened
+  with its k loop (``kraken._gemm_core.flattens``). A ``b`` stored transposed (``w.t()`` of an [N, K] weight:
+  strides (1, K)) is read as is, its tiles transposed in registers (``b_layout``); any other layout is copied
+  contiguous. ``tl.dot`` accumulates in fp32; the output, in ``a``'s dtype, is stored through pointers, masked to
+  the chunk's rows (a tile at a chunk's end also reads some of the next chunk's rows, and discards them).
 
-The flags are zeroed on the current stream before the side stream forks, and the side
-stream rejoins after the GEMM: every call (and every CUDA-graph replay) runs the whole
-protocol, with no host round trip. My own rows carry no flag (the GEMM reads them from
-``a``), so a group of one writes no flag and skips the zeroing (``start``'s ``flag_own``).
-Rank r's rows of the output are ``r * M ...``, where ``all_gather(a) @ b`` has them. With
-``return_a=True`` the gathered ``a`` is returned too (a fresh copy, made on the side stream
-while the GEMM runs).
+Rank r's rows of the output are ``r * M ...``, where ``all_gather(a) @ b`` has them. With ``return_a=True`` the
+gathered ``a`` is returned too (a fresh copy, made on the side stream while the GEMM runs). The kernel's constexpr
+switches ``SCALED``, ``A_ROWWISE``, ``B_COLWISE`` and its scale arguments are the fp8 recipe's
+(``kraken/fused/all_gather_matmul_fp8.py`` holds its own copy of this kernel): at their defaults here they compile
+away.
 
-The kernel and ``tile_plan`` also serve ``kraken.fused.all_gather_matmul_fp8`` (its ``a_desc`` is its fp8 ``a``,
-its own rows' scales ``scale_a``): the kernel's constexpr switches (``SCALED``, ``A_ROWWISE``, ``B_COLWISE``) and
-scale arguments stay at their defaults here, and compile away.
+This file is the recipe: the kernels, ``plan`` (pure), ``launch`` (the seam the installed package replays from a
+CUDA graph, with its own ``launcher``) and a plain host function. ``kraken.all_gather_matmul`` is the same launch
+behind the product layer (``kraken.runtime.gather_matmul``: checks agreed across ranks, the choice between this
+fused form and a sequential one by size, prepared calls, a shared workspace).
+
+    torchrun --nproc-per-node 2 kraken/fused/all_gather_matmul.py
 """
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
+from torch._C._distributed_c10d import _SymmetricMemory
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kraken._ptx_utils import wait_async
+from kraken._ptx_utils import symm_mem_sync, wait_async
 from kraken._gemm_core import (
-    INPUT_DTYPES, MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, balanced_grid, flattens, mainloop,
-    skinny_or_large_tiles, tile_coords, tma_operands,
+    MAX_INDEX, SKINNY_M, TILE_CONFIGS as CORE_TILES, balanced_grid, cdiv, flattens, mainloop,
+    round_up, skinny_or_large_tiles, tile_coords, tma_operands,
 )
-from kraken.runtime.collectives import all_gather as sm_all_gather
-from kraken.comm.all_gather_with_progress import start as start_gather
-from kraken.runtime import agreement, crossover, graphs, groups, prepared, symm
-from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
 
 OP = "all_gather_matmul"
-# The GEMM core's tiles, the 128x128 ones 6 stages deep (as cuBLAS runs them at M = 256; one H200, world size 1,
-# 256x8192x8192: 55.2 us against 62.6 on 4).
+# The GEMM core's tiles, the 128x128 ones 6 stages deep (as cuBLAS runs them at M = 256).
 TILE_CONFIGS = [CORE_TILES[0], {**CORE_TILES[1], "num_stages": 6}]
 # Tiles: the largest of the GEMM core's ``TILE_CONFIGS`` that still gives ``MIN_TILES_PER_SM`` of the SMs
 # a tile (a small M leaves the 128x256 tiles too few to fill them), ``GROUP_M`` row tiles per band.
@@ -164,6 +169,23 @@ def store_tile(acc, out_ptr, out_row0, scale_rows_ptr, scale_row0, scale_stride,
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
+@triton.jit
+def shard_barrier_kernel(signal_pad_ptrs, rank, world_size: tl.constexpr, BLOCK_ID: tl.constexpr):
+    # Every write before this on the side stream (and the current stream's before the fork) is visible to the
+    # peers, and theirs to everything after it on this stream.
+    symm_mem_sync(signal_pad_ptrs, BLOCK_ID, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=True)
+
+
+def triton_launch(kernel, grid: tuple[int, ...], *args, **meta):
+    """``launch``'s default launcher: Triton's own ``kernel[grid](...)``."""
+    return kernel[grid](*args, **meta)
+
+
+def descriptor(tensor: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor over ``tensor`` in ``block_shape`` boxes."""
+    return TensorDescriptor(tensor, tensor.shape, tensor.stride(), block_shape)
+
+
 def b_operand(b: torch.Tensor, layout: str) -> tuple[torch.Tensor, bool]:
     """``b`` as the kernel reads it: (tensor, transposed). Row-major ``b`` as is; a transposed one (strides
     (1, K), e.g. ``w.t()``) as ``b.t()`` [N, K]; anything else, or a layout the config forces, copied."""
@@ -203,7 +225,7 @@ def launch_matmul(
     num_warps: int,
     num_stages: int,
     num_blocks: int,
-    launcher=jit_launch,
+    launcher=triton_launch,
 ) -> torch.Tensor:
     """The GEMM alone, on TMA-ready operands (``tma_inputs``; my rows ``a``, the peers' in ``gathered``): the
     consumer of the flags in ``progress``."""
@@ -212,12 +234,92 @@ def launch_matmul(
     b_box = [block_n, block_k] if b_trans else [block_k, block_n]
     launcher(
         all_gather_matmul_kernel, (num_blocks,),
-        tma_operand(a, [block_m, block_k]), tma_operand(gathered, [block_m, block_k]),
-        tma_operand(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
+        descriptor(a, [block_m, block_k]), descriptor(gathered, [block_m, block_k]),
+        descriptor(b, b_box), out, progress, None, None, None, m, n, k, None, rank, world_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, B_TRANS=b_trans,
         FLATTEN=flattens(block_m, block_n), WIDE=out.numel() > MAX_INDEX, num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int, tile_configs: list,
+              defaults: dict, op: str, least_block_k: int = 16, operand_bytes: int = 2) -> tuple[dict, int]:
+    """The GEMM's tiles and grid (the fp8 recipe holds a copy): the largest of ``tile_configs`` that gives ``MIN_TILES_PER_SM`` of the SMs a
+    tile; where none does, up to ``SKINNY_M`` rows, the reduce recipes' skinny tiles (one warpgroup, narrow tiles
+    that fill a wave: ``skinny_or_large_tiles``, ``operand_bytes`` 1 for fp8), else the smallest; under the ``config``;
+    tile sizes powers of two (at least 16, ``block_k`` at least ``least_block_k``); and the grid: at most one block per
+    SM but ``RESERVED_SMS`` (the GEMM waits on flags in local memory and uses no signal pad), never more blocks than
+    tiles, balanced (``balanced_grid``). (cfg, num_blocks)."""
+    def fills(cfg: dict) -> bool:
+        return (world_size * cdiv(m, cfg["block_m"]) * cdiv(n, cfg["block_n"])
+                >= MIN_TILES_PER_SM * num_sms)
+
+    tiles = next((cfg for cfg in tile_configs if fills(cfg)), None)
+    if tiles is None:
+        tiles = skinny_or_large_tiles(m, n, k, num_sms, False, operand_bytes) if m <= SKINNY_M else tile_configs[-1]
+    cfg = {**defaults, **tiles, **config}
+    for key in ("block_m", "block_n", "block_k", "group_m"):
+        value = cfg[key]
+        least = 1 if key == "group_m" else (least_block_k if key == "block_k" else 16)
+        if value < least or value & (value - 1):
+            raise ValueError(f"{op}: {key} must be a power of two{f' >= {least}' if key != 'group_m' else ''}, "
+                             f"got {value}")
+    num_tiles = world_size * cdiv(max(m, 1), cfg["block_m"]) * cdiv(max(n, 1), cfg["block_n"])
+    sms = max(1, num_sms - RESERVED_SMS)
+    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
+    return cfg, balanced_grid(num_tiles, max_blocks)
+
+
+def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
+    """Resolve the launch configuration (the Helion twin holds a copy): ``m`` is one rank's rows.
+
+    The tiles and the persistent grid of ``tile_plan``.
+    """
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"{OP}: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    cfg, num_blocks = tile_plan(m, n, k, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP)
+    if cfg["b_layout"] not in B_LAYOUTS:
+        raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
+    keys = ("b_layout", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+    return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
+
+
+# ---------------------------------------------------------------------------
+# The gather: copy engine, stream memory operations, two one-block barriers
+# ---------------------------------------------------------------------------
+
+
+def barrier(signal_pad_ptrs: int, rank: int, world_size: int, launcher=triton_launch) -> None:
+    """One cross-rank barrier on the current stream (one block, one warp: it fits on the SM the GEMM leaves free)."""
+    launcher(shard_barrier_kernel, (1,), signal_pad_ptrs, rank, world_size, BLOCK_ID=0, num_warps=1)
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the copies run on (one per device, high priority, as torch's async-TP backend stream)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
+    return _side_streams[device]
+
+
+def gather(peers: tuple[torch.Tensor, ...], gathered: torch.Tensor, progress: torch.Tensor, signal_pad_ptrs: int,
+           rank: int, a_out: torch.Tensor | None, launcher) -> None:
+    """The exchange on the current stream (the side stream), after my rows are in my chunk: the first barrier, each
+    peer's chunk copied by the copy engine (rank + 1 first) and flagged, the ``a_out`` snapshot, the closing
+    barrier. My chunk is ``peers[rank]``, already in place."""
+    rows, world_size = peers[rank].shape[0], len(peers)
+    barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's rows are staged
+    flags = progress.view(torch.uint32)  # (the stream operations' dtype; the kernel reads int32)
+    for step in range(1, world_size):
+        peer = (rank + step) % world_size
+        gathered[peer * rows:(peer + 1) * rows].copy_(peers[peer])
+        _SymmetricMemory.stream_write_value32(flags, peer, 1)  # after the copy, fenced system-wide
+    if a_out is not None:
+        a_out.copy_(gathered)
+    barrier(signal_pad_ptrs, rank, world_size, launcher)  # done reading: peers may stage into their buffers again
 
 
 def launch(
@@ -239,186 +341,100 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=jit_launch,
+    launcher=triton_launch,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+    """Launch on planned arguments (no checks); the same signature as the Helion twin's ``launch``.
 
-    ``gathered`` [world_size * M, K'] (K' = K padded for TMA) is this rank's symmetric gather buffer,
-    ``peers[r]`` rank r's chunk of rank r's (where r's own rows go); ``out`` [world_size * M, N];
-    ``a_out``: where to copy the gathered ``a`` (``return_a``), or None; ``group_name`` is unused here.
+    ``gathered`` [world_size * M, K'] (K' = K padded for TMA) is this rank's symmetric gather buffer, ``peers[r]``
+    rank r's chunk of rank r's (where r's own rows go); ``progress`` int32[world_size]; ``out`` [world_size * M, N];
+    ``a_out``: where to copy the gathered ``a`` (``return_a``), or None; ``group_name`` is unused here (Helion's
+    process-group name). ``launcher(kernel, grid, *args, **meta)``: Triton's own launch, or the installed package's.
     """
-    m = a.shape[0]
+    m, world_size = a.shape[0], len(peers)
     a, b, b_trans = tma_inputs(a, b, b_layout, block_m)
-    started = start_gather(peers, signal_pad_ptrs, rank, gathered, progress, stage_from=a if len(a) == m else a[:m],
-                           snapshot=a_out, launcher=launcher, flag_own=False)  # my rows: read from a
-    launch_matmul(a, gathered, b, out, progress, rank, len(peers), b_trans, block_m, block_n, block_k, group_m,
+    side = side_stream(a.device)
+    if world_size > 1:
+        progress.zero_()  # before the fork: no flag of the previous call survives into this one
+    side.wait_stream(torch.cuda.current_stream())  # the fork
+    with torch.cuda.stream(side):
+        if world_size > 1 or a_out is not None:  # my rows into my chunk, for the peers (and the snapshot)
+            peers[rank].copy_(a[:m])
+        gather(peers, gathered, progress, signal_pad_ptrs, rank, a_out, launcher)
+    launch_matmul(a, gathered, b, out, progress, rank, world_size, b_trans, block_m, block_n, block_k, group_m,
                   num_warps, num_stages, num_blocks, launcher)
-    started.wait()
+    torch.cuda.current_stream().wait_stream(side)  # the join: the caller may write the buffer again
     return out
 
 
-def tile_plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int, tile_configs: list,
-              defaults: dict, op: str, least_block_k: int = 16, operand_bytes: int = 2) -> tuple[dict, int]:
-    """What both GEMMs' plans share: the largest of ``tile_configs`` that gives ``MIN_TILES_PER_SM`` of the SMs a
-    tile; where none does, up to ``SKINNY_M`` rows, the reduce recipes' skinny tiles (one warpgroup, narrow tiles
-    that fill a wave: ``skinny_or_large_tiles``, ``operand_bytes`` 1 for fp8), else the smallest; under the ``config``;
-    tile sizes powers of two (at least 16, ``block_k`` at least ``least_block_k``); and the grid: at most one block per
-    SM but ``RESERVED_SMS`` (the GEMM waits on flags in local memory and uses no signal pad), never more blocks than
-    tiles, balanced (``balanced_grid``). (cfg, num_blocks)."""
-    def fills(cfg: dict) -> bool:
-        return (world_size * groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
-                >= MIN_TILES_PER_SM * num_sms)
-
-    tiles = next((cfg for cfg in tile_configs if fills(cfg)), None)
-    if tiles is None:
-        tiles = skinny_or_large_tiles(m, n, k, num_sms, False, operand_bytes) if m <= SKINNY_M else tile_configs[-1]
-    cfg = {**defaults, **tiles, **config}
-    for key in ("block_m", "block_n", "block_k", "group_m"):
-        value = cfg[key]
-        least = 1 if key == "group_m" else (least_block_k if key == "block_k" else 16)
-        if value < least or value & (value - 1):
-            raise ValueError(f"{op}: {key} must be a power of two{f' >= {least}' if key != 'group_m' else ''}, "
-                             f"got {value}")
-    num_tiles = world_size * groups.cdiv(max(m, 1), cfg["block_m"]) * groups.cdiv(max(n, 1), cfg["block_n"])
-    sms = max(1, num_sms - RESERVED_SMS)
-    max_blocks = sms if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], sms))
-    return cfg, balanced_grid(num_tiles, max_blocks)
-
-
-def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
-    """Resolve the launch configuration (shared with the Helion port): ``m`` is one rank's rows.
-
-    The tiles and the persistent grid of ``tile_plan``.
-    """
-    groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    cfg, num_blocks = tile_plan(m, n, k, world_size, config, num_sms, TILE_CONFIGS, DEFAULT_CONFIG, OP)
-    if cfg["b_layout"] not in B_LAYOUTS:
-        raise ValueError(f"{OP}: b_layout must be one of {B_LAYOUTS}, got {cfg['b_layout']!r}")
-    keys = ("b_layout", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
-    return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
-
-
-def check_inputs(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
-    """Argument checks that need neither a GPU nor torch.distributed (any layout of ``b``)."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.dtype != b.dtype:
-            raise ValueError(f"{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
-        if a.dim() == 2 and b.dim() == 2 and a.shape[1] != b.shape[0]:
-            raise ValueError(
-                f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (need a [M, K], b [K, N])"
-            )
-        if a.dim() == 2 and b.dim() == 2 and (a.numel() == 0 or b.numel() == 0):
-            raise ValueError(f"{op}: empty operand (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    if not isinstance(b, torch.Tensor):
-        raise TypeError(f"{op}: b must be a torch.Tensor, got {type(b).__name__}")
-    groups.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
-    if b.dtype not in INPUT_DTYPES or b.dim() != 2:
-        raise ValueError(f"{op}: b must be a 2-D bfloat16 or float16 tensor, got {b.dtype} of shape {tuple(b.shape)}")
-    if a.device.type != "cuda" or b.device != a.device:
-        raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
-
-
-@prepared.per_signature(lambda a, b, group, op, config, return_a: (
-    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.scalar_key(return_a),
-    prepared.config_key(config)))
-def chosen(a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool):
-    """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``)."""
-    return crossover.fused_prepared(op, a, b, group, True, True, config, check_sequential,
-                                    lambda fused_config: prepare(a, b, group, op, fused_config, return_a))
-
-
-def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
-    """The sequential form's checks (``kraken.runtime.crossover.form`` runs them inside its agreement)."""
-    check_inputs(a, b, op)
-
-
-@prepared.per_signature(lambda a, b, group, op, config, return_a: (
-    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.scalar_key(return_a),
-    prepared.config_key(config)))
-def prepare(
-    a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool
-) -> tuple[symm.SymmContext, dict]:
-    """Validate, plan, and find the buffers: the context of the symmetric gather buffer [world_size * M, K']
-    (K' = K padded for TMA; a slice of ``symm.symm_workspace``), and the launch arguments but the outputs
-    (every rank's own chunk of it as ``peers``, ``gathered``, ``progress``, the config); kept per signature."""
-    # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
-    with agreement.agreed(op, group, a=a, b=b, return_a=return_a, config=config):
-        check_inputs(a, b, op)
-        (m, k), n = a.shape, b.shape[1]
-        world_size = groups.world_size_of(group, op)
-        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        cfg = plan(m, n, k, world_size, config, num_sms)
-    pg = groups.resolve_group(group, op)
-    k_tma = groups.round_up(k, 16 // a.element_size())
-    gathered = symm.symm_workspace(world_size * m * k_tma, a.dtype, a.device, pg, op).view(world_size * m, k_tma)
-    ctx = symm.symm_context(gathered, pg, op, name="gather buffer")
-    chunks = chunk_views(ctx, m)
-    progress = progress_flags(world_size, a.device)
-    return ctx, {"peers": chunks, "gathered": gathered, "progress": progress, **cfg, "launcher": Launcher(op)}
-
-
-def outputs(a: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor, return_a: bool) -> dict:
-    """A call's new tensors: ``out`` [world_size * M, N], and ``a_out`` (the gathered ``a``) when ``return_a``."""
-    a_out = torch.empty(gathered.shape, dtype=a.dtype, device=a.device) if return_a else None
-    return {"out": torch.empty(gathered.shape[0], b.shape[1], dtype=a.dtype, device=a.device), "a_out": a_out}
-
-
-_chunks: dict[tuple, tuple[torch.Tensor, ...]] = {}
-
-
-def chunk_views(ctx: symm.SymmContext, m: int) -> tuple[torch.Tensor, ...]:
-    """Rank r's own chunk (rows r * m ...) of rank r's gather buffer, for every r (cached)."""
-    key = tuple(p.data_ptr() for p in ctx.peers) + (m, ctx.peers[0].shape[1])
-    if key not in _chunks:
-        _chunks[key] = tuple(p[r * m:(r + 1) * m] for r, p in enumerate(ctx.peers))
-    return _chunks[key]
-
-
-_flags: dict[tuple, torch.Tensor] = {}
-
-
-def progress_flags(world_size: int, device: torch.device) -> torch.Tensor:
-    """The flags of one launch, a rank's chunk each (cached; zeroed by every launch before its gather starts)."""
-    key = (device, world_size)
-    if key not in _flags:
-        _flags[key] = torch.zeros(world_size, dtype=torch.int32, device=device)
-    return _flags[key]
+def symmetric_chunks(m: int, k: int, dtype: torch.dtype, device: torch.device, group) -> tuple:
+    """A symmetric gather buffer [world_size * m, k] on every rank of ``group`` (a collective): (this rank's buffer,
+    every rank's own chunk of its buffer as this rank sees it, the signal pads' pointer array, this rank)."""
+    world_size = dist.get_world_size(group)
+    gathered = symm_mem.empty(world_size * m, k, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(gathered, group.group_name)
+    peers = tuple((gathered if r == handle.rank else handle.get_buffer(r, (world_size * m, k), dtype))[r * m:(r + 1) * m]
+                  for r in range(world_size))
+    return gathered, peers, handle.signal_pad_ptrs_dev, handle.rank
 
 
 def all_gather_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
-    group: dist.ProcessGroup | str | None = None,
+    group: dist.ProcessGroup | None = None,
     return_a: bool = False,
     **config,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``all_gather(a) @ b`` as a new [world_size * M, N] tensor in ``a``'s dtype (and the gathered
-    [world_size * M, K] ``a`` first when ``return_a``).
+    """``all_gather(a) @ b`` as a new [world_size * M, N] tensor in ``a``'s dtype (and the gathered [world_size * M,
+    K] ``a`` first when ``return_a``); ``a`` [M, K] bf16 or fp16, contiguous, the same shape on every rank.
 
-    ``a`` [M, K]: this rank's rows, an ordinary contiguous CUDA tensor, bf16 or fp16, the same shape on
-    every rank; ``b`` [K, N] in any layout. ``config`` overrides the tiles (``block_m``, ``block_n``,
-    ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks`` and ``b_layout`` (see ``plan``);
-    ``form="fused"`` or ``"sequential"`` forces the form ``kraken.runtime.crossover`` would choose by size.
-    """
-    return call(launch, OP, a, b, group, return_a, config, sm_all_gather)
+    The recipe spelled out: a symmetric gather buffer on every rank, the plan, one launch (the gather on the copy
+    engine under the GEMM). It allocates and rendezvouses on every call and checks nothing; ``kraken.all_gather_matmul``
+    is the installed one (checks agreed across ranks, a sequential form for small sizes, prepared calls)."""
+    group = dist.group.WORLD if group is None else group
+    (m, k), n = a.shape, b.shape[1]
+    world_size = dist.get_world_size(group)
+    gathered, peers, signal_pad_ptrs, rank = symmetric_chunks(m, round_up(k, 16 // a.element_size()), a.dtype,
+                                                               a.device, group)
+    cfg = plan(m, n, k, world_size, config, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    out = a.new_empty(world_size * m, n)
+    a_out = torch.empty_like(gathered) if return_a else None
+    progress = torch.zeros(world_size, dtype=torch.int32, device=a.device)
+    launch(a, b, peers, gathered, out, progress, signal_pad_ptrs, rank, a_out, **cfg)
+    return (a_out[:, :k], out) if return_a else out
 
 
-def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: bool, config: dict, all_gather
-         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``all_gather_matmul`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the name
-    ``op``, in the form ``crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of ``a``,
-    then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch; its fork, the
-    gather's exchange, the GEMM and a join are replayed from one CUDA graph per pointer set (``graphs.graphed``)."""
-    prepared = chosen(a, b, group, op, config, return_a)
-    if prepared == crossover.SEQUENTIAL:
-        gathered = all_gather(a, group)
-        out = torch.matmul(gathered, b)
-        return (gathered, out) if return_a else out
-    ctx, cfg = prepared
-    new = outputs(a, b, cfg["gathered"], return_a)
-    out, a_out = new["out"], new["a_out"]
-    graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(),
-                    a_out is not None and a_out.data_ptr()),
-                   lambda: launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new,
-                                  group_name=ctx.group_name), a.device)
-    return out if not return_a else (a_out[:, :a.shape[1]], out)
+def main(m: int = 1024, n: int = 8192, k: int = 8192, iters: int = 20) -> None:
+    """Check against NCCL's all-gather and torch's matmul, and time the recipe (``torchrun``, or alone)."""
+    if "RANK" not in os.environ:  # run alone: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    torch.manual_seed(1234)  # the same b on every rank
+    b = torch.randn(k, n, dtype=torch.bfloat16, device=device) / k ** 0.5
+    gathered = torch.empty(world_size * m, k, dtype=a.dtype, device=device)
+    dist.all_gather_into_tensor(gathered, a)
+    expected = gathered @ b
+    got_a, got = all_gather_matmul(a, b, return_a=True)
+    assert torch.equal(got_a, gathered)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    for _ in range(3):  # warm up (compile)
+        all_gather_matmul(a, b)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        all_gather_matmul(a, b)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - start) / iters * 1e6
+    if rank == 0:
+        print(f"all_gather_matmul: {world_size}x{m} x {n} x {k} bf16: matches NCCL + torch.matmul, {us:.1f} us per "
+              "call (allocation and rendezvous included)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

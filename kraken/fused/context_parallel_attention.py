@@ -75,7 +75,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken._ptx_utils import wait_async, wait_each_thread
-from kraken.comm.all_gather_with_progress import (
+from kraken.runtime.progress import (
     LANDED, GatherInProgress, barrier, copy_order, copy_stream, fork, on_stream, reset_flags, set_flag,
 )
 from kraken.runtime import agreement, graphs, groups, prepared, symm

@@ -20,6 +20,9 @@ One module per topic (importing this package imports none of them):
 * ``collectives``: the product layer of the collective recipes (one ``check``, the prepared calls, the public
   functions ``kraken.<name>`` and ``helion_ports.<name>`` of the four collectives, and the all-reduce front door);
 * ``gemm_checks``: the GEMM recipes' argument checks.
+* ``progress``: the copy-engine gather's product layer (``kraken.all_gather_with_progress``: prepared calls, the side
+  stream, kept events, graphs), and the primitives ``context_parallel_attention`` exchanges K/V with;
+* ``gather_matmul``: the all-gather + matmul recipes' product layer (checks, forms, prepared calls, workspaces).
 
 Functions that tests replace (``groups.check_tensor``, ``symm.symm_context``, ...) are called through their
 module (``symm.symm_context(...)``), here and in the recipes, so that replacing one there replaces it for every

@@ -6,15 +6,15 @@ Each is a recipe behind the product layer (checks agreed across ranks, prepared 
 """
 
 from kraken.runtime.collectives import all_gather
-from kraken.comm.all_gather_with_progress import all_gather_with_progress
 from kraken.runtime.collectives import all_reduce
 from kraken.runtime.moe import moe_combine
 from kraken.runtime.moe import moe_dispatch
 from kraken.runtime.collectives import one_shot_all_reduce
 from kraken.runtime.collectives import reduce_scatter
 from kraken.runtime.collectives import two_shot_all_reduce
-from kraken.fused.all_gather_matmul import all_gather_matmul
-from kraken.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
+from kraken.runtime.progress import all_gather_with_progress
+from kraken.runtime.gather_matmul import all_gather_matmul
+from kraken.runtime.gather_matmul import all_gather_matmul_fp8
 from kraken.fused.all_reduce_bias import all_reduce_bias
 from kraken.fused.all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
 from kraken.fused.context_parallel_attention import context_parallel_attention

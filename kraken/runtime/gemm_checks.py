@@ -1,6 +1,7 @@
 """Argument checks of the GEMM recipes' inputs (the product layer's, raised before any launch): the
-bf16/fp16 operands and output dtype (``check_inputs``, ``check_out_dtype``) and the fp8 operands and their
-scales (``check_fp8_inputs``, ``check_scale``). None needs a GPU or torch.distributed.
+bf16/fp16 operands and output dtype (``check_inputs``, ``check_out_dtype``; ``all_gather_matmul``'s with
+``any_b``) and the fp8 operands and their scales (``check_fp8_inputs``, ``check_scale``). None needs a GPU or
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ def check_out_dtype(out_dtype: torch.dtype, op: str) -> None:
         raise ValueError(f"{op}: out_dtype {out_dtype} is not supported; supported: {allowed}")
 
 
-def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str, wide: bool = False) -> None:
-    """Checks of a bf16/fp16 reduce GEMM's arguments that need neither a GPU nor torch.distributed. ``wide``: the
-    recipe addresses its output with 64-bit offsets past ``MAX_INDEX`` (its operands load through TMA)."""
-    check_out_dtype(out_dtype, op)
+def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None, op: str, wide: bool = False,
+                 any_b: bool = False) -> None:
+    """Checks of a bf16/fp16 GEMM's arguments that need neither a GPU nor torch.distributed. ``out_dtype``: the
+    output's (checked), or None where it is ``a``'s. ``wide``: the recipe addresses its output with 64-bit offsets
+    past ``MAX_INDEX`` (its operands load through TMA). ``any_b``: ``b`` in any layout (``all_gather_matmul``, which
+    copies what TMA cannot read), a CUDA ``a``, and no empty operand."""
+    if out_dtype is not None:
+        check_out_dtype(out_dtype, op)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype:
             raise ValueError(f"{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
@@ -28,12 +33,23 @@ def check_inputs(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: s
             raise ValueError(
                 f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (need a [M, K], b [K, N])"
             )
-        if a.dim() == 2 and b.dim() == 2 and (a.shape[0] == 0 or b.shape[1] == 0):
+        if a.dim() == 2 and b.dim() == 2 and any_b and (a.numel() == 0 or b.numel() == 0):
+            raise ValueError(f"{op}: empty operand (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
+        if a.dim() == 2 and b.dim() == 2 and not any_b and (a.shape[0] == 0 or b.shape[1] == 0):
             raise ValueError(f"{op}: the output would be empty (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    groups.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
-    groups.check_tensor(b, "b", op, INPUT_DTYPES, ndim=2)
-    if a.device != b.device:
-        raise ValueError(f"{op}: a and b are on different devices ({a.device}, {b.device})")
+    if any_b:
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"{op}: b must be a torch.Tensor, got {type(b).__name__}")
+        groups.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
+        if b.dtype not in INPUT_DTYPES or b.dim() != 2:
+            raise ValueError(f"{op}: b must be a 2-D bfloat16 or float16 tensor, got {b.dtype} of shape {tuple(b.shape)}")
+        if a.device.type != "cuda" or b.device != a.device:
+            raise ValueError(f"{op}: a and b must be on the same CUDA device, got {a.device} and {b.device}")
+    else:
+        groups.check_tensor(a, "a", op, INPUT_DTYPES, ndim=2)
+        groups.check_tensor(b, "b", op, INPUT_DTYPES, ndim=2)
+        if a.device != b.device:
+            raise ValueError(f"{op}: a and b are on different devices ({a.device}, {b.device})")
     if not wide and max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > MAX_INDEX:
         raise ValueError(f"{op}: a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
 

@@ -1,0 +1,290 @@
+"""The all-gather + matmul recipes' product layer (``kraken.all_gather_matmul``, ``kraken.all_gather_matmul_fp8`` and
+their twins), wrapped around the recipes ``kraken.fused.all_gather_matmul`` and ``kraken.fused.all_gather_matmul_fp8``
+from outside.
+
+A recipe holds the kernels, its pure ``plan`` and its ``launch`` seam (the gather on the copy engine under the GEMM).
+What the installed package adds lives here:
+
+* the checks, agreed across ranks on the first call of each signature (``agreement.agreed``: one rank's bad input
+  raises on every rank; ``kraken.runtime.gemm_checks``);
+* the form, fused or sequential (the SM-driven all-gather, then cuBLAS or ``torch._scaled_mm``), chosen by size
+  (``kraken.runtime.crossover``) and kept with the prepared call (``chosen``);
+* the prepared call per signature: the symmetric gather buffer (a slice of ``symm.symm_workspace``), every rank's
+  own chunk of it, the flags, the plan and a ``Launcher`` (``prepare``);
+* the public call: its fork, the gather's exchange, the GEMM and the join replayed from one CUDA graph per pointer
+  set (``graphs.graphed``), driving the recipe's ``launch`` or its twin's (``all_gather_matmul_with``).
+
+The SM-driven all-gather of the sequential form is ``kraken.all_gather`` (or ``helion_ports.all_gather``), looked up
+at its first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from kraken._gemm_core import MAX_INDEX
+from kraken.runtime import agreement, crossover, graphs, groups, prepared, symm
+from kraken.runtime.gemm_checks import check_fp8_inputs, check_inputs
+from kraken.runtime.launcher import Launcher
+
+# The recipes' modules: their plans and buffer layouts (tests replace them there), their ``launch`` by name.
+BF16 = importlib.import_module("kraken.fused.all_gather_matmul")
+FP8 = importlib.import_module("kraken.fused.all_gather_matmul_fp8")
+OP, OP_FP8 = BF16.OP, FP8.OP
+
+
+def sm_all_gather(package: str):
+    """``<package>.all_gather`` (``kraken`` or ``helion_ports``: the installed SM-driven collective), looked up at
+    its first use."""
+    found = []
+
+    def all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
+        if not found:
+            found.append(getattr(importlib.import_module(package), "all_gather"))
+        return found[0](tensor, group)
+
+    return all_gather
+
+
+# ---------------------------------------------------------------------------
+# What both share: every rank's own chunk of its gather buffer, the flags
+# ---------------------------------------------------------------------------
+
+_chunks: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def chunk_views(ctx: symm.SymmContext, m: int) -> tuple[torch.Tensor, ...]:
+    """Rank r's own chunk (rows r * m ...) of rank r's gather buffer, for every r (cached)."""
+    key = tuple(p.data_ptr() for p in ctx.peers) + (m, ctx.peers[0].shape[1])
+    if key not in _chunks:
+        _chunks[key] = tuple(p[r * m:(r + 1) * m] for r, p in enumerate(ctx.peers))
+    return _chunks[key]
+
+
+_flags: dict[tuple, torch.Tensor] = {}
+
+
+def progress_flags(world_size: int, device: torch.device) -> torch.Tensor:
+    """The flags of one launch, a rank's chunk each (cached; zeroed by every launch before its gather starts)."""
+    key = (device, world_size)
+    if key not in _flags:
+        _flags[key] = torch.zeros(world_size, dtype=torch.int32, device=device)
+    return _flags[key]
+
+
+# ---------------------------------------------------------------------------
+# all_gather_matmul
+# ---------------------------------------------------------------------------
+
+
+def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
+    """The sequential form's checks (``kraken.runtime.crossover.form`` runs them inside its agreement)."""
+    check_inputs(a, b, None, op, wide=True, any_b=True)
+
+
+@prepared.per_signature(lambda a, b, group, op, config, return_a: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.scalar_key(return_a),
+    prepared.config_key(config)))
+def chosen(a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool):
+    """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``)."""
+    return crossover.fused_prepared(op, a, b, group, True, True, config, check_sequential,
+                                    lambda fused_config: prepare(a, b, group, op, fused_config, return_a))
+
+
+@prepared.per_signature(lambda a, b, group, op, config, return_a: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.scalar_key(return_a),
+    prepared.config_key(config)))
+def prepare(
+    a: torch.Tensor, b: torch.Tensor, group, op: str, config: dict, return_a: bool
+) -> tuple[symm.SymmContext, dict]:
+    """Validate, plan, and find the buffers: the context of the symmetric gather buffer [world_size * M, K']
+    (K' = K padded for TMA; a slice of ``symm.symm_workspace``), and the launch arguments but the outputs
+    (every rank's own chunk of it as ``peers``, ``gathered``, ``progress``, the config); kept per signature."""
+    # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
+    with agreement.agreed(op, group, a=a, b=b, return_a=return_a, config=config):
+        check_inputs(a, b, None, op, wide=True, any_b=True)
+        (m, k), n = a.shape, b.shape[1]
+        world_size = groups.world_size_of(group, op)
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        cfg = BF16.plan(m, n, k, world_size, config, num_sms)
+    pg = groups.resolve_group(group, op)
+    k_tma = groups.round_up(k, 16 // a.element_size())
+    gathered = symm.symm_workspace(world_size * m * k_tma, a.dtype, a.device, pg, op).view(world_size * m, k_tma)
+    ctx = symm.symm_context(gathered, pg, op, name="gather buffer")
+    chunks = chunk_views(ctx, m)
+    progress = progress_flags(world_size, a.device)
+    return ctx, {"peers": chunks, "gathered": gathered, "progress": progress, **cfg, "launcher": Launcher(op)}
+
+
+def outputs(a: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor, return_a: bool) -> dict:
+    """A call's new tensors: ``out`` [world_size * M, N], and ``a_out`` (the gathered ``a``) when ``return_a``."""
+    a_out = torch.empty(gathered.shape, dtype=a.dtype, device=a.device) if return_a else None
+    return {"out": torch.empty(gathered.shape[0], b.shape[1], dtype=a.dtype, device=a.device), "a_out": a_out}
+
+
+def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: bool, config: dict, all_gather
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather_matmul`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the name
+    ``op``, in the form ``crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of ``a``,
+    then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch; its fork, the
+    gather's exchange, the GEMM and a join are replayed from one CUDA graph per pointer set (``graphs.graphed``)."""
+    prepared = chosen(a, b, group, op, config, return_a)
+    if prepared == crossover.SEQUENTIAL:
+        gathered = all_gather(a, group)
+        out = torch.matmul(gathered, b)
+        return (gathered, out) if return_a else out
+    ctx, cfg = prepared
+    new = outputs(a, b, cfg["gathered"], return_a)
+    out, a_out = new["out"], new["a_out"]
+    graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(),
+                    a_out is not None and a_out.data_ptr()),
+                   lambda: launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new,
+                                  group_name=ctx.group_name), a.device)
+    return out if not return_a else (a_out[:, :a.shape[1]], out)
+
+
+def all_gather_matmul_with(launch, op: str, package: str):
+    """The installed all-gather + matmul, driving ``launch``: the recipe's (``kraken.all_gather_matmul``) or its
+    Helion twin's (``helion_ports.all_gather_matmul``, ``op`` "helion all_gather_matmul"); the sequential form
+    gathers with ``<package>.all_gather``."""
+    all_gather = sm_all_gather(package)
+
+    def all_gather_matmul(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        group: dist.ProcessGroup | str | None = None,
+        return_a: bool = False,
+        **config,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``all_gather(a) @ b`` as a new [world_size * M, N] tensor in ``a``'s dtype (and the gathered
+        [world_size * M, K] ``a`` first when ``return_a``).
+
+        ``a`` [M, K]: this rank's rows, an ordinary contiguous CUDA tensor, bf16 or fp16, the same shape on
+        every rank; ``b`` [K, N] in any layout. ``config`` overrides the tiles (``block_m``, ``block_n``,
+        ``block_k``, ``num_warps``, ``num_stages``, ``group_m``), ``max_blocks`` and ``b_layout`` (see the recipe's
+        ``plan``); ``form="fused"`` or ``"sequential"`` forces the form ``kraken.runtime.crossover`` would choose by
+        size.
+        """
+        return call(launch, op, a, b, group, return_a, config, all_gather)
+
+    return all_gather_matmul
+
+
+all_gather_matmul = all_gather_matmul_with(BF16.launch, OP, "kraken")
+
+
+# ---------------------------------------------------------------------------
+# all_gather_matmul_fp8
+# ---------------------------------------------------------------------------
+
+
+def check_sequential_fp8(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str, scale_a: torch.Tensor,
+                         scale_b: torch.Tensor) -> None:
+    """The sequential form's checks (``kraken.runtime.crossover.form`` runs them inside its agreement)."""
+    check_fp8_inputs(a, b, scale_a, scale_b, op)
+
+
+@prepared.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.tensor_key(scale_a),
+    prepared.tensor_key(scale_b), prepared.config_key(config)))
+def chosen_fp8(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, op: str,
+               config: dict):
+    """``crossover.SEQUENTIAL`` or the fused form's ``prepare_fp8``, kept per signature; sequential only where
+    ``torch._scaled_mm`` takes K and N (multiples of 16)."""
+    sequential_ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] % 16 == 0 for t in (a, b))
+    return crossover.fused_prepared(op, a, b, group, True, sequential_ok, config, check_sequential_fp8,
+                                    lambda fused_config: prepare_fp8(a, b, scale_a, scale_b, group, op, fused_config),
+                                    None, (scale_a, scale_b))
+
+
+def gather_then_scaled_mm(all_gather, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                          scale_b: torch.Tensor, group) -> torch.Tensor:
+    """The sequential form (K and N multiples of 16): ``all_gather`` (the SM-driven collective) of the fp8 values, as
+    bf16 pairs of bytes, and of the row scales (a per-tensor scale becomes every row's: ranks may hold different
+    ones), then ``torch._scaled_mm`` with row-wise scales on a column-major ``b``."""
+    m = a.shape[0]
+    values = all_gather(a.view(torch.bfloat16), group).view(FP8.FP8)
+    rows = all_gather(scale_a.reshape(-1, 1), group)
+    if scale_a.numel() == 1:
+        rows = rows.repeat_interleave(m, dim=0)
+    col_scales = scale_b.reshape(1, -1).expand(1, b.shape[1]).contiguous()
+    b_cols = b if b.stride(0) == 1 else b.t().contiguous().t()
+    return torch._scaled_mm(values, b_cols, rows, col_scales, out_dtype=FP8.OUT_DTYPE)
+
+
+@prepared.per_signature(lambda a, b, scale_a, scale_b, group, op, config: (
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.tensor_key(scale_a),
+    prepared.tensor_key(scale_b), prepared.config_key(config)))
+def prepare_fp8(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group, op: str, config: dict
+) -> tuple[symm.SymmContext, dict]:
+    """Validate, plan, and find the buffers: the context of the symmetric gather buffer (bytes,
+    [world_size * M, ``row_bytes(K)``], a slice of ``symm.symm_workspace``), and the launch arguments but
+    the output (every rank's own chunk of it as ``peers``, this rank's as fp8 values and fp32 scales,
+    ``progress``, the config); kept per signature."""
+    with agreement.agreed(op, group, a=a, b=b, scale_a=scale_a, scale_b=scale_b, config=config):
+        check_fp8_inputs(a, b, scale_a, scale_b, op)
+        (m, k), n = a.shape, b.shape[1]
+        world_size = groups.world_size_of(group, op)
+        if max(world_size * m * max(FP8.row_bytes(k), n), k * n) > MAX_INDEX:
+            raise ValueError(f"{op}: the gathered a, b or the output has more than 2**31 - 1 elements (32-bit offsets)")
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        cfg = FP8.plan(m, n, k, world_size, config, num_sms)
+    pg = groups.resolve_group(group, op)
+    width = FP8.row_bytes(k)
+    gathered = symm.symm_workspace(world_size * m * width, torch.uint8, a.device, pg, op).view(world_size * m, width)
+    ctx = symm.symm_context(gathered, pg, op, name="gather buffer")
+    chunks = chunk_views(ctx, m)
+    own_values, own_scales = FP8.buffer_views(chunks[ctx.rank], k)
+    return ctx, {"peers": chunks, "gathered": gathered, "own_values": own_values, "own_scales": own_scales,
+                 "progress": progress_flags(world_size, a.device), **cfg, "launcher": Launcher(op)}
+
+
+def call_fp8(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
+             config: dict, all_gather) -> torch.Tensor:
+    """``all_gather_matmul_fp8`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the
+    name ``op``, in the form ``crossover`` chooses. Sequential: ``gather_then_scaled_mm``. Fused: the prepared
+    call, the new output, and the launch, replayed from one CUDA graph per pointer set (``graphs.graphed``)."""
+    prepared = chosen_fp8(a, b, scale_a, scale_b, group, op, config)
+    if prepared == crossover.SEQUENTIAL:
+        return gather_then_scaled_mm(all_gather, a, b, scale_a, scale_b, group)
+    ctx, cfg = prepared
+    out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=FP8.OUT_DTYPE, device=a.device)
+    graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
+                    out.data_ptr()),
+                   lambda: launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out,
+                                  **cfg, group_name=ctx.group_name), a.device)
+    return out
+
+
+def all_gather_matmul_fp8_with(launch, op: str, package: str):
+    """The installed fp8 all-gather + matmul, driving ``launch``: the recipe's or its Helion twin's."""
+    all_gather = sm_all_gather(package)
+
+    def all_gather_matmul_fp8(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scale_a: torch.Tensor,
+        scale_b: torch.Tensor,
+        group: dist.ProcessGroup | str | None = None,
+        **config,
+    ) -> torch.Tensor:
+        """``(all_gather(a) * all_gather(scale_a)) @ (b * scale_b)`` as a new [world_size * M, N] bf16 tensor,
+        accumulated in fp32: what ``torch._scaled_mm`` gives on the gathered operands.
+
+        ``a`` [M, K]: this rank's rows, a contiguous ``float8_e4m3fn`` CUDA tensor, the same shape on every rank;
+        ``b`` [K, N] fp8 in any layout (column-major, ``w.t()``, is read in place); ``scale_a`` float32, one
+        element or [M, 1] (each rank its own); ``scale_b`` float32, one element or [1, N]. ``config`` overrides
+        the tiles (``block_m``, ``block_n``, ``block_k``, ``num_warps``, ``num_stages``, ``group_m``),
+        ``max_blocks`` and ``b_layout`` (see the recipe's ``plan`` and ``B_LAYOUTS``); ``form="fused"`` or
+        ``"sequential"`` forces the form ``kraken.runtime.crossover`` would choose by size.
+        """
+        return call_fp8(launch, op, a, b, scale_a, scale_b, group, config, all_gather)
+
+    return all_gather_matmul_fp8
+
+
+all_gather_matmul_fp8 = all_gather_matmul_fp8_with(FP8.launch, OP_FP8, "kraken")
