@@ -166,7 +166,7 @@ def main(numel: int = 1 << 20, iters: int = 100) -> None:
     """Check against NCCL's all-reduce and time the kernel on a symmetric input (``torchrun``, or alone)."""
     if "RANK" not in os.environ:  # run alone: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())  # (ranks may share a GPU)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     rank = dist.get_rank()
