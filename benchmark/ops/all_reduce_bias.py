@@ -15,7 +15,6 @@ Decode-sized messages, so launches and barrier rounds dominate. Backends:
 
 from __future__ import annotations
 
-import importlib
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from kraken import rms_norm
 
 EPS = 1e-5
 FUSED = "fused.{shot}_shot_all_reduce_bias{norm}"
-AUTO = "fused.all_reduce_bias{norm}"  # the front doors: one-shot or two-shot by kraken.runtime.crossover
+AUTO = "fused.all_reduce_bias{norm}"  # the front doors (kraken.all_reduce_bias[_rms_norm]): by kraken.runtime.crossover
 EXAMPLE_SHAPE = (7, 1000)  # odd in both dimensions: row and column tails
 
 
@@ -93,7 +92,8 @@ def chain_bias_rms_norm(i):
 
 
 def recipe_name(shot: str, norm: bool) -> str:
-    """The module of the ``shot`` recipe ("one", "two", or "auto": the front door), under kraken or helion_ports."""
+    """The module of the ``shot`` recipe ("one", "two"), under kraken or helion_ports; "auto": the front door's name
+    as such a path (``registry.public`` maps it to ``kraken.all_reduce_bias[_rms_norm]`` or the twin's)."""
     norm_tag = "_rms_norm" if norm else ""
     return AUTO.format(norm=norm_tag) if shot == "auto" else FUSED.format(shot=shot, norm=norm_tag)
 
@@ -135,8 +135,10 @@ def example_launch(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfl
 
 
 def pairs(norm: bool) -> list[Pair]:
+    """The recipes and their twins (the front doors, ``triton_auto``/``helion_auto``, are no recipe files: product
+    code, ``kraken.runtime.bias_doors``, launching these recipes' kernels)."""
     found = []
-    for shot, tag in (("one", "1shot"), ("two", "2shot"), ("auto", "auto")):
+    for shot, tag in (("one", "1shot"), ("two", "2shot")):
         name = recipe_name(shot, norm)
         found.append(Pair(f"triton_{tag}", f"helion_{tag}", f"kraken.{name}", f"helion_ports.{name}", example_launch))
     if norm:
