@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from benchmark import registry, sm90
-from benchmark.ops.all_reduce_bias import example_launch
+from benchmark.ops.all_reduce_bias import auto_example, example_launch
 from kraken.runtime import groups
 
 FAMILY = [
@@ -37,9 +37,9 @@ PAIRS = [pair for op in ("all_reduce_bias", "all_reduce_bias_rms_norm") for pair
 PAD_BYTES = 9216  # torch 2.11's default signal pad
 
 
-def compiled(module_path: str, world_size: int, hidden: int) -> dict:
+def compiled(module_path: str, world_size: int, hidden: int, example=example_launch) -> dict:
     with sm90.capture_launches() as launches:
-        example_launch(importlib.import_module(module_path), world_size, (7, hidden))
+        example(importlib.import_module(module_path), world_size, (7, hidden))
     assert len(launches) == 1, f"{module_path}: expected one launch, got {len(launches)}"
     return sm90.kernel_stats(launches[0])
 
@@ -51,9 +51,13 @@ def compiled(module_path: str, world_size: int, hidden: int) -> dict:
 
 def test_registry_lists_the_family():
     names = {p.triton_module.rsplit(".", 1)[1] for p in PAIRS}
-    # The recipes and rms_norm; the front doors (triton_auto, helion_auto) are product code that launches them.
+    # The recipes and rms_norm. The front doors (triton_auto, helion_auto) are product code with no module of
+    # their own: their pair names the one-shot recipe and twin, and its example launches the one the door chooses.
     assert names == set(FAMILY) | {"rms_norm"}
     assert all(p.helion_module == p.triton_module.replace("kraken.", "helion_ports.", 1) for p in PAIRS)
+    auto = {p.triton_module: p.example for p in PAIRS if p.triton == "triton_auto"}
+    doors = ("all_reduce_bias", "all_reduce_bias_rms_norm")
+    assert auto == {f"kraken.fused.one_shot_{op}": auto_example for op in doors}
     for op in ("all_reduce_bias", "all_reduce_bias_rms_norm"):
         assert list(registry.get(op).backends) == [
             "nccl", "chain", "triton_1shot", "helion_1shot", "triton_2shot", "helion_2shot", "triton_auto",
@@ -61,14 +65,28 @@ def test_registry_lists_the_family():
         ]
 
 
+@pytest.mark.parametrize("pkg", ["kraken", "helion_ports"])
+@pytest.mark.parametrize("norm", ["", "_rms_norm"])
+def test_a_doors_example_launches_the_recipe_its_plan_chooses(pkg, norm):
+    """``auto_example`` (the doors' compile example) launches the one-shot kernel up to the table's row count and
+    the two-shot one above it (16 tokens at 4 ranks)."""
+    module = importlib.import_module(f"{pkg}.fused.one_shot_all_reduce_bias{norm}")
+    for tokens, expected in ((16, "one_shot"), (17, "two_shot")):
+        with sm90.capture_launches() as launches:
+            auto_example(module, 4, (tokens, 1000))
+        (launch,) = launches
+        name = getattr(launch.kernel, "fn", launch.kernel).__name__
+        assert f"{expected}_all_reduce_bias{norm}" in name and (norm or "rms_norm" not in name), (tokens, name)
+
+
 @pytest.mark.parametrize("hidden", [5120, 1000])
 @pytest.mark.parametrize("world_size", [2, 8])
-@pytest.mark.parametrize("pair", PAIRS, ids=[p.triton_module.rsplit(".", 1)[1] for p in PAIRS])
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{p.triton_module.rsplit('.', 1)[1]}:{p.triton}" for p in PAIRS])
 def test_pair_compiles_for_sm90_with_the_same_barriers(pair, world_size, hidden):
     if pair.triton_module.endswith(".rms_norm") and world_size != 2:
         pytest.skip("rms_norm is single-GPU: one world size is enough")
-    triton_stats = compiled(pair.triton_module, world_size, hidden)
-    helion_stats = compiled(pair.helion_module, world_size, hidden)
+    triton_stats = compiled(pair.triton_module, world_size, hidden, pair.example)
+    helion_stats = compiled(pair.helion_module, world_size, hidden, pair.example)
     for stats in (triton_stats, helion_stats):
         assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
         assert stats["registers"] > 0 and stats["ptx_instructions"] > 0
