@@ -19,6 +19,8 @@ One module per topic (importing this package imports none of them):
 * ``collectives``: the product layer of the standalone collective recipes (checks, prepared calls, the public
   functions ``kraken.comm`` exports; so far ``one_shot_all_reduce``);
 * ``gemm_checks``: the GEMM recipes' argument checks.
+* ``bias_norm``: the all-reduce + bias (+ RMSNorm) family's product layer (checks, prepared calls on the shared
+  workspace, the public functions); ``bias_doors``: its front doors, ``all_reduce_bias[_rms_norm]``.
 
 Functions that tests replace (``groups.check_tensor``, ``symm.symm_context``, ...) are called through their
 module (``symm.symm_context(...)``), here and in the recipes, so that replacing one there replaces it for every
