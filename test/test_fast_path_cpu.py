@@ -164,13 +164,11 @@ CASES = [
     ("kraken.runtime.collectives", "all_gather", "kraken.comm.all_gather",
      lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
     ("helion_ports", "all_gather", "kraken.comm.all_gather", lambda: (torch.randn(1000, dtype=torch.bfloat16),)),
-    ("kraken.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
+    ("kraken.runtime.bias_norm", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
      lambda: (torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16))),
-    ("helion_ports.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias",
-     "kraken.fused.one_shot_all_reduce_bias",
+    ("helion_ports", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
      lambda: (torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16))),
-    ("kraken.fused.one_shot_all_reduce_bias_rms_norm", "one_shot_all_reduce_bias_rms_norm",
-     "kraken.fused.one_shot_all_reduce_bias_rms_norm",
+    ("kraken.runtime.bias_norm", "one_shot_all_reduce_bias_rms_norm", "kraken.fused.one_shot_all_reduce_bias_rms_norm",
      lambda: (torch.randn(4, 320, dtype=torch.bfloat16), torch.randn(320, dtype=torch.bfloat16),
               torch.randn(320, dtype=torch.bfloat16))),
 ]
@@ -203,7 +201,7 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, module, name, pla
     monkeypatch.setattr(prepared, "tensor_key", lambda *a, **k: keyed.append(a) or real_tensor_key(*a, **k))
     outputs += [fn(*args) for _ in range(WARM_CALLS - jit_calls)]
     assert not pow2_calls, "a warm call went through triton.next_power_of_2"
-    assert not keyed or ".fused." in module, "a collective's warm call missed its prepared call's key"
+    assert not keyed or ".fused." in plan_module, "a collective's warm call missed its prepared call's key"
     world = counts["world"]
     assert world.exchanges == 1, "the ranks agreed on the signature more than once"
     assert counts["plan"] == 1 and counts["symm_context"] == 1, counts
@@ -255,12 +253,12 @@ REPLAYED = [  # (module, public function, module whose plan it uses, the call's 
     ("helion_ports", "all_gather", "kraken.comm.all_gather", lambda: (BF16(1000),), {}, False),
     ("helion_ports", "all_reduce", "kraken.comm.two_shot_all_reduce", lambda: (BF16(1000),), {"shot": "two"}, True),
     ("helion_ports", "one_shot_all_reduce", "kraken.comm.one_shot_all_reduce", lambda: (BF16(1000),), {}, False),
-    ("kraken.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
+    ("kraken.runtime.bias_norm", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
      lambda: (BF16(4, 256), BF16(256)), {}, False),
-    ("kraken.fused.two_shot_all_reduce_bias_rms_norm", "two_shot_all_reduce_bias_rms_norm",
+    ("kraken.runtime.bias_norm", "two_shot_all_reduce_bias_rms_norm",
      "kraken.fused.two_shot_all_reduce_bias_rms_norm", lambda: (BF16(4, 320), BF16(320), BF16(320), 1e-5), {}, False),
-    ("helion_ports.fused.one_shot_all_reduce_bias", "one_shot_all_reduce_bias",
-     "kraken.fused.one_shot_all_reduce_bias", lambda: (BF16(4, 256), BF16(256)), {}, False),
+    ("helion_ports", "one_shot_all_reduce_bias", "kraken.fused.one_shot_all_reduce_bias",
+     lambda: (BF16(4, 256), BF16(256)), {}, False),
 ]
 
 
@@ -475,7 +473,7 @@ def test_a_scalar_of_another_type_is_another_signature(monkeypatch, launches):
     """``eps=1.0`` then ``eps=True``: equal in Python, but the second is refused, so it must not hit the first's
     prepared call; nor may a config value ``True`` stand in for ``1``."""
     symmetric_world(monkeypatch, "kraken.fused.one_shot_all_reduce_bias_rms_norm")
-    fn = importlib.import_module("kraken.fused.one_shot_all_reduce_bias_rms_norm").one_shot_all_reduce_bias_rms_norm
+    fn = importlib.import_module("kraken.runtime.bias_norm").one_shot_all_reduce_bias_rms_norm
     x, vector = torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16)
     fn(x, vector, vector, eps=1.0)
     with pytest.raises(TypeError, match="eps must be a float"):

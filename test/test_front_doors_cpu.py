@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-import types
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import helion_ports
 import kraken
 from benchmark import sm90
 from fake_world import FakeWorld
-from kraken.runtime import crossover, groups, prepared, symm
+from kraken.runtime import bias_doors, collectives, crossover, groups, prepared, symm
 
 K = 1024
 # (op, world size, the largest size that runs one-shot): the table in words (docs/history.md's measurements).
@@ -27,25 +26,30 @@ EXPECTED = [
     ("all_reduce_bias_rms_norm", 2, 64), ("all_reduce_bias_rms_norm", 4, 16), ("all_reduce_bias_rms_norm", 8, 16),
     ("all_reduce_bias", 3, 16), ("all_reduce_bias_rms_norm", 6, 16),
 ]
-FRONT_DOORS = {  # op -> (front door module, one-shot module, two-shot module), under kraken (``door_of``).
-    "all_reduce": (None, "comm.one_shot_all_reduce", "comm.two_shot_all_reduce"),  # (kraken.runtime.collectives)
-    "all_reduce_bias": ("fused.all_reduce_bias", "fused.one_shot_all_reduce_bias", "fused.two_shot_all_reduce_bias"),
-    "all_reduce_bias_rms_norm": ("fused.all_reduce_bias_rms_norm", "fused.one_shot_all_reduce_bias_rms_norm",
+FRONT_DOORS = {  # op -> (front door module, one-shot module, two-shot module), under kraken.
+    # The doors are product code (kraken.runtime.collectives, .bias_doors), no recipe file: ``door_plan``.
+    "all_reduce": (None, "comm.one_shot_all_reduce", "comm.two_shot_all_reduce"),
+    "all_reduce_bias": (None, "fused.one_shot_all_reduce_bias", "fused.two_shot_all_reduce_bias"),
+    "all_reduce_bias_rms_norm": (None, "fused.one_shot_all_reduce_bias_rms_norm",
                                  "fused.two_shot_all_reduce_bias_rms_norm"),
 }
 
 
 def door_of(package: str, op: str):
-    """The front door of ``op`` under ``package`` ("kraken" or "helion_ports"), as a module with the door's function
-    (named ``op``), its ``plan`` and its one-shot and two-shot modules (``ONE_SHOT``, ``TWO_SHOT``). ``all_reduce``'s
-    door has no module of its own (``kraken.runtime.collectives``): those four, gathered."""
-    if FRONT_DOORS[op][0] is not None:
-        return importlib.import_module(f"{package}.{FRONT_DOORS[op][0]}")
-    from kraken.runtime import collectives
+    """The front door: the public function ``kraken.<op>`` or ``helion_ports.<op>``."""
+    return getattr(importlib.import_module(package), op)
 
-    one, two = (importlib.import_module(f"{package}.{m}") for m in FRONT_DOORS[op][1:])
-    door = collectives.all_reduce if package == "kraken" else collectives.helion_all_reduce
-    return types.SimpleNamespace(all_reduce=door, plan=collectives.all_reduce_plan, ONE_SHOT=one, TWO_SHOT=two)
+
+def recipes_of(package: str, op: str) -> tuple:
+    """The door's (one-shot, two-shot) recipe modules under ``package``."""
+    return tuple(importlib.import_module(f"{package}.{m}") for m in FRONT_DOORS[op][1:])
+
+
+def door_plan(package: str, op: str):
+    """The door's ``plan`` (its choice under ``"shot"`` and the chosen recipe's plan)."""
+    if op == "all_reduce":
+        return collectives.all_reduce_plan
+    return getattr(bias_doors, f"plan_{op}")  # one plan for the door and its twin's
 
 
 @pytest.mark.parametrize("op,world_size,last_one_shot", EXPECTED, ids=[f"{o}-ws{w}" for o, w, _ in EXPECTED])
@@ -81,14 +85,13 @@ def test_sizes_the_table_counts():
 @pytest.mark.parametrize("op", sorted(FRONT_DOORS))
 @pytest.mark.parametrize("world_size,size", [(2, 8), (2, 1 << 22), (4, 8), (4, 1 << 22), (8, 100), (8, 1 << 20)])
 def test_plan_is_the_chosen_recipes_plan(op, world_size, size):
-    door, twin = door_of("kraken", op), door_of("helion_ports", op)
-    one, two = (importlib.import_module(f"kraken.{m}") for m in FRONT_DOORS[op][1:])
-    assert twin.plan is door.plan  # one plan, one choice
+    plan, (one, two) = door_plan("kraken", op), recipes_of("kraken", op)
+    assert door_plan("helion_ports", op) is plan  # one plan, one choice
     shot = crossover.choose(op, size, world_size)
     args = (size, world_size) if op == "all_reduce" else (size, 4096, world_size)
-    assert door.plan(*args, {}) == {"shot": shot, **(one if shot == "one" else two).plan(*args, {})}
+    assert plan(*args, {}) == {"shot": shot, **(one if shot == "one" else two).plan(*args, {})}
     forced = "two" if shot == "one" else "one"
-    assert door.plan(*args, {"shot": forced}) == {"shot": forced, **(one if forced == "one" else two).plan(*args, {})}
+    assert plan(*args, {"shot": forced}) == {"shot": forced, **(one if forced == "one" else two).plan(*args, {})}
 
 
 CALLS = {  # op -> how to call its front door ``fn`` on x
@@ -103,9 +106,8 @@ def recorded_recipes(monkeypatch, package: str, op: str) -> list:
     """The front door's two recipes' ``launch`` replaced by recorders of (shot, the door's input as the launch got
     it, the launch configuration); returns the record. The doors launch the chosen recipe on the preparation they
     keep (``door_call``): ``all_reduce``'s passes an ordinary input as ``x`` (staged), the bias family's first."""
-    door = door_of(package, op)
     calls = []
-    for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
+    for shot, recipe in zip(("one", "two"), recipes_of(package, op)):
         assert recipe.__name__ == f"{package}.{FRONT_DOORS[op][1 if shot == 'one' else 2]}"
 
         def record(*args, _shot=shot, launcher, group_name, **launch_cfg):
@@ -144,9 +146,7 @@ def two_ranks(monkeypatch):
 @pytest.mark.parametrize("op", sorted(FRONT_DOORS))
 def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op):
     """The call reaches the recipe the table names, with the caller's group and config less ``shot``."""
-    door = door_of(package, op)
-    fn = getattr(door, op)
-    assert fn is getattr(importlib.import_module(package), op)  # exported
+    fn = door_of(package, op)
     calls = recorded_recipes(monkeypatch, package, op)
     world = {"size": 4}
     monkeypatch.setattr(groups, "world_size_of", lambda group, op_name: world["size"])
@@ -172,9 +172,8 @@ def test_front_door_calls_the_chosen_recipe(two_ranks, monkeypatch, package, op)
 def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatch, package, op):
     """While Dynamo traces, the doors neither check nor prepare (``door_call``): they call the chosen recipe's public
     function (its operator there) with the caller's arguments and group, the config less ``shot``."""
-    door = door_of(package, op)
     calls = []
-    for shot, recipe in (("one", door.ONE_SHOT), ("two", door.TWO_SHOT)):
+    for shot, recipe in zip(("one", "two"), recipes_of(package, op)):
         public = crossover.PUBLIC[recipe.__name__.split(".")[0]]  # where its public function (operator) is
         monkeypatch.setattr(importlib.import_module(public), recipe.__name__.rpartition(".")[2],
                             lambda *args, _shot=shot, **config: calls.append((_shot, args, config)))
@@ -185,8 +184,8 @@ def test_while_dynamo_traces_a_door_calls_the_chosen_recipes_operator(monkeypatc
     for size, expected in zip(sizes, ("one", "two")):
         x = torch.empty(size) if op == "all_reduce" else torch.empty(size, 96)
         forced = "two" if expected == "one" else "one"
-        CALLS[op](getattr(door, op), x, max_blocks=8)
-        CALLS[op](getattr(door, op), x, shot=forced)
+        CALLS[op](door_of(package, op), x, max_blocks=8)
+        CALLS[op](door_of(package, op), x, shot=forced)
         (shot, args, config), (forced_shot, _, forced_config) = calls
         assert (shot, forced_shot) == (expected, forced) and args[0] is x and args[-1] is None  # the default group
         assert len(args) == {"all_reduce": 2, "all_reduce_bias": 3, "all_reduce_bias_rms_norm": 5}[op]
@@ -221,7 +220,7 @@ def test_one_rank_alone_bad_raises_through_the_door_on_a_signature_the_recipe_ra
     (agreed, prepared); then rank 1 alone passes bad input to the front door on it. Rank 0 must raise too, naming
     rank 1, before any launch: the door agrees on its own first call of a signature, since the recipe's prepared
     call (shared with direct calls) would skip the exchange and launch, leaving rank 1 to raise alone."""
-    _, one_path, _ = FRONT_DOORS[op]
+    one_path = FRONT_DOORS[op][1]
     door = door_of("kraken", op)
     rest, argument, message = RECIPE_FIRST[op]
     x = torch.randn(7000, dtype=BF16) if op == "all_reduce" else torch.randn(7, 1000, dtype=BF16)
@@ -231,12 +230,12 @@ def test_one_rank_alone_bad_raises_through_the_door_on_a_signature_the_recipe_ra
         assert len(launches) == 1 and two_ranks.exchanges == 1
         two_ranks.other = rank_one_bad(argument, message)
         with pytest.raises(ValueError, match=rf"^{op}: bad input on rank 1: {re.escape(message)}"):
-            getattr(door, op)(x, *rest)
+            door(x, *rest)
         assert len(launches) == 1, "rank 0 launched while rank 1 raised"
         assert two_ranks.exchanges == 2
         two_ranks.other = None  # rank 1 passes good input again: the door agrees once, then its prepared call
         for _ in range(3):
-            getattr(door, op)(x, *rest)
+            door(x, *rest)
         assert len(launches) == 4 and two_ranks.exchanges == 3
         assert all("one_shot" in launch.kernel.fn.__name__ for launch in launches)
 
@@ -250,7 +249,7 @@ def test_each_door_agrees_on_its_own_first_calls(two_ranks, monkeypatch, op):
     doors = []
     for package in ("kraken", "helion_ports"):
         recorded_recipes(monkeypatch, package, op)
-        doors.append(getattr(door_of(package, op), op))
+        doors.append(door_of(package, op))
     kraken_door, twin_door = doors
     kraken_door(x, *rest)
     two_ranks.other = rank_one_bad(argument, message)
@@ -269,7 +268,7 @@ def test_forced_shots_that_differ_between_ranks_raise_on_every_rank(two_ranks, m
     two_ranks.other = lambda mine: (tuple((n, (("shot", "two"),) if n == "config" else s) for n, s in mine[0]), None)
     differs = "config: rank 0 (('shot', 'one'),), rank 1 (('shot', 'two'),)"
     with pytest.raises(ValueError, match=re.escape(f"ranks disagree on the input's shape/dtype ({differs})")):
-        getattr(door_of(package, op), op)(x, *rest, shot="one")
+        door_of(package, op)(x, *rest, shot="one")
     assert calls == []
 
 

@@ -1,4 +1,4 @@
-"""GPU tests of the front doors (``kraken.all_reduce``, ``kraken.fused.all_reduce_bias[_rms_norm]``) and their
+"""GPU tests of the front doors (``kraken.all_reduce``, ``kraken.all_reduce_bias[_rms_norm]``) and their
 twins: against float64 on both sides of the crossover at this world size, with ``shot`` forced both ways; the
 same bits as the recipe the table names, called directly; CUDA-graph replays equal to eager."""
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from benchmark import registry, sm90
-from benchmark.ops.all_reduce_bias import example_launch
+from benchmark.ops.all_reduce_bias import auto_example, example_launch
 from kraken.runtime import groups
 
 FAMILY = [
@@ -37,9 +37,9 @@ PAIRS = [pair for op in ("all_reduce_bias", "all_reduce_bias_rms_norm") for pair
 PAD_BYTES = 9216  # torch 2.11's default signal pad
 
 
-def compiled(module_path: str, world_size: int, hidden: int) -> dict:
+def compiled(module_path: str, world_size: int, hidden: int, example=example_launch) -> dict:
     with sm90.capture_launches() as launches:
-        example_launch(importlib.import_module(module_path), world_size, (7, hidden))
+        example(importlib.import_module(module_path), world_size, (7, hidden))
     assert len(launches) == 1, f"{module_path}: expected one launch, got {len(launches)}"
     return sm90.kernel_stats(launches[0])
 
@@ -51,8 +51,13 @@ def compiled(module_path: str, world_size: int, hidden: int) -> dict:
 
 def test_registry_lists_the_family():
     names = {p.triton_module.rsplit(".", 1)[1] for p in PAIRS}
-    # The recipes, rms_norm, and the front doors that choose between the one-shot and two-shot recipes.
-    assert names == set(FAMILY) | {"rms_norm", "all_reduce_bias", "all_reduce_bias_rms_norm"}
+    # The recipes and rms_norm. The front doors (triton_auto, helion_auto) are product code with no module of
+    # their own: their pair names the one-shot recipe and twin, and its example launches the one the door chooses.
+    assert names == set(FAMILY) | {"rms_norm"}
+    assert all(p.helion_module == p.triton_module.replace("kraken.", "helion_ports.", 1) for p in PAIRS)
+    auto = {p.triton_module: p.example for p in PAIRS if p.triton == "triton_auto"}
+    doors = ("all_reduce_bias", "all_reduce_bias_rms_norm")
+    assert auto == {f"kraken.fused.one_shot_{op}": auto_example for op in doors}
     for op in ("all_reduce_bias", "all_reduce_bias_rms_norm"):
         assert list(registry.get(op).backends) == [
             "nccl", "chain", "triton_1shot", "helion_1shot", "triton_2shot", "helion_2shot", "triton_auto",
@@ -60,14 +65,28 @@ def test_registry_lists_the_family():
         ]
 
 
+@pytest.mark.parametrize("pkg", ["kraken", "helion_ports"])
+@pytest.mark.parametrize("norm", ["", "_rms_norm"])
+def test_a_doors_example_launches_the_recipe_its_plan_chooses(pkg, norm):
+    """``auto_example`` (the doors' compile example) launches the one-shot kernel up to the table's row count and
+    the two-shot one above it (16 tokens at 4 ranks)."""
+    module = importlib.import_module(f"{pkg}.fused.one_shot_all_reduce_bias{norm}")
+    for tokens, expected in ((16, "one_shot"), (17, "two_shot")):
+        with sm90.capture_launches() as launches:
+            auto_example(module, 4, (tokens, 1000))
+        (launch,) = launches
+        name = getattr(launch.kernel, "fn", launch.kernel).__name__
+        assert f"{expected}_all_reduce_bias{norm}" in name and (norm or "rms_norm" not in name), (tokens, name)
+
+
 @pytest.mark.parametrize("hidden", [5120, 1000])
 @pytest.mark.parametrize("world_size", [2, 8])
-@pytest.mark.parametrize("pair", PAIRS, ids=[p.triton_module.rsplit(".", 1)[1] for p in PAIRS])
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{p.triton_module.rsplit('.', 1)[1]}:{p.triton}" for p in PAIRS])
 def test_pair_compiles_for_sm90_with_the_same_barriers(pair, world_size, hidden):
     if pair.triton_module.endswith(".rms_norm") and world_size != 2:
         pytest.skip("rms_norm is single-GPU: one world size is enough")
-    triton_stats = compiled(pair.triton_module, world_size, hidden)
-    helion_stats = compiled(pair.helion_module, world_size, hidden)
+    triton_stats = compiled(pair.triton_module, world_size, hidden, pair.example)
+    helion_stats = compiled(pair.helion_module, world_size, hidden, pair.example)
     for stats in (triton_stats, helion_stats):
         assert re.search(r"\.target\s+sm_90", stats["ptx"]), f"{stats['kernel']}: not compiled for sm_90"
         assert stats["registers"] > 0 and stats["ptx_instructions"] > 0
@@ -88,8 +107,8 @@ ENTRY_POINTS = [(pkg, name) for pkg in ("kraken", "helion_ports") for name in FA
 
 
 def call(pkg: str, name: str, x, bias=None, weight=None, eps=1e-5, **config):
-    """Call an entry point with the arguments it takes."""
-    fn = getattr(importlib.import_module(f"{pkg}.fused.{name}"), name)
+    """Call an installed function (``kraken.<name>``, ``helion_ports.<name>``) with the arguments it takes."""
+    fn = getattr(importlib.import_module(pkg), name)
     if name == "rms_norm":
         return fn(x, weight, eps, **config)
     if name.endswith("_rms_norm"):
@@ -150,12 +169,45 @@ def test_bad_inputs_raise_before_cuda_or_distributed(pkg, name):
         call(pkg, name, x.view(2, 2, 64), bias, weight)
 
 
+@pytest.mark.parametrize("pkg", ["kraken", "helion_ports"])
 @pytest.mark.parametrize("name", FAMILY + ["rms_norm"])
-def test_unknown_config_keys_are_refused(name):
-    plan = importlib.import_module(f"kraken.fused.{name}").plan
+def test_unknown_config_keys_are_refused(pkg, name):
+    plan = importlib.import_module(f"{pkg}.fused.{name}").plan
     args = (4, 64, {"bogus": 1}) if name == "rms_norm" else (4, 64, 2, {"bogus": 1})
-    with pytest.raises(TypeError, match=r"unknown config keys \['bogus'\]"):
+    with pytest.raises(TypeError, match=rf"^{name}: unknown config keys \['bogus'\]"):
         plan(*args)
+
+
+@pytest.mark.parametrize("name", FAMILY + ["rms_norm"])
+def test_twin_plans_as_its_recipe(name):
+    """A twin carries its own copy of its recipe's defaults and ``plan`` (it imports no recipe): they agree."""
+    recipe, twin = (importlib.import_module(f"{pkg}.fused.{name}") for pkg in ("kraken", "helion_ports"))
+    assert twin.DEFAULT_CONFIG == recipe.DEFAULT_CONFIG
+    assert getattr(twin, "WORKSPACE_COPIES", None) == getattr(recipe, "WORKSPACE_COPIES", None)
+    configs = [{}, {"num_warps": 8}, {"max_blocks": 3}, {"block_size": 512, "max_blocks": 5}]
+    for tokens, hidden in [(0, 64), (1, 1), (1, 5120), (3, 1000), (7, 5120), (4097, 64), (256, 16384)]:
+        for config in configs:
+            config = {k: v for k, v in config.items() if k in recipe.DEFAULT_CONFIG}
+            if name == "rms_norm":
+                assert twin.plan(tokens, hidden, config) == recipe.plan(tokens, hidden, config)
+                continue
+            for world_size in (1, 2, 3, 8):
+                for pad_bytes in (None, 9216, 64):
+                    got = twin.plan(tokens, hidden, world_size, config, pad_bytes=pad_bytes)
+                    assert got == recipe.plan(tokens, hidden, world_size, config, pad_bytes=pad_bytes), (
+                        name, tokens, hidden, world_size, config, pad_bytes)
+
+
+def test_recipe_defaults_are_the_tuned_all_reduces():
+    """The family is not tuned on its own: its defaults are copies of the tuned all-reduces' (grid cap included)."""
+    one_shot = importlib.import_module("kraken.comm.one_shot_all_reduce").DEFAULT_CONFIG
+    two_shot = importlib.import_module("kraken.comm.two_shot_all_reduce").DEFAULT_CONFIG
+    fused = {name: importlib.import_module(f"kraken.fused.{name}").DEFAULT_CONFIG for name in FAMILY}
+    assert fused["one_shot_all_reduce_bias"] == one_shot and fused["two_shot_all_reduce_bias"] == two_shot
+    assert fused["one_shot_all_reduce_bias_rms_norm"] == {"num_warps": None, "max_blocks": one_shot["max_blocks"]}
+    assert fused["two_shot_all_reduce_bias_rms_norm"] == {"num_warps": None, "max_blocks": two_shot["max_blocks"]}
+    assert importlib.import_module("kraken.fused.two_shot_all_reduce_bias").SHARD_ALIGN == \
+        importlib.import_module("kraken.comm.two_shot_all_reduce").SHARD_ALIGN
 
 
 # ---------------------------------------------------------------------------

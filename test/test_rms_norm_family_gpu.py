@@ -20,7 +20,9 @@ each assert on their own section of the collected report. Checks:
 * 200 back-to-back launches per fused backend, then CUDA-graph capture and 20
   replays against eager, bitwise;
 * bad input (a bias on the CPU; one rank alone with a short bias, a wrong dtype or eps) raises on every
-  rank and the group still works, through the front doors too.
+  rank and the group still works, through the front doors too;
+* plain: each recipe's and twin's own host function (``kraken.fused.<name>.<name>``: a workspace rendezvoused per
+  call, no checks) against float64, identical on every rank.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from benchmark import registry
 from benchmark.ops.all_reduce_bias import EPS, parameters, rank_values
-from kraken.runtime import crossover
+from kraken.runtime import bias_norm, crossover
 from gpu_utils import DTYPES, POISON, assert_close, heartbeat, needs_gpus, rel_err, run_on_gpus
 
 pytestmark = needs_gpus
@@ -58,30 +60,33 @@ def checked_backends(op: registry.Op) -> list[str]:
 
 
 def fused_modules(op: registry.Op) -> dict[str, str]:
-    """Backend name -> module path, for the op's fused (Triton and Helion) backends: the recipes and the front
-    doors that choose between them."""
+    """Backend name -> path, for the op's fused (Triton and Helion) backends: the recipes' and twins' modules, and
+    the front doors that choose between them (``kraken.<op>``, ``helion_ports.<op>``: product code, no file)."""
     found = {}
     for pair in op.pairs:
         if pair.triton in checked_backends(op):
             found[pair.triton], found[pair.helion] = pair.triton_module, pair.helion_module
+    for backend, package in (("triton_auto", "kraken"), ("helion_auto", "helion_ports")):
+        if backend in checked_backends(op):
+            found[backend] = f"{package}.{op.name}"
     return found
 
 
-def is_front_door(module_path: str) -> bool:
-    """A front door (``kraken.fused.all_reduce_bias[_rms_norm]``, its twin): one-shot or two-shot by
-    ``kraken.runtime.crossover``, with no ``prepare``/``launch`` of a workspace of its own."""
-    return module_path.rsplit(".", 1)[1] in crossover.FAMILY
+def is_front_door(path: str) -> bool:
+    """A front door (``kraken.all_reduce_bias[_rms_norm]``, its twin): one-shot or two-shot by
+    ``kraken.runtime.crossover``, with no ``launch`` of its own."""
+    return path.rsplit(".", 1)[1] in crossover.FAMILY
 
 
 def chosen_recipe(door_path: str, op_name: str, tokens: int) -> str:
     """The module of the recipe the front door ``door_path`` runs at ``tokens`` in this group."""
-    door = importlib.import_module(door_path)
     shot = crossover.choose(op_name, tokens, dist.get_world_size())
-    return (door.ONE_SHOT if shot == crossover.ONE else door.TWO_SHOT).__name__
+    return f"{door_path.split('.')[0]}.fused.{shot}_shot_{op_name}"
 
 
-def public(module_path: str):
-    return getattr(importlib.import_module(module_path), module_path.rsplit(".", 1)[1])
+def public(path: str):
+    """The installed function of a recipe's or twin's module (``kraken.fused.x`` -> ``kraken.x``), or of a door."""
+    return registry.public(path)
 
 
 def reference(norm: bool, shape, dtype, seed: int, eps: float = EPS, params_seed: int | None = None) -> torch.Tensor:
@@ -106,10 +111,8 @@ def poisoned_launch(module_path: str, norm: bool, x, bias, weight, eps=EPS) -> t
     launch's first barrier, which this rank reaches after the fill.
     """
     module = importlib.import_module(module_path)
-    if norm:
-        x2d, ctx, cfg = module.prepare(x, bias, weight, eps, None, "test", {})
-    else:
-        x2d, ctx, cfg = module.prepare(x, bias, None, "test", {})
+    operands = (bias, weight, eps) if norm else (bias,)
+    x2d, ctx, cfg = bias_norm.prepare(module_path.rsplit(".", 1)[1], x, operands, None, "test", {})
     ctx.peers[ctx.rank].fill_(POISON)
     out = torch.full_like(x2d, POISON)
     norm_args = (weight, eps) if norm else ()
@@ -205,13 +208,14 @@ def rms_norm_alone(report: Report) -> None:
                     def one(module=module, dtype=dtype, hidden=hidden, tokens=tokens, what=what):
                         x = rank_values((tokens, hidden), dtype, 7, dist.get_rank())
                         _, weight = parameters(hidden, dtype, 7)
-                        x2d, cfg = module.prepare(x, weight, EPS, "test", {})
+                        x2d, cfg = bias_norm.prepare_rms_norm(x, weight, EPS, "test", {})
                         out = module.launch(x2d, weight, torch.full_like(x2d, POISON), EPS, **cfg)
                         torch.cuda.synchronize()
                         h = x.double()
                         ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
                         assert_close(out, ref, what)
-                        assert torch.equal(module.rms_norm(x, weight, EPS), out), f"{what}: public call differs"
+                        assert torch.equal(public(module.__name__)(x, weight, EPS), out), f"{what}: public call differs"
+                        assert torch.equal(module.rms_norm(x, weight, EPS), out), f"{what}: plain function differs"
 
                     report.check("rms_norm", what, one)
 
@@ -333,9 +337,31 @@ def bad_input(report: Report) -> None:
             report.check("bad_input", f"{op_name} {backend}", one)
 
 
+def plain(report: Report) -> None:
+    """Each recipe's and twin's plain host function: its own workspace, plan and launch, no product layer."""
+    for op_name in OPS:
+        op = registry.get(op_name)
+        norm = op_name.endswith("rms_norm")
+        for backend, module_path in fused_modules(op).items():
+            if is_front_door(module_path):
+                continue
+
+            def one(module_path=module_path, what=f"{op_name} {backend} plain"):
+                shape, dtype, seed = (3, 1000), torch.bfloat16, 40
+                x = rank_values(shape, dtype, seed, dist.get_rank())
+                bias, weight = parameters(shape[-1], dtype, seed)
+                fn = getattr(importlib.import_module(module_path), module_path.rsplit(".", 1)[1])
+                out = fn(x, bias, weight, EPS) if norm else fn(x, bias)
+                gathered = every_rank(out)
+                assert_close(out, reference(norm, shape, dtype, seed), what)
+                assert_identical(out, gathered, what)
+
+            report.check("plain", f"{op_name} {backend}", one)
+
+
 def family_worker() -> dict:
     report = Report()
-    for section in (sweep, rms_norm_alone, eps_and_broadcast, stress_and_graphs, bad_input):
+    for section in (sweep, rms_norm_alone, eps_and_broadcast, stress_and_graphs, bad_input, plain):
         start = time.perf_counter()
         section(report)
         report.seconds[section.__name__] = round(time.perf_counter() - start, 1)
@@ -387,3 +413,7 @@ def test_cuda_graph_replays_match_eager(reports):
 
 def test_bad_input_raises_on_every_rank_and_the_group_survives(reports):
     assert_section(reports, "bad_input")
+
+
+def test_plain_host_functions_match_float64(reports):
+    assert_section(reports, "plain")

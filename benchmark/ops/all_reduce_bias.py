@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from benchmark.registry import Op, Pair, SYNC_US, copy_backend, copy_work, nvlink_us, public, register
+from kraken.runtime import crossover
 from kraken.runtime.symm import symm_workspace
 from benchmark.sm90 import FAKE_SIGNAL_PADS, example_rank
 from kraken import one_shot_all_reduce
@@ -28,7 +29,7 @@ from kraken import rms_norm
 
 EPS = 1e-5
 FUSED = "fused.{shot}_shot_all_reduce_bias{norm}"
-AUTO = "fused.all_reduce_bias{norm}"  # the front doors: one-shot or two-shot by kraken.runtime.crossover
+AUTO = "fused.all_reduce_bias{norm}"  # the front doors, kraken.all_reduce_bias[_rms_norm] (kraken.runtime.crossover)
 EXAMPLE_SHAPE = (7, 1000)  # odd in both dimensions: row and column tails
 
 
@@ -93,7 +94,8 @@ def chain_bias_rms_norm(i):
 
 
 def recipe_name(shot: str, norm: bool) -> str:
-    """The module of the ``shot`` recipe ("one", "two", or "auto": the front door), under kraken or helion_ports."""
+    """The module of the ``shot`` recipe ("one", "two"), under kraken or helion_ports; "auto": the front door's name
+    as such a path (``registry.public`` maps it to ``kraken.all_reduce_bias[_rms_norm]`` or the twin's)."""
     norm_tag = "_rms_norm" if norm else ""
     return AUTO.format(norm=norm_tag) if shot == "auto" else FUSED.format(shot=shot, norm=norm_tag)
 
@@ -134,11 +136,23 @@ def example_launch(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfl
     module.launch(x, bias, *norm_args, peers, out, FAKE_SIGNAL_PADS, example_rank(world_size), **cfg)
 
 
+def auto_example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16) -> None:
+    """A front door's launch on CPU stand-ins: the recipe (or twin) its plan chooses at ``shape``. The doors are
+    product code (``kraken.runtime.bias_doors``) with no module of their own: ``module`` is the one-shot recipe's
+    (or twin's), the two-shot one its namesake."""
+    op = "all_reduce_bias_rms_norm" if module.__name__.endswith("_rms_norm") else "all_reduce_bias"
+    if crossover.choose(op, shape[0], world_size) == crossover.TWO:
+        module = importlib.import_module(module.__name__.replace(".one_shot_", ".two_shot_"))
+    example_launch(module, world_size, shape, dtype)
+
+
 def pairs(norm: bool) -> list[Pair]:
     found = []
-    for shot, tag in (("one", "1shot"), ("two", "2shot"), ("auto", "auto")):
+    for shot, tag in (("one", "1shot"), ("two", "2shot")):
         name = recipe_name(shot, norm)
         found.append(Pair(f"triton_{tag}", f"helion_{tag}", f"kraken.{name}", f"helion_ports.{name}", example_launch))
+    name = recipe_name("one", norm)  # the doors: the one-shot modules, and the two-shot ones where the plan says
+    found.append(Pair("triton_auto", "helion_auto", f"kraken.{name}", f"helion_ports.{name}", auto_example))
     if norm:
         # The single-GPU building block: not a backend of the op, listed so compile tests and the inspector see it.
         found.append(Pair("triton_rms_norm", "helion_rms_norm", "kraken.fused.rms_norm",

@@ -6,14 +6,13 @@ decode step the message is a few KB to a few MB, so launch count and barrier
 rounds dominate, not bandwidth: everything below happens in one kernel with two
 barrier rounds, the same as the bare one-shot all-reduce.
 
-``x`` may be any contiguous CUDA tensor. The kernel stages it through kraken's
-shared symmetric workspace (``symm.symm_workspace``) itself, before its first
-barrier, so there is no separate copy launch. It always copies, even when ``x``
-already lives in symmetric memory: finding out would take a rendezvous (a
-collective) per new tensor, and the copy is one local read and write of the
-message, well under a microsecond up to about a megabyte. ``x`` may even be the
-workspace itself (the copy is then in place); a view overlapping it anywhere
-else is refused.
+``x`` may be any contiguous CUDA tensor. The kernel stages it through a
+symmetric workspace (``peers[rank]``) itself, before its first barrier, so
+there is no separate copy launch. It always copies, even when ``x`` already
+lives in symmetric memory: finding out would take a rendezvous (a collective)
+per new tensor, and the copy is one local read and write of the message, well
+under a microsecond up to about a megabyte. ``x`` may even be the workspace
+itself (the copy is then in place), never a view overlapping it elsewhere.
 
 A persistent grid of ``num_blocks`` blocks cuts the flattened message into
 contiguous chunks; block ``b`` of every rank handles chunk ``b`` and barrier
@@ -26,37 +25,34 @@ slot ``b``:
 4. barrier (release): "done reading your workspace", so the next call may
    overwrite it.
 
-This module also holds what the distributed members of the family share: ``staged_signature``
-(validation, agreement, plan, workspace; each member's ``signature`` keeps it per signature), ``staged_call``
-(a call on it) and ``door_call`` (the front doors' call); its device helpers (``copy_slice``, the staging copy,
-and ``sum_peers``) are ``kraken._blocks``'.
+Layout: ``x`` [..., hidden] (any leading shape flattened into tokens), contiguous, bf16/fp16/fp32; ``bias``
+[hidden] of ``x``'s dtype; the workspace holds ``tokens * hidden`` elements (``WORKSPACE_COPIES`` = 1).
+
+This file is the recipe: the kernel, ``plan`` (pure), ``launch`` (the seam the installed package's fast path
+calls with its own ``launcher``) and a plain host function. ``kraken.one_shot_all_reduce_bias`` is the same
+kernel behind the product layer (``kraken.runtime.bias_norm``: checks agreed across ranks, a prepared call per
+signature on a shared workspace, replayed launches).
+
+    torchrun --nproc-per-node 2 kraken/fused/one_shot_all_reduce_bias.py
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
 
 from kraken._blocks import copy_slice, sum_peers
-from kraken._ptx_utils import symm_mem_sync
-from kraken.comm.one_shot_all_reduce import DEFAULT_CONFIG as ONE_SHOT_CONFIG
-from kraken.fused.rms_norm import NO_EPS, check_inputs
-from kraken.runtime import agreement, crossover, groups, prepared, symm
-from kraken.runtime.launcher import Launcher, jit_launch
-from kraken.runtime.replay import prepared_launch
+from kraken._ptx_utils import barrier_blocks, symm_mem_sync
 
 # Not tuned on its own: the tuned one-shot all-reduce's configuration (same loop plus a staging copy).
-DEFAULT_CONFIG = dict(ONE_SHOT_CONFIG)
+DEFAULT_CONFIG = {"block_size": 8192, "num_warps": 16, "max_blocks": 64}
 WORKSPACE_COPIES = 1  # the staged input
-
-
-# ---------------------------------------------------------------------------
-# Device helpers shared by the family
-# ---------------------------------------------------------------------------
 
 
 @triton.jit
@@ -90,101 +86,26 @@ def one_shot_all_reduce_bias_kernel(
     symm_mem_sync(signal_pad_ptrs, block_id, rank, world_size, hasPreviousMemAccess=True, hasSubsequentMemAccess=False)
 
 
-# ---------------------------------------------------------------------------
-# Host
-# ---------------------------------------------------------------------------
-
-
-def _check_not_aliased(x: torch.Tensor, workspace: torch.Tensor, op: str) -> None:
-    """Staging ``x`` into the workspace is safe in place, never into a shifted overlap."""
-    x_start, w_start = x.data_ptr(), workspace.data_ptr()  # (both contiguous: checked)
-    if x_start != w_start and x_start < w_start + workspace.nbytes and w_start < x_start + x.nbytes:
-        raise ValueError(
-            f"{op}: x overlaps kraken's shared symmetric workspace at another offset, which the kernel "
-            "overwrites while staging; pass a separate tensor (or the workspace view itself)"
-        )
-
-
-def on_signature(op: str, x: torch.Tensor, prepared: tuple) -> tuple[torch.Tensor, symm.SymmContext, dict]:
-    """What a family member's call adds to its signature's preparation (``prepared``: ``staged_signature``'s):
-    the aliasing check (it depends on ``x``'s address) and ``x`` as [tokens, hidden]. Returns the view, the
-    workspace's symmetric context and the launch configuration."""
-    hidden, ctx, launch_cfg = prepared
-    _check_not_aliased(x, ctx.peers[ctx.rank], op)
-    return (x if x.dim() == 2 else x.view(-1, hidden)), ctx, launch_cfg  # a view costs ~1 us
-
-
-def staged_call(launch: Callable, op: str, x: torch.Tensor, operands: tuple, prepared: tuple) -> torch.Tensor:
-    """A family member's call (a recipe's, a twin's, a front door's) on its signature's preparation: a new output
-    of ``x``'s shape, ``launch(x, *operands, peers, out, ...)`` (``operands``: bias, or bias, weight and eps),
-    replayed from the second call of the signature on (``replayed``)."""
-    x2d, ctx, launch_cfg = on_signature(op, x, prepared)
-    out = prepared_launch(launch, (x2d, *operands), ctx, launch_cfg, torch.empty_like(x2d))
-    return out if x.dim() == 2 else out.view(x.shape)
-
-
-# ``prepared.per_signature``'s keys of the members' ``signature(x, bias, group, op, config)`` and of the RMSNorm ones'
-# ``signature(x, bias, weight, eps, group, op, config)``.
-BIAS_KEY = lambda x, bias, group, op, config: (  # noqa: E731
-    op, group, prepared.tensor_key(x), prepared.tensor_key(bias), prepared.config_key(config))
-NORM_KEY = lambda x, bias, weight, eps, group, op, config: (  # noqa: E731
-    op, group, prepared.tensor_key(x), prepared.tensor_key(bias), prepared.tensor_key(weight), prepared.scalar_key(eps),
-    prepared.config_key(config))
-
-
-def door_call(op: str, name: str, recipes: tuple, choose: Callable, x: torch.Tensor, operands: tuple, group,
-              config: dict) -> torch.Tensor:
-    """A front door of the family (``all_reduce_bias``, ``all_reduce_bias_rms_norm``, their twins; ``name``: the
-    op its errors name) over ``recipes``, its (one-shot, two-shot) modules. In eager: ``choose``'s (choice,
-    preparation) for the call signature, then the chosen one's launch. While Dynamo traces: the chosen one's
-    operator (``crossover.traced_call``)."""
-    if torch.compiler.is_dynamo_compiling():
-        return crossover.traced_call(op, recipes, x, operands, group, config)
-    shot, prepared = choose(x, *operands, group, config)
-    return staged_call((recipes[0] if shot == crossover.ONE else recipes[1]).launch, name, x, operands, prepared)
-
-
-def staged_signature(op, x, vectors, eps, group, config, plan, copies) -> tuple[int, symm.SymmContext, dict]:
-    """Shared by the family: what a call signature needs (each member's ``signature`` keeps it per signature,
-    ``prepared.per_signature``). Validate, agree, plan, and get the workspace. ``vectors`` are the [hidden]
-    arguments (bias, weight); ``eps`` is ``rms_norm.NO_EPS`` for ops without one. The workspace holds ``copies``
-    message-sized regions (two-shot kernels keep their results apart from the staged input). Returns (hidden,
-    the workspace's symmetric context, the launch configuration)."""
-    # every rank raises if any rank's input is bad
-    with agreement.agreed(op, group, x=x, eps=eps, config=config, **vectors):
-        hidden = check_inputs(op, x, vectors, eps)
-        world_size = groups.world_size_of(group, op)
-        launch_cfg = plan(x.numel() // hidden, hidden, world_size, config)
-        groups.check_barrier_blocks(launch_cfg["num_blocks"], world_size, op)
-    return staged_workspace(op, x, hidden, group, launch_cfg, copies)
-
-
-def staged_workspace(op: str, x: torch.Tensor, hidden: int, group, launch_cfg: dict, copies: int) -> tuple:
-    """A signature's preparation after its checks, agreement and plan (``launch_cfg``): the workspace of ``copies``
-    message-sized regions, its symmetric context and a launcher. Returns (hidden, context, launch configuration)."""
-    workspace = symm.symm_workspace(max(copies * x.numel(), 1), x.dtype, x.device, group, op)
-    ctx = symm.symm_context(workspace, group, op, name="workspace")
-    return hidden, ctx, {**launch_cfg, "launcher": Launcher(op)}
-
-
-def plan(tokens: int, hidden: int, world_size: int, config: dict) -> dict:
-    """Resolve the launch configuration (shared with the Helion port)."""
-    cfg = groups.resolve_config(config, DEFAULT_CONFIG, "one_shot_all_reduce_bias")
+def plan(tokens: int, hidden: int, world_size: int, config: dict, pad_bytes: int | None = None) -> dict:
+    """The launch configuration: ``DEFAULT_CONFIG`` overridden by ``config``, a persistent grid of at most one block
+    per ``block_size`` elements, ``max_blocks``, and the block ids the signal pad holds (``pad_bytes``; by default
+    torch's pad size), each block a chunk of whole ``block_size`` tiles. Shared with the Helion twin."""
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(
+            f"one_shot_all_reduce_bias: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    cfg = {**DEFAULT_CONFIG, **config}
     numel, block_size = tokens * hidden, cfg["block_size"]
-    num_blocks = groups.persistent_grid(groups.cdiv(numel, block_size), cfg["max_blocks"], world_size)
-    chunk = groups.round_up(groups.cdiv(numel, num_blocks), block_size)
+    pad_bytes = symm_mem.get_signal_pad_size() if pad_bytes is None else pad_bytes
+    num_blocks = max(1, min(-(-numel // block_size), cfg["max_blocks"], barrier_blocks(world_size, pad_bytes)))
+    per_block = -(-numel // num_blocks)  # (ceiling divisions)
+    chunk = -(-per_block // block_size) * block_size  # whole tiles: every chunk starts on a tile
     return {"block_size": block_size, "num_warps": cfg["num_warps"], "num_blocks": num_blocks, "chunk": chunk}
 
 
-@prepared.per_signature(BIAS_KEY)
-def signature(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict) -> tuple:
-    """This call signature's preparation (``staged_signature``), kept per signature; shared with the twin."""
-    return staged_signature(op, x, {"bias": bias}, NO_EPS, group, config, plan, WORKSPACE_COPIES)
-
-
-def prepare(x: torch.Tensor, bias: torch.Tensor, group, op: str, config: dict):
-    """(``x`` as [tokens, hidden], the workspace's symmetric context, the launch configuration)."""
-    return on_signature(op, x, signature(x, bias, group, op, config))
+def triton_launch(kernel, grid: tuple[int, ...], *args, **meta):
+    """``launch``'s default launcher: Triton's own ``kernel[grid](...)``."""
+    return kernel[grid](*args, **meta)
 
 
 def launch(
@@ -199,13 +120,13 @@ def launch(
     num_blocks: int,
     chunk: int,
     group_name: str = "",
-    launcher=jit_launch,
+    launcher=triton_launch,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+    """Launch on planned arguments (no checks); the same signature as the Helion twin's ``launch``.
 
-    ``x``, ``out``: [tokens, hidden]; ``peers``: every rank's workspace
-    (``tokens * hidden`` elements). ``group_name`` is unused here; Helion takes
-    it as its ``hl.ProcessGroupName``.
+    ``x``, ``out``: [tokens, hidden]; ``peers``: every rank's workspace (``tokens * hidden`` elements).
+    ``group_name`` is unused here; Helion takes it as its ``hl.ProcessGroupName``. ``launcher(kernel, grid,
+    *args, **meta)``: Triton's own launch, or the one the installed package's prepared call passes.
     """
     launcher(
         one_shot_all_reduce_bias_kernel, (num_blocks,),
@@ -215,15 +136,68 @@ def launch(
     return out
 
 
+def symmetric_peers(numel: int, dtype: torch.dtype, device: torch.device, group) -> tuple:
+    """A symmetric buffer of ``numel`` elements on every rank of ``group`` (a collective: every rank calls it):
+    (every rank's buffer as this rank sees it, the signal pads' pointer array, this rank)."""
+    buf = symm_mem.empty(numel, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buf, group if isinstance(group, str) else group.group_name)
+    peers = tuple(buf if r == handle.rank else handle.get_buffer(r, (numel,), dtype)
+                  for r in range(handle.world_size))
+    return peers, handle.signal_pad_ptrs_dev, handle.rank
+
+
 def one_shot_all_reduce_bias(
     x: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup | str | None = None, **config
 ) -> torch.Tensor:
     """``sum over ranks of x`` + ``bias``; a new tensor of ``x``'s shape and dtype (``x`` is unchanged).
 
-    ``x``: [..., hidden], contiguous, bf16/fp16/fp32, any CUDA tensor (staged
-    through the symmetric workspace inside the kernel); ``bias``: [hidden] of
-    ``x``'s dtype, the same on every rank. Bitwise identical on every rank.
-    ``config`` overrides ``DEFAULT_CONFIG``.
-    """
-    op = "one_shot_all_reduce_bias"
-    return staged_call(launch, op, x, (bias,), signature(x, bias, group, op, config))
+    The recipe spelled out: a symmetric workspace on every rank, the plan, one launch that stages ``x`` into it
+    and sums. It allocates and rendezvouses on every call and checks nothing; ``kraken.one_shot_all_reduce_bias``
+    is the installed one (checks agreed across ranks, a shared workspace, prepared calls)."""
+    group = dist.group.WORLD if group is None else group
+    hidden = x.shape[-1]
+    x2d = x.view(-1, hidden)
+    peers, signal_pad_ptrs, rank = symmetric_peers(max(WORKSPACE_COPIES * x.numel(), 1), x.dtype, x.device, group)
+    out = torch.empty_like(x2d)
+    launch(x2d, bias, peers, out, signal_pad_ptrs, rank, **plan(x2d.shape[0], hidden, len(peers), config))
+    return out.view(x.shape)
+
+
+def main(tokens: int = 16, hidden: int = 5120, iters: int = 100) -> None:
+    """Check against NCCL's all-reduce plus the bias and time the kernel (``torchrun``, or alone)."""
+    if "RANK" not in os.environ:  # run alone: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)  # the bias: the same on every rank
+    bias = torch.randn(hidden, dtype=torch.bfloat16, device=device)
+    torch.manual_seed(rank)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
+    expected = x.float()
+    dist.all_reduce(expected)
+    expected += bias.float()
+    got = one_shot_all_reduce_bias(x, bias)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * world_size)
+
+    peers, signal_pad_ptrs, rank = symmetric_peers(WORKSPACE_COPIES * x.numel(), x.dtype, device, dist.group.WORLD)
+    out, cfg = torch.empty_like(x), plan(tokens, hidden, len(peers), {})
+    for _ in range(10):  # warm up (compile)
+        launch(x, bias, peers, out, signal_pad_ptrs, rank, **cfg)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        launch(x, bias, peers, out, signal_pad_ptrs, rank, **cfg)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - start) / iters * 1e6
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * world_size)
+    if rank == 0:
+        print(f"one_shot_all_reduce_bias: {tokens}x{hidden} bf16 x {world_size} ranks: matches NCCL + bias, "
+              f"{us:.1f} us per call (eager launches; {cfg})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -23,6 +23,8 @@ One module per topic (importing this package imports none of them):
 * ``progress``: the copy-engine gather's product layer (``kraken.all_gather_with_progress``: prepared calls, the side
   stream, kept events, graphs), and the primitives ``context_parallel_attention`` exchanges K/V with;
 * ``gather_matmul``: the all-gather + matmul recipes' product layer (checks, forms, prepared calls, workspaces).
+* ``bias_norm``: the all-reduce + bias (+ RMSNorm) family's product layer (checks, prepared calls on the shared
+  workspace, the public functions); ``bias_doors``: its front doors, ``all_reduce_bias[_rms_norm]``.
 
 Functions that tests replace (``groups.check_tensor``, ``symm.symm_context``, ...) are called through their
 module (``symm.symm_context(...)``), here and in the recipes, so that replacing one there replaces it for every

@@ -12,18 +12,16 @@ from helion_ports.comm import moe_dispatch as moe_dispatch_twin
 from helion_ports.comm import all_gather_with_progress as progress_twin
 from helion_ports.fused import all_gather_matmul as agm_twin
 from helion_ports.fused import all_gather_matmul_fp8 as agm_fp8_twin
-from helion_ports.fused.all_reduce_bias import all_reduce_bias
-from helion_ports.fused.all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
 from helion_ports.fused.context_parallel_attention import context_parallel_attention
 from helion_ports.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
 from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter
 from helion_ports.fused.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
-from helion_ports.fused.one_shot_all_reduce_bias import one_shot_all_reduce_bias
-from helion_ports.fused.one_shot_all_reduce_bias_rms_norm import one_shot_all_reduce_bias_rms_norm
-from helion_ports.fused.rms_norm import rms_norm
-from helion_ports.fused.two_shot_all_reduce_bias import two_shot_all_reduce_bias
-from helion_ports.fused.two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
-from kraken.runtime import collectives, gather_matmul, moe, progress
+from helion_ports.fused import one_shot_all_reduce_bias as one_shot_bias_twin
+from helion_ports.fused import one_shot_all_reduce_bias_rms_norm as one_shot_norm_twin
+from helion_ports.fused import rms_norm as rms_norm_twin
+from helion_ports.fused import two_shot_all_reduce_bias as two_shot_bias_twin
+from helion_ports.fused import two_shot_all_reduce_bias_rms_norm as two_shot_norm_twin
+from kraken.runtime import bias_doors, bias_norm, collectives, gather_matmul, moe, progress
 from kraken.runtime.api import COMM, FUSED
 from kraken.runtime.library import install_front_doors
 
@@ -35,6 +33,18 @@ all_gather_with_progress = progress.all_gather_with_progress_with(progress_twin.
 all_gather_matmul = gather_matmul.all_gather_matmul_with(agm_twin.launch, "helion all_gather_matmul", "helion_ports")
 all_gather_matmul_fp8 = gather_matmul.all_gather_matmul_fp8_with(agm_fp8_twin.launch, "helion all_gather_matmul_fp8",
                                                                  "helion_ports")
+rms_norm = bias_norm.rms_norm_with(rms_norm_twin.launch, "helion rms_norm")
+one_shot_all_reduce_bias = bias_norm.one_shot_all_reduce_bias_with(
+    one_shot_bias_twin.launch, "helion one_shot_all_reduce_bias")
+two_shot_all_reduce_bias = bias_norm.two_shot_all_reduce_bias_with(
+    two_shot_bias_twin.launch, "helion two_shot_all_reduce_bias")
+one_shot_all_reduce_bias_rms_norm = bias_norm.one_shot_all_reduce_bias_rms_norm_with(
+    one_shot_norm_twin.launch, "helion one_shot_all_reduce_bias_rms_norm")
+two_shot_all_reduce_bias_rms_norm = bias_norm.two_shot_all_reduce_bias_rms_norm_with(
+    two_shot_norm_twin.launch, "helion two_shot_all_reduce_bias_rms_norm")
+all_reduce_bias = bias_doors.all_reduce_bias_with((one_shot_bias_twin, two_shot_bias_twin), "helion all_reduce_bias")
+all_reduce_bias_rms_norm = bias_doors.all_reduce_bias_rms_norm_with(
+    (one_shot_norm_twin, two_shot_norm_twin), "helion all_reduce_bias_rms_norm")
 
 __all__ = [*COMM, *FUSED]
 
