@@ -14,7 +14,7 @@ from helion_ports.fused.all_gather_matmul import all_gather_matmul
 from helion_ports.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
 from helion_ports.fused.all_reduce_bias import all_reduce_bias
 from helion_ports.fused.all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
-from helion_ports.fused.context_parallel_attention import context_parallel_attention
+from helion_ports.fused import context_parallel_attention as cp_twin
 from helion_ports.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
 from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter
 from helion_ports.fused.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
@@ -24,10 +24,14 @@ from helion_ports.fused.rms_norm import rms_norm
 from helion_ports.fused.two_shot_all_reduce_bias import two_shot_all_reduce_bias
 from helion_ports.fused.two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
 from kraken.runtime import collectives
+from kraken.runtime import attention
 from kraken.runtime.api import COMM, FUSED
 from kraken.runtime.library import install_front_doors
 
 one_shot_all_reduce = collectives.one_shot_all_reduce_with(one_shot_twin.launch, "helion one_shot_all_reduce")
+context_parallel_attention = attention.context_parallel_attention_with(cp_twin.launch_attention,
+                                                                  "helion context_parallel_attention")
+attention_on_gathered = attention.attention_on_gathered_with(cp_twin.launch_attention, "helion context_parallel_attention")
 
 __all__ = [*COMM, *FUSED]
 
