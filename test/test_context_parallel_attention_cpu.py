@@ -155,6 +155,19 @@ def test_balanced_order_keeps_the_pieces_in_place_and_evens_the_blocks(world_siz
         assert sums.max() / sums.mean() < 1.05, (rank, sums)
 
 
+def test_the_installed_tables_are_the_recipes_kept_per_shape():
+    """The installed package's tile orders and span tables (``launch_attention``'s ``tables``) are the recipe's and the
+    twin's pure ones, built once per argument set and the same tensor from then on."""
+    full = (1, 8, 2, 2 * 64 * 12, True, 64, 1, 4, 13, "cpu", 1, 64)  # balanced across 13 blocks, rank 1 of 4
+    plain = (8, 4, 300, True, 64, 2, "cpu", 5)
+    table = (75, 32, 300, 1, 3, 3, "cpu")
+    for kept, pure, args in ((product.full_order, recipe.full_order, full),
+                             (product.tile_order, recipe.tile_order, plain), (product.spans, twin.spans, table)):
+        first = kept(*args)
+        assert torch.equal(first, pure(*args)) and kept(*args) is first and pure(*args) is not pure(*args)
+    assert not torch.equal(recipe.full_order(*full), recipe.tile_order(8, 4, 2 * 64 * 12, True, 64, 1, "cpu"))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_twin_spans_name_each_peer_steps_rows_wrap_and_flag(world_size):
     # The twin reads every size its key loops meet from this int32 table (Helion would hold host ints as int64): the
