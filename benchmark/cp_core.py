@@ -18,7 +18,8 @@ import statistics
 import torch
 
 from benchmark.ops.context_parallel_attention import sdpa_on_sequence, unpack
-from kraken.fused.context_parallel_attention import attention_on_gathered, sequence_positions, shard_sequence
+from kraken.fused.context_parallel_attention import sequence_positions, shard_sequence
+from kraken.runtime.attention import attention_on_gathered
 
 CHECK_ROWS = 64  # query rows per head checked against float64
 

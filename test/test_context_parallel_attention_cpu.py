@@ -24,6 +24,10 @@ RECIPE = "kraken.fused.context_parallel_attention"
 TWIN = "helion_ports.fused.context_parallel_attention"
 recipe = importlib.import_module(RECIPE)
 twin = importlib.import_module(TWIN)
+product = importlib.import_module("kraken.runtime.attention")  # the installed functions' host side
+# The installed functions (``kraken.<name>``, ``helion_ports.<name>``), keyed by the kernels' module.
+PUBLIC = {recipe: importlib.import_module("kraken.runtime.api"), twin: importlib.import_module("kraken.runtime.twins")}
+ON_GATHERED = {recipe: product.attention_on_gathered, twin: PUBLIC[twin].attention_on_gathered}
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 H200_SHARED_BYTES = 232448
 BF16 = torch.bfloat16
@@ -151,6 +155,19 @@ def test_balanced_order_keeps_the_pieces_in_place_and_evens_the_blocks(world_siz
         assert sums.max() / sums.mean() < 1.05, (rank, sums)
 
 
+def test_the_installed_tables_are_the_recipes_kept_per_shape():
+    """The installed package's tile orders and span tables (``launch_attention``'s ``tables``) are the recipe's and the
+    twin's pure ones, built once per argument set and the same tensor from then on."""
+    full = (1, 8, 2, 2 * 64 * 12, True, 64, 1, 4, 13, "cpu", 1, 64)  # balanced across 13 blocks, rank 1 of 4
+    plain = (8, 4, 300, True, 64, 2, "cpu", 5)
+    table = (75, 32, 300, 1, 3, 3, "cpu")
+    for kept, pure, args in ((product.full_order, recipe.full_order, full),
+                             (product.tile_order, recipe.tile_order, plain), (product.spans, twin.spans, table)):
+        first = kept(*args)
+        assert torch.equal(first, pure(*args)) and kept(*args) is first and pure(*args) is not pure(*args)
+    assert not torch.equal(recipe.full_order(*full), recipe.tile_order(8, 4, 2 * 64 * 12, True, 64, 1, "cpu"))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_twin_spans_name_each_peer_steps_rows_wrap_and_flag(world_size):
     # The twin reads every size its key loops meet from this int32 table (Helion would hold host ints as int64): the
@@ -175,7 +192,7 @@ def test_exchange_plan_copies_each_peer_piece_major_from_rank_plus_one(world_siz
     peers = [torch.randn(2, kv_rows, 5) for _ in range(world_size)]
     gathered = torch.zeros(world_size, 2, kv_rows, 5)
     for rank in range(world_size):
-        order, my_k, my_v, copies = recipe.exchange_plan(peers, gathered, rank, piece_rows, pieces)
+        order, my_k, my_v, copies = product.exchange_plan(peers, gathered, rank, piece_rows, pieces)
         assert order == tuple((rank + step) % world_size for step in range(world_size))
         assert my_k.data_ptr() == peers[rank][0].data_ptr() and my_v.data_ptr() == peers[rank][1].data_ptr()
         expected = [(src * pieces + p, src, p) for p in range(pieces) for src in order[1:]]
@@ -220,7 +237,7 @@ def qkv(batch=1, heads=4, kv_heads=2, s_local=16, head_dim=64, dtype=BF16):
 
 @pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
 def test_bad_input_is_refused_on_the_host(module):
-    fn = module.context_parallel_attention
+    fn = PUBLIC[module].context_parallel_attention
     q, k, v = qkv()
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         fn([1.0], k, v)
@@ -258,11 +275,11 @@ def test_bad_input_is_refused_on_the_host(module):
 def test_attention_on_gathered_refuses_bad_input(module):
     q, k, v = qkv()
     with pytest.raises(ValueError, match="q must be on a CUDA device"):
-        module.attention_on_gathered(q, k, v, torch.zeros(2, 2, 2, 16, 64, dtype=BF16), 0)
+        ON_GATHERED[module](q, k, v, torch.zeros(2, 2, 2, 16, 64, dtype=BF16), 0)
     with pytest.raises(ValueError, match="gathered must be"):
-        recipe.check_gathered(torch.zeros(2, 2, 3, 16, 64, dtype=BF16), k, 0, "op")
+        product.check_gathered(torch.zeros(2, 2, 3, 16, 64, dtype=BF16), k, 0, "op")
     with pytest.raises(ValueError, match=r"rank 2 is not in 0 \.\. 1"):
-        recipe.check_gathered(torch.zeros(2, 2, 2, 16, 64, dtype=BF16), k, 2, "op")
+        product.check_gathered(torch.zeros(2, 2, 2, 16, 64, dtype=BF16), k, 2, "op")
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank(monkeypatch):
@@ -271,7 +288,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(monkeypatch):
     q, k, v = qkv()
     world = FakeWorld(monkeypatch, other=lambda mine: (mine[0], ("ValueError", "head_dim must be one of (64, 128)")))
     with pytest.raises(ValueError, match=r"bad input on rank 0: q must be on a CUDA device, got cpu; rank 1: head_dim"):
-        recipe.context_parallel_attention(q, k, v)
+        PUBLIC[recipe].context_parallel_attention(q, k, v)
     assert world.exchanges == 1
 
     def other_shape(mine):
@@ -280,7 +297,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(monkeypatch):
         return signature, None
     FakeWorld(monkeypatch, other=other_shape)
     with pytest.raises(ValueError, match=r"ranks disagree on the input's shape/dtype \(q: rank 0"):
-        twin.context_parallel_attention(q, k, v, causal=True)
+        PUBLIC[twin].context_parallel_attention(q, k, v, causal=True)
 
 
 # ---------------------------------------------------------------------------
@@ -760,12 +777,12 @@ def fake_device(monkeypatch) -> list:
     forks: list = []
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(multi_processor_count=sm90.H200_NUM_SMS))
-    monkeypatch.setattr(recipe, "copy_stream", lambda device: "side")
-    monkeypatch.setattr(recipe, "fork", forks.append)
-    monkeypatch.setattr(recipe, "on_stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(product, "copy_stream", lambda device: "side")
+    monkeypatch.setattr(product, "fork", forks.append)
+    monkeypatch.setattr(product, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(gather, "join", forks.remove)  # every join follows its call's fork
-    monkeypatch.setattr(recipe, "set_flag", lambda progress, index, value=1: flags.append(index))
-    monkeypatch.setattr(recipe, "reset_flags", lambda progress: progress.zero_())  # a driver memset on the GPU
+    monkeypatch.setattr(product, "set_flag", lambda progress, index, value=1: flags.append(index))
+    monkeypatch.setattr(product, "reset_flags", lambda progress: progress.zero_())  # a driver memset on the GPU
     return flags
 
 
@@ -792,7 +809,7 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, fake_device, modu
 
         monkeypatch.setattr(symm_mem, "is_symm_mem_tensor", lambda tensor: False, raising=False)
     q, k, v = example_qkv()
-    outs = [module.context_parallel_attention(q, k, v, causal=True) for _ in range(WARM_CALLS)]
+    outs = [PUBLIC[module].context_parallel_attention(q, k, v, causal=True) for _ in range(WARM_CALLS)]
     assert counts["world"].exchanges == 1 and counts["plan"] == 1 and counts["symm_context"] == 1, counts
     kinds = [entry[0] for entry in launches]
     # Per call: the side stream's two barriers (queued first), then the two attention kernels (causal at head_dim 128:
@@ -808,7 +825,7 @@ def test_warm_calls_do_no_per_call_work(monkeypatch, launches, fake_device, modu
     assert fake_device == [0 * pieces + p for p in range(pieces)] * WARM_CALLS  # the peer (rank 0): every piece
     assert all(out is not outs[0] for out in outs[1:]), "every call returns a new tensor"
     with pytest.raises(TypeError, match="unknown config keys"):
-        module.context_parallel_attention(q, k, v, causal=True, bogus=1)
+        PUBLIC[module].context_parallel_attention(q, k, v, causal=True, bogus=1)
     assert counts["world"].exchanges == 2
 
 
@@ -817,11 +834,11 @@ def test_warm_attention_on_gathered_plans_once(monkeypatch, launches, fake_devic
     q, k, v = example_qkv()
     gathered = torch.zeros(2, 2, k.shape[0] * k.shape[1], *k.shape[2:], dtype=BF16)
     for _ in range(WARM_CALLS):
-        recipe.attention_on_gathered(q, k, v, gathered, 1, causal=True)
+        product.attention_on_gathered(q, k, v, gathered, 1, causal=True)
     assert counts["plan"] == 1 and counts["world"].exchanges == 0
     assert [entry[0] for entry in launches] == ["jit", "jit"] + ["fast"] * (2 * WARM_CALLS - 2)  # two kernels
     with pytest.raises(ValueError, match=r"rank 2 is not in 0 \.\. 1"):
-        recipe.attention_on_gathered(q, k, v, gathered, 2, causal=True)  # a new signature: checked again
+        product.attention_on_gathered(q, k, v, gathered, 2, causal=True)  # a new signature: checked again
 
 
 def test_the_exchange_stages_mine_copies_every_peer_piece_and_flags_it(fake_device):
@@ -836,7 +853,7 @@ def test_the_exchange_stages_mine_copies_every_peer_piece_and_flags_it(fake_devi
         k, v = (torch.randn(1, kv_rows, s_local, head_dim) for _ in range(2))
         progress = torch.zeros(world_size * 2, dtype=torch.int32)
         fake_device.clear()
-        recipe.start_kv_gather(k, v, peers, buffers[rank], progress, sm90.FAKE_SIGNAL_PADS, rank, 3, 2,
+        product.start_kv_gather(k, v, peers, buffers[rank], progress, sm90.FAKE_SIGNAL_PADS, rank, 3, 2,
                                lambda kernel, grid, *args, **meta: barriers.append(kernel))
         assert torch.equal(buffers[rank][rank], torch.stack([k[0], v[0]]))
         for src in (0, 2):

@@ -13,8 +13,10 @@ reference, so the harness's comparisons stand on a checked baseline.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
+import types
 
 import pytest
 import torch
@@ -33,6 +35,18 @@ MODULES = {
     "helion": "helion_ports.fused.context_parallel_attention",
 }
 BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def backend_module(backend: str) -> types.SimpleNamespace:
+    """A backend's installed functions (``kraken.<name>`` / ``helion_ports.<name>``, and ``attention_on_gathered``)
+    and the product's ``prepare`` and ``launch`` driving that backend's kernels (``kraken.runtime.attention``)."""
+    product = importlib.import_module("kraken.runtime.attention")
+    public = importlib.import_module("kraken.runtime.api" if backend == "triton" else "kraken.runtime.twins")
+    return types.SimpleNamespace(
+        context_parallel_attention=public.context_parallel_attention,
+        attention_on_gathered=(product if backend == "triton" else public).attention_on_gathered,
+        prepare=product.prepare,
+        launch=functools.partial(product.launch, attention=importlib.import_module(MODULES[backend]).launch_attention))
 NONE, CAUSAL = op.NONE, op.CAUSAL
 
 
@@ -187,7 +201,7 @@ def replayed_calls(backend: str, module, shapes, inputs) -> None:
     pointers (``graphs.graphed``), bitwise equal to a plain ``launch`` of the same inputs; and each call's prepared
     launcher kept a graph for those q, k, v."""
     graphs = importlib.import_module("kraken.runtime.graphs")
-    cp = importlib.import_module(MODULES["triton"])  # the prepared calls of both (the twin's under its op name)
+    cp = importlib.import_module("kraken.runtime.attention")  # both prepared calls (the twin's under its op name)
     rank = dist.get_rank()
     for slots in ([0, 3], [1, 4], [2, 5]):  # slots of one shape each
         causal = shapes[slots[0]][5] == CAUSAL
@@ -251,7 +265,7 @@ def bad_input(backend: str, module) -> None:
 
 
 def worker(backend: str) -> None:
-    module = importlib.import_module(MODULES[backend])
+    module = backend_module(backend)
     correctness(backend, module)
     stress_and_cuda_graph(backend, module)
     bad_input(backend, module)

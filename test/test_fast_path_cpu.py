@@ -734,8 +734,7 @@ def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypa
     orders, its twin's span tables: a graph holds their addresses, not the tensors) keeps them up to ``MAX_PREPARED``
     keys; past that it starts over only after ``graphs.drop_graphs`` has waited for every device that captured a graph
     and forgotten every kept graph."""
-    cp = importlib.import_module("kraken.fused.context_parallel_attention")
-    twin = importlib.import_module("helion_ports.fused.context_parallel_attention")
+    cp = importlib.import_module("kraken.runtime.attention")  # the installed context-parallel attention's caches
     synced: list = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: synced.append(index))
     monkeypatch.setattr(graphs, "_capture_streams", {0: "capture stream"})
@@ -744,7 +743,7 @@ def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypa
     makers = {
         "_lse": (cp, lambda n: cp.lse_buffer(n + 1, cpu)),
         "_orders": (cp, lambda n: cp.tile_order(4, 2, 32 * (n + 1), True, 16, 1, cpu)),
-        "_spans": (twin, lambda n: twin.spans(n + 1, 16, 64, 0, 2, 1, cpu)),
+        "_spans": (cp, lambda n: cp.spans(n + 1, 16, 64, 0, 2, 1, cpu)),
     }
     for name, (module, make) in makers.items():
         monkeypatch.setattr(module, name, {})

@@ -225,7 +225,7 @@ def fused(package: str):
 
 
 def triton_local(i):
-    from kraken.fused.context_parallel_attention import attention_on_gathered
+    from kraken.runtime.attention import attention_on_gathered
 
     return attention_on_gathered(i["q"], i["k"], i["v"], i["gathered"], dist.get_rank(), causal=i["causal"])
 

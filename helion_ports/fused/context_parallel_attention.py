@@ -1,10 +1,10 @@
-"""Helion twin of ``kraken.fused.context_parallel_attention``: same function, same arguments.
+"""Helion twin of ``kraken/fused/context_parallel_attention.py``: the same kernels' algorithm, plan and arguments.
 
-The K/V exchange is the recipe's (``start_kv_gather``: copy-engine copies, stream memory operations and
-two one-block barrier kernels, all host code), and so are ``plan`` and its tiles, ``prepare`` (kept per
-signature, with its ``Launcher``), the sequence layout helpers and the host side of ``launch`` (the
-recipe's, with these kernels; they launch through ``kraken._blocks.helion.run``). The two attention kernels mirror
-the recipe's two.
+The host planning is the recipe's, imported from it (``plan`` and its tiles, the tile orders, the sequence layout):
+the orders are too long to copy. ``launch_attention`` has the recipe's signature and launches these kernels through
+``kraken._blocks.helion.run``; ``helion_ports.context_parallel_attention`` is the same product code as
+``kraken.context_parallel_attention`` (``kraken.runtime.attention``: checks, prepared calls, the K/V exchange on the
+copy engine, CUDA graphs) driving this ``launch_attention``. The two attention kernels mirror the recipe's two.
 
 Causal (``context_parallel_attention_body``, the recipe's ``context_parallel_attention_kernel``):
 
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import helion
 from helion._compiler.compile_environment import BlockSizeInfo, CompileEnvironment
@@ -51,28 +52,26 @@ import helion.language as hl
 import helion.language.loops as helion_loops
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+from triton.runtime import _allocation
 
 from kraken._blocks.helion import flat_kernel, run
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC, GMEM_WAIT_EACH_THREAD
-from kraken.fused.context_parallel_attention import (  # noqa: F401 (shared with the recipe)
-    OP,
-    attend_to_sequence,
+from kraken.fused.context_parallel_attention import (  # noqa: F401 (the recipe's host planning: see the docstring)
+    FULL_TILES,
+    cdiv,
     default_tiles,
     dependent_merge,
-    FULL_TILES,
     full_order,
-    launch as recipe_launch,
     lse_buffer,
-    on_gathered,
     plan,
-    prepare,
+    progress_size,
     shard_sequence,
     softmax_scale,
     tile_order,
+    triton_launch,
     unshard_sequence,
 )
-from kraken.runtime import graphs, groups, prepared
-from kraken.runtime.launcher import jit_launch
 
 # A masked key's score is the recipe's ``MASKED_SCORE`` (-1e30), written as a literal in the body: Helion reads a
 # module constant used in device code as ``_source_module.NAME`` after ``import helion_ports.fused.
@@ -233,7 +232,7 @@ def context_parallel_attention_body(
 # specializes a tile loop on sm_90 only with TMA loads from device-built descriptors; docs/helion-notes.md): with
 # ``whole`` tiles, 2-D K/V boxes and a TMA store of each output tile, else [1, block_n, head_dim] boxes of one shard
 # (the recipe's ``WHOLE``). K and V through descriptors of their own, V's one K block later in the buffer, as the
-# recipe's (here: 8K non-causal 1794 -> 1746 us against one descriptor for both, one H200, world size 1).
+# recipe's (faster than one descriptor for both).
 Q_DESCRIPTOR = "q_desc = tl.make_tensor_descriptor({q2}, [{q_rows}, {d}], [{d}, 1], [{bm}, {d}])\n"
 WHOLE_DESCRIPTORS = Q_DESCRIPTOR + "".join(
     f"{which}_desc = tl.make_tensor_descriptor({{{which}_src}}, [({{kv_blocks}} - {{kv_rows}}) * {{s_local}}, {{d}}], "
@@ -437,6 +436,7 @@ def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None
         options["launch_pdl"] = True
     if not options:
         return run(kernel, args, launcher)
+    launcher = triton_launch if launcher is None else launcher
 
     def capped(triton_kernel, grid, *kernel_args, **meta):
         return launcher(triton_kernel, grid, *kernel_args, **meta, **options)
@@ -451,32 +451,45 @@ def run_capped(kernel: helion.Kernel, args: tuple, launcher, maxnreg: int | None
     return bound._run(*args, _launcher=capped)
 
 
-_spans: dict = {}
-
-
 def spans(chunk: int, block_n: int, kv_block: int, rank: int, world_size: int, pieces: int, device) -> torch.Tensor:
     """The sizes the kernel's key loops meet, as int32 on ``device``: row 0 (``chunk``, its keys in whole key tiles of
     ``block_n``, the more whole tiles that two chunks have), then per peer step (rank + 1 + step: the first row of its
     K in the gather buffer, whose blocks are ``kv_block`` rows; 1 if the step wrapped around past the last rank; the
-    index of its first piece's flag in ``progress``). Cached per argument."""
-    key = (chunk, block_n, kv_block, rank, world_size, pieces, device)
-    table = _spans.get(key)
-    if table is None:
-        whole, both = chunk // block_n * block_n, 2 * chunk // block_n * block_n
-        rows = [(chunk, whole, both - whole)]
-        rows += [(src % world_size * 2 * kv_block, src // world_size, src % world_size * pieces)
-                 for src in range(rank + 1, rank + world_size)]
-        if len(_spans) >= prepared.MAX_PREPARED:
-            graphs.drop_graphs()  # (a kept graph may read the tables dropped here)
-            _spans.clear()
-        table = _spans[key] = torch.tensor(rows, dtype=torch.int32).to(device)
-    return table
+    index of its first piece's flag in ``progress``)."""
+    whole, both = chunk // block_n * block_n, 2 * chunk // block_n * block_n
+    rows = [(chunk, whole, both - whole)]
+    rows += [(src % world_size * 2 * kv_block, src // world_size, src % world_size * pieces)
+             for src in range(rank + 1, rank + world_size)]
+    return torch.tensor(rows, dtype=torch.int32).to(device)
+
+
+# ``launch_attention``'s orders, lse buffer and span tables by default, built per call (the installed package keeps
+# them per shape: ``kraken.runtime.attention``).
+UNCACHED = types.SimpleNamespace(full_order=full_order, tile_order=tile_order, lse_buffer=lse_buffer, spans=spans)
+
+
+@contextlib.contextmanager
+def scratch():
+    """Triton's allocator set to torch memory while a plain call launches: the warp-specialized body builds its TMA
+    descriptors on the device (in global scratch)."""
+    token = _allocation._allocator.set(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
                      block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-                     pieces: int, num_blocks: int, split_blocks: int, launcher=jit_launch) -> torch.Tensor:
-    """The attention kernels alone; mirrors the recipe's ``launch_attention`` (its orders and its split)."""
+                     pieces: int, num_blocks: int, split_blocks: int, launcher=None, tables=None) -> torch.Tensor:
+    """The attention kernels alone; mirrors the recipe's ``launch_attention`` (its orders and its split). ``launcher``:
+    None for a plain call, or the installed package's; ``tables``: makes the orders, lse buffer and span tables."""
+    if launcher is None:  # a plain call: Helion's own launch (``run``), with Triton's scratch in torch memory
+        with scratch():
+            return launch_attention(q, k, v, gathered, out, progress, rank, world_size, causal, scale, wait, block_m,
+                                    block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks,
+                                    split_blocks, triton_launch, tables)
+    tables = UNCACHED if tables is None else tables
     batch, heads, s_local, head_dim = q.shape
     kv_heads = k.shape[1]
     qk_scale = softmax_scale(scale, head_dim)
@@ -484,15 +497,15 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     full = FULL_TILES[head_dim] if split else {"block_m": block_m, "block_n": block_n, "num_warps": num_warps,
                                                 "num_stages": num_stages}
     chunk = s_local // 2 if causal else s_local
-    lse = lse_buffer(q.numel() // head_dim, q.device) if split else out.view(-1)
+    lse = tables.lse_buffer(q.numel() // head_dim, q.device) if split else out.view(-1)
     if not causal or split:
         grid = split_blocks if split else num_blocks
-        order = full_order(batch, heads, kv_heads, s_local, causal, full["block_m"], piece_rows, world_size, grid,
-                           q.device, rank, full["block_n"])
+        order = tables.full_order(batch, heads, kv_heads, s_local, causal, full["block_m"], piece_rows, world_size,
+                                  grid, q.device, rank, full["block_n"])
         k_src, v_src = (k, v) if world_size == 1 else (gathered, gathered[0, 1])
         args = (q.view(-1, head_dim), k_src, v_src, out.view(-1, head_dim), lse, progress, order,
                 batch * heads * s_local, gathered.shape[0] * 2 * batch * kv_heads, batch * kv_heads, s_local,
-                groups.cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size, causal, wait,
+                cdiv(s_local, full["block_n"]), pieces, qk_scale, rank, grid, world_size, causal, wait,
                 chunk % full["block_m"] == 0, not causal and s_local % full["block_n"] != 0, full["block_m"],
                 full["block_n"])
         kernel = compiled(False, False, full["block_m"], full["block_n"], full["num_warps"], full["num_stages"])
@@ -500,13 +513,13 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
             run_capped(kernel, args, launcher, None if causal else maxnreg)
     if not causal:
         return out
-    order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
+    order = tables.tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, q.device)
     rows = gathered.view(-1, head_dim)
     args = (
         q.view(-1, head_dim), k.view(-1, head_dim), v.view(-1, head_dim), rows, rows[batch * kv_heads * s_local:],
         out.view(-1, head_dim), lse, progress, progress[world_size * pieces:], order,
-        spans(chunk, full["block_m"] if split else block_n, batch * kv_heads * s_local, rank, world_size, pieces,
-              q.device), chunk, qk_scale, num_blocks, world_size, wait, split, full["block_m"] if split else block_n,
+        tables.spans(chunk, full["block_m"] if split else block_n, batch * kv_heads * s_local, rank, world_size,
+                     pieces, q.device), chunk, qk_scale, num_blocks, world_size, wait, split, full["block_m"] if split else block_n,
         block_m, block_n,
     )
     with explicit_masks():  # (a warm call launches the bound kernel: nothing is generated, nothing changes)
@@ -515,31 +528,30 @@ def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: in
     return out
 
 
-def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
-           block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None, piece_rows: int,
-           pieces: int, num_blocks: int, split_blocks: int, group_name: str = "", launcher=jit_launch,
-           attention=None) -> torch.Tensor:
-    """Launch on prepared arguments (no checks): the recipe's ``launch`` (the same K/V exchange on the copy engine)
-    with this kernel (``attention`` None)."""
-    return recipe_launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs, rank, causal, scale, block_m,
-                         block_n, num_warps, num_stages, maxnreg, piece_rows, pieces, num_blocks, split_blocks,
-                         group_name, launcher, attention or launch_attention)
-
-
-def context_parallel_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: dist.ProcessGroup | str | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    **config,
-) -> torch.Tensor:
-    """This rank's output of attention over the whole sequence; see the kraken recipe."""
-    return attend_to_sequence(q, k, v, group, causal, scale, config, f"helion {OP}", launch_attention)
-
-
-def attention_on_gathered(q, k, v, gathered, rank: int, causal: bool = False, scale: float | None = None,
-                          **config) -> torch.Tensor:
-    """This twin's kernel with every rank's K/V here already (no communication); see the recipe's."""
-    return on_gathered(q, k, v, gathered, rank, causal, scale, config, f"helion {OP}", launch_attention)
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               group: dist.ProcessGroup | str | None = None, causal: bool = False,
+                               scale: float | None = None, **config) -> torch.Tensor:
+    """This rank's output of attention over the whole sequence, spelled out as the recipe's plain function: a
+    symmetric gather buffer, my K/V staged, a barrier, every peer's chunk copied, a barrier, then these kernels with
+    no flag to wait for. It allocates and rendezvouses on every call and checks nothing."""
+    group = dist.group.WORLD if group is None else group
+    pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+    world_size = dist.get_world_size(pg)
+    batch, heads, s_local, head_dim = q.shape
+    kv_rows = batch * k.shape[1]
+    shape = (world_size, 2, kv_rows, s_local, head_dim)
+    gathered = symm_mem.empty(shape, dtype=k.dtype, device=k.device)
+    handle = symm_mem.rendezvous(gathered, pg.group_name)
+    rank = handle.rank
+    gathered[rank, 0].copy_(k.view(kv_rows, s_local, head_dim))
+    gathered[rank, 1].copy_(v.view(kv_rows, s_local, head_dim))
+    handle.barrier()  # every rank's K/V is staged in its own buffer
+    for peer in range(world_size):
+        if peer != rank:
+            gathered[peer].copy_(handle.get_buffer(peer, shape, k.dtype)[peer])
+    handle.barrier()  # done reading
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    cfg = plan(batch, heads, k.shape[1], s_local, head_dim, world_size, causal, config, num_sms)
+    progress = torch.zeros(progress_size(world_size, cfg["pieces"]), dtype=torch.int32, device=q.device)
+    return launch_attention(q, k, v, gathered, torch.empty_like(q), progress, rank, world_size, causal, scale, False,
+                            **cfg)

@@ -12,7 +12,7 @@ from helion_ports.comm import moe_dispatch as moe_dispatch_twin
 from helion_ports.comm import all_gather_with_progress as progress_twin
 from helion_ports.fused import all_gather_matmul as agm_twin
 from helion_ports.fused import all_gather_matmul_fp8 as agm_fp8_twin
-from helion_ports.fused.context_parallel_attention import context_parallel_attention
+from helion_ports.fused import context_parallel_attention as cp_twin
 from helion_ports.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
 from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter
 from helion_ports.fused.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
@@ -21,7 +21,7 @@ from helion_ports.fused import one_shot_all_reduce_bias_rms_norm as one_shot_nor
 from helion_ports.fused import rms_norm as rms_norm_twin
 from helion_ports.fused import two_shot_all_reduce_bias as two_shot_bias_twin
 from helion_ports.fused import two_shot_all_reduce_bias_rms_norm as two_shot_norm_twin
-from kraken.runtime import bias_doors, bias_norm, collectives, gather_matmul, moe, progress
+from kraken.runtime import attention, bias_doors, bias_norm, collectives, gather_matmul, moe, progress
 from kraken.runtime.api import COMM, FUSED
 from kraken.runtime.library import install_front_doors
 
@@ -45,6 +45,9 @@ two_shot_all_reduce_bias_rms_norm = bias_norm.two_shot_all_reduce_bias_rms_norm_
 all_reduce_bias = bias_doors.all_reduce_bias_with((one_shot_bias_twin, two_shot_bias_twin), "helion all_reduce_bias")
 all_reduce_bias_rms_norm = bias_doors.all_reduce_bias_rms_norm_with(
     (one_shot_norm_twin, two_shot_norm_twin), "helion all_reduce_bias_rms_norm")
+context_parallel_attention = attention.context_parallel_attention_with(cp_twin.launch_attention,
+                                                                  "helion context_parallel_attention")
+attention_on_gathered = attention.attention_on_gathered_with(cp_twin.launch_attention, "helion context_parallel_attention")
 
 __all__ = [*COMM, *FUSED]
 
