@@ -18,9 +18,9 @@ from kraken.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
 from kraken.fused.all_reduce_bias import all_reduce_bias
 from kraken.fused.all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
 from kraken.fused.context_parallel_attention import context_parallel_attention
-from kraken.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
-from kraken.fused.gemm_reduce_scatter import gemm_reduce_scatter
-from kraken.fused.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
+from kraken.runtime.gemm_all_reduce import gemm_one_shot_all_reduce
+from kraken.runtime.gemm_reduce_scatter import gemm_reduce_scatter
+from kraken.runtime.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
 from kraken.fused.one_shot_all_reduce_bias import one_shot_all_reduce_bias
 from kraken.fused.one_shot_all_reduce_bias_rms_norm import one_shot_all_reduce_bias_rms_norm
 from kraken.fused.rms_norm import rms_norm

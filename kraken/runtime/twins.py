@@ -15,19 +15,28 @@ from helion_ports.fused.all_gather_matmul_fp8 import all_gather_matmul_fp8
 from helion_ports.fused.all_reduce_bias import all_reduce_bias
 from helion_ports.fused.all_reduce_bias_rms_norm import all_reduce_bias_rms_norm
 from helion_ports.fused.context_parallel_attention import context_parallel_attention
-from helion_ports.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
-from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter
-from helion_ports.fused.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
+from helion_ports.fused import gemm_one_shot_all_reduce as gemm_all_reduce_twin
+from helion_ports.fused import gemm_reduce_scatter as gemm_reduce_scatter_twin
+from helion_ports.fused import gemm_reduce_scatter_fp8 as gemm_reduce_scatter_fp8_twin
 from helion_ports.fused.one_shot_all_reduce_bias import one_shot_all_reduce_bias
 from helion_ports.fused.one_shot_all_reduce_bias_rms_norm import one_shot_all_reduce_bias_rms_norm
 from helion_ports.fused.rms_norm import rms_norm
 from helion_ports.fused.two_shot_all_reduce_bias import two_shot_all_reduce_bias
 from helion_ports.fused.two_shot_all_reduce_bias_rms_norm import two_shot_all_reduce_bias_rms_norm
 from kraken.runtime import collectives
+from kraken.runtime import gemm_all_reduce as gemm_all_reduce_product
+from kraken.runtime import gemm_reduce_scatter as gemm_reduce_scatter_product
+from kraken.runtime import gemm_reduce_scatter_fp8 as gemm_reduce_scatter_fp8_product
 from kraken.runtime.api import COMM, FUSED
 from kraken.runtime.library import install_front_doors
 
 one_shot_all_reduce = collectives.one_shot_all_reduce_with(one_shot_twin.launch, "helion one_shot_all_reduce")
+gemm_one_shot_all_reduce = gemm_all_reduce_product.gemm_one_shot_all_reduce_with(
+    gemm_all_reduce_twin.launch, "helion gemm_one_shot_all_reduce", "helion_ports")
+gemm_reduce_scatter = gemm_reduce_scatter_product.gemm_reduce_scatter_with(
+    gemm_reduce_scatter_twin.launch, "helion gemm_reduce_scatter", "helion_ports")
+gemm_reduce_scatter_fp8 = gemm_reduce_scatter_fp8_product.gemm_reduce_scatter_fp8_with(
+    gemm_reduce_scatter_fp8_twin.launch, "helion gemm_reduce_scatter_fp8", "helion_ports")
 
 __all__ = [*COMM, *FUSED]
 
