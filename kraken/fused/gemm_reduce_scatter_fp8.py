@@ -31,7 +31,7 @@ Layout: ``a`` [M, K] contiguous fp8, M divisible by the world size; ``b`` [K, N]
 
 This file is the recipe: the kernel, ``plan`` (pure), ``launch`` (the seam the installed package's fast
 path calls with its own ``launcher``) and a plain host function. ``kraken.gemm_reduce_scatter_fp8`` is the
-same kernel behind the product layer (``kraken.runtime.gemm_reduce_scatter``: checks agreed across ranks,
+same kernel behind the product layer (``kraken.runtime.gemm_reduce_scatter_fp8``: checks agreed across ranks,
 the choice between this fused form and ``torch._scaled_mm`` then the SM reduce-scatter, prepared calls).
 
     torchrun --nproc-per-node 2 kraken/fused/gemm_reduce_scatter_fp8.py
