@@ -12,7 +12,8 @@ a plain host function. What the installed package adds lives here:
   configuration and its cached ``Launcher`` (TMA maps encoded once per address), replayed from its second call
   on (``replay.prepared_launch``).
 
-``planned`` and ``with_workspace`` serve the fp8 recipe's product layer too (``kraken.runtime.gemm_reduce_scatter_fp8``).
+``planned`` and ``with_workspace`` serve the fp8 recipe's product layer too
+(``kraken.runtime.gemm_reduce_scatter_fp8``).
 The Helion twin's installed function is this product code driving the twin's ``launch``
 (``gemm_reduce_scatter_with``).
 """

@@ -65,8 +65,8 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tenso
 
 
 @prepared.per_signature(lambda a, b, scale_a, scale_b, group, out_dtype, op, config: (
-    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.tensor_key(scale_a), prepared.tensor_key(scale_b),
-    out_dtype, prepared.config_key(config)))
+    op, group, prepared.tensor_key(a), prepared.tensor_key(b), prepared.tensor_key(scale_a),
+    prepared.tensor_key(scale_b), out_dtype, prepared.config_key(config)))
 def chosen(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
            out_dtype: torch.dtype, op: str, config: dict):
     """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
