@@ -45,9 +45,9 @@ CASES = {
 }
 NAMES = {("all_reduce", "triton_1shot"): "kraken.one_shot_all_reduce",
          ("all_reduce", "triton_2shot"): "kraken.two_shot_all_reduce",
-         ("gemm_reduce_scatter", "triton"): "kraken.fused.gemm_reduce_scatter",
+         ("gemm_reduce_scatter", "triton"): "kraken.gemm_reduce_scatter",
          ("all_gather_matmul", "triton"): "kraken.fused.all_gather_matmul",
-         ("gemm_all_reduce", "triton"): "kraken.fused.gemm_one_shot_all_reduce"}
+         ("gemm_all_reduce", "triton"): "kraken.gemm_one_shot_all_reduce"}
 BAR_US, BAR_FRACTION = 0.3, 0.01
 
 

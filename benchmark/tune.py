@@ -62,7 +62,7 @@ def sweep_all_reduce(shapes: list[str], iters: int) -> None:
 
 def sweep_gemm(shapes: list[str], iters: int) -> None:
     from benchmark.ops.gemm_all_reduce import OUT_DTYPE, make_inputs
-    from kraken.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce as fn
+    from kraken import gemm_one_shot_all_reduce as fn  # the installed recipe
 
     settings = harness.Settings(iters=iters, warmup=3)
     inputs = {s: make_inputs(parse_shape(s, "MxNxK"), torch.bfloat16, 1) for s in shapes}

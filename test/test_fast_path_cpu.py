@@ -290,18 +290,23 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
         prepared.forget_prepared_calls()
 
 
-GEMMS = [  # (module, public function, the call's arguments)
-    ("kraken.fused.gemm_reduce_scatter", "gemm_reduce_scatter", lambda: (BF16(256, 128), BF16(128, 512))),
-    ("kraken.fused.gemm_one_shot_all_reduce", "gemm_one_shot_all_reduce", lambda: (BF16(128, 256), BF16(256, 512))),
-    ("kraken.fused.gemm_reduce_scatter_fp8", "gemm_reduce_scatter_fp8", lambda: (
+GEMMS = [  # (package of the public function, its name, product module, recipe or twin module, the call's arguments)
+    ("kraken", "gemm_reduce_scatter", "kraken.runtime.gemm_reduce_scatter", "kraken.fused.gemm_reduce_scatter",
+     lambda: (BF16(256, 128), BF16(128, 512))),
+    ("kraken", "gemm_one_shot_all_reduce", "kraken.runtime.gemm_all_reduce", "kraken.fused.gemm_one_shot_all_reduce",
+     lambda: (BF16(128, 256), BF16(256, 512))),
+    ("kraken", "gemm_reduce_scatter_fp8", "kraken.runtime.gemm_reduce_scatter_fp8",
+     "kraken.fused.gemm_reduce_scatter_fp8", lambda: (
         BF16(256, 128).to(torch.float8_e4m3fn), BF16(512, 128).to(torch.float8_e4m3fn).t(),
         torch.ones(1, dtype=torch.float32), torch.ones(1, dtype=torch.float32))),
-    ("helion_ports.fused.gemm_reduce_scatter", "gemm_reduce_scatter", lambda: (BF16(256, 128), BF16(128, 512))),
+    ("helion_ports", "gemm_reduce_scatter", "kraken.runtime.gemm_reduce_scatter",
+     "helion_ports.fused.gemm_reduce_scatter", lambda: (BF16(256, 128), BF16(128, 512))),
 ]
 
 
-@pytest.mark.parametrize("module,name,make_args", GEMMS, ids=[c[0] for c in GEMMS])
-def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, module, name, make_args):
+@pytest.mark.parametrize("package,name,product,module,make_args", GEMMS, ids=[c[3] for c in GEMMS])
+def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, package, name, product, module,
+                                                         make_args):
     """``prepared_launch`` for the GEMM recipes and twins (TMA operands on the call's ``a`` and ``b``, the block
     workspace's peers, parity and epochs kept): as ``test_a_whole_call_replay_launches_what_its_host_code_launches``,
     on a fake H200 (132 SMs) and a fake workspace."""
@@ -320,16 +325,15 @@ def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     monkeypatch.setattr(symm, "block_workspace", block_workspace)
     monkeypatch.setattr(symm, "local_barrier_pads", lambda device: 4096)
-    recipe = importlib.import_module(module.replace("helion_ports", "kraken"))  # whose prepare the twin shares
-    monkeypatch.setattr(recipe, "check_inputs", lambda *args, **kwargs: None)  # CPU tensors stand in for CUDA ones
+    # The product layer's checks (the recipe and its twin share them): CPU tensors stand in for CUDA ones.
+    monkeypatch.setattr(importlib.import_module(product), "check_inputs", lambda *args, **kwargs: None)
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn = getattr(importlib.import_module(package), name)
         if name in crossover.FUSED_FROM:  # a recipe with a sequential form: its fused kernel, whatever the size
             fn = functools.partial(fn, form="fused")
         calls = [make_args() for _ in range(WARM_CALLS)]
         outputs = [fn(*args) for args in calls]
-        assert_replays_match(launches, calls, outputs, module.startswith("helion_ports"),
-                             importlib.import_module(module).launch)
+        assert_replays_match(launches, calls, outputs, package == "helion_ports", importlib.import_module(module).launch)
     finally:
         prepared.forget_prepared_calls()
 

@@ -77,12 +77,42 @@ def test_both_kernels_compile_for_sm90_and_match(shape_class, world_size, config
     assert h["ptx_instructions"] <= 1.5 * t["ptx_instructions"], (h["ptx_instructions"], t["ptx_instructions"])
 
 
-def test_twin_shares_plan_and_launch_signature():
+def parameters(fn) -> list:
+    """``fn``'s parameters, their kinds and defaults, but ``launcher``'s default (Triton's launch in a recipe, None in
+    a twin)."""
     import inspect
 
-    assert twin.plan is recipe.plan and twin.prepare is recipe.prepare
-    assert inspect.signature(twin.launch) == inspect.signature(recipe.launch)
-    assert inspect.signature(twin.gemm_one_shot_all_reduce) == inspect.signature(recipe.gemm_one_shot_all_reduce)
+    return [(p.name, p.kind, p.default if p.name != "launcher" else None)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def test_twin_plans_as_the_recipe_with_its_signatures():
+    """The twin's plan and its helpers are copies of the recipe's: equal on every input here (every form, world
+    sizes 1 to 8, SM counts and signal pads); its ``launch`` and plain host function take the recipe's arguments."""
+    configs = [{}, {"shot": "one"}, {"shot": "push"}, {"shot": "two"}, {"split_k": 2}, {"max_blocks": 9},
+               {"block_m": 64, "block_n": 64, "reduce_m": 8}]
+    for world_size in (1, 2, 3, 4, 8):
+        for m, n, k in [(1, 8, 16), (37, 100, 72), (64, 1024, 4096), (256, 4096, 4096), (4096, 8192, 8192)]:
+            for config in configs:
+                for sms, pad in ((132, None), (100_000, 256)):
+                    cfg = recipe.plan(m, n, k, world_size, config, sms, pad)
+                    assert twin.plan(m, n, k, world_size, config, sms, pad) == cfg, (m, n, k, world_size, config)
+                    assert twin.rounds_of(m, n, cfg) == recipe.rounds_of(m, n, cfg)
+                    assert twin.chunk_tile(cfg, world_size) == recipe.chunk_tile(cfg, world_size)
+                    for shot in recipe.SHOTS:
+                        args = (cfg["split_k"], world_size, torch.bfloat16, shot)
+                        assert twin.keeps_last(*args) == recipe.keeps_last(*args)
+                        assert twin.shards_of(shot, world_size) == recipe.shards_of(shot, world_size)
+    assert twin.DEFAULT_CONFIG == recipe.DEFAULT_CONFIG and twin.ONE_SHOT_UP_TO == recipe.ONE_SHOT_UP_TO
+    assert parameters(twin.launch) == parameters(recipe.launch)
+    assert parameters(twin.gemm_one_shot_all_reduce) == parameters(recipe.gemm_one_shot_all_reduce)
+    import helion_ports
+    import kraken
+    from kraken.runtime import gemm_all_reduce, twins
+
+    assert kraken.gemm_one_shot_all_reduce is gemm_all_reduce.gemm_one_shot_all_reduce
+    assert helion_ports.gemm_one_shot_all_reduce is twins.gemm_one_shot_all_reduce
+    assert parameters(kraken.gemm_one_shot_all_reduce) == parameters(recipe.gemm_one_shot_all_reduce)
 
 
 def test_helion_prints_its_generated_triton():
@@ -266,9 +296,9 @@ def test_plan_stays_inside_the_signal_pad(world_size):
             assert cfg["num_blocks"] <= most and well_formed(cfg, m, n, k, world_size), (m, n, k, config, cfg)
 
 
-def test_plan_with_a_small_signal_pad(monkeypatch):
-    monkeypatch.setattr(groups, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
-    cfg = recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS)
+def test_plan_with_a_small_signal_pad():
+    # 64 slots: 8 block ids at world size 8
+    cfg = recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS, pad_bytes=256)
     assert cfg["num_blocks"] <= 8 and well_formed(cfg, 8192, 8192, 8192, 8)
 
 
@@ -355,7 +385,7 @@ def test_plan_refuses_bad_config():
 
 
 def test_plan_picks_the_form_by_output_size_and_world_size(monkeypatch):
-    """One-shot up to kraken.runtime.crossover's gemm_all_reduce entry (M x N output elements), two-shot above, at 4-8
+    """One-shot up to the recipe's ONE_SHOT_UP_TO entry (M x N output elements), two-shot above, at 4-8
     ranks (3 takes 4's entry); at 1-2 ranks always one-shot (two-shot reads as much there), pushing up to
     SKINNY_M rows. ``shot`` forces any form at any world size; the tiles follow the form (pushing: 64 wide)."""
     from kraken.runtime import crossover
@@ -377,8 +407,9 @@ def test_plan_picks_the_form_by_output_size_and_world_size(monkeypatch):
             assert shot(64, 4096, ws, {"shot": form}) == form
     assert recipe.plan(64, 4096, 4096, 4, {"shot": "push"}, 132)["block_n"] == 64
     assert recipe.plan(64, 4096, 4096, 4, {"shot": "two"}, 132)["block_n"] == 32
-    # The choice reads the crossover table.
-    monkeypatch.setitem(crossover.ONE_SHOT_UP_TO, "gemm_all_reduce", {1: 0, 2: 0, 4: 0, 8: 0})
+    # The choice reads the recipe's table, which is kraken.runtime.crossover's gemm_all_reduce row.
+    assert recipe.ONE_SHOT_UP_TO == crossover.ONE_SHOT_UP_TO["gemm_all_reduce"]
+    monkeypatch.setattr(recipe, "ONE_SHOT_UP_TO", {1: 0, 2: 0, 4: 0, 8: 0})
     assert shot(1, 16, 1) == shot(1, 16, 8) == "two"
 
 
@@ -402,14 +433,13 @@ def test_two_shot_slices_and_k_split():
 BF16 = torch.bfloat16
 
 
-GEMM_ENTRY_POINTS = [(RECIPE, "gemm_one_shot_all_reduce"), (TWIN, "gemm_one_shot_all_reduce"),
-                     ("kraken.fused.gemm_reduce_scatter", "gemm_reduce_scatter"),
-                     ("helion_ports.fused.gemm_reduce_scatter", "gemm_reduce_scatter")]
+GEMM_ENTRY_POINTS = [("kraken", "gemm_one_shot_all_reduce"), ("helion_ports", "gemm_one_shot_all_reduce"),
+                     ("kraken", "gemm_reduce_scatter"), ("helion_ports", "gemm_reduce_scatter")]
 
 
-@pytest.mark.parametrize("path,name", GEMM_ENTRY_POINTS, ids=[p for p, _ in GEMM_ENTRY_POINTS])
+@pytest.mark.parametrize("path,name", GEMM_ENTRY_POINTS, ids=[f"{p}.{n}" for p, n in GEMM_ENTRY_POINTS])
 def test_bad_input_is_refused_on_the_host(path, name):
-    """Both fused GEMM recipes and their twins share ``check_inputs``: every error on the host."""
+    """Both installed fused GEMM recipes and their twins share ``check_inputs``: every error on the host."""
     fn = getattr(importlib.import_module(path), name)
     a, b = torch.zeros(8, 16, dtype=BF16), torch.zeros(16, 32, dtype=BF16)
     with pytest.raises(ValueError, match=r"inner dimensions differ: a is \(8, 16\), b is \(32, 8\)"):
@@ -450,7 +480,7 @@ def test_every_forced_form_backend_calls_its_function_with_the_recipes_form(monk
     inputs = gemm_all_reduce.make_inputs((64, 32, 16), torch.bfloat16, 0)  # works out the form, once
     monkeypatch.setattr(gemm_all_reduce.dist, "get_world_size", lambda group=None: pytest.fail("asked per call"))
     for package in ("kraken", "helion_ports"):
-        module = importlib.import_module(f"{package}.fused.gemm_one_shot_all_reduce")
+        module = importlib.import_module(package)  # the installed function (``benchmark.registry.public``)
         calls = []
         monkeypatch.setattr(module, "gemm_one_shot_all_reduce", lambda a, b, **kw: calls.append(kw))
         for shot in ("1shot", "2shot", "seq", None):

@@ -29,6 +29,8 @@ MODULES = {
     "triton": "kraken.fused.gemm_one_shot_all_reduce",
     "helion": "helion_ports.fused.gemm_one_shot_all_reduce",
 }
+PACKAGES = {"triton": "kraken", "helion": "helion_ports"}  # where the installed functions are
+PRODUCT = importlib.import_module("kraken.runtime.gemm_all_reduce")  # the prepared calls the installed recipe and twin share
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # Odd shapes (every tail masked; K and N not multiples of 16: the unaligned class), each in every dtype pair.
 ODD_SHAPES = ((1, 8, 16), (37, 100, 72), (129, 257, 136), (1000, 3000, 520))
@@ -72,7 +74,7 @@ def check_same_on_every_rank(out: torch.Tensor, what: str) -> None:
 
 def launch_into(module, a, b, out_dtype, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
-    ctx, cfg = module.prepare(a, b, None, out_dtype, "test", config or {})
+    ctx, cfg = PRODUCT.prepare(a, b, None, out_dtype, "test", config or {})
     return module.launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **cfg, group_name=ctx.group_name)
 
 
@@ -174,9 +176,10 @@ def sequential_form(backend: str, fn) -> None:
 
 
 def worker(backend: str) -> None:
-    module = importlib.import_module(MODULES[backend])
-    sequential_form(backend, module.gemm_one_shot_all_reduce)
-    fn = functools.partial(module.gemm_one_shot_all_reduce, form="fused")  # the fused kernel, at every shape
+    module = importlib.import_module(MODULES[backend])  # the recipe or twin: its launch
+    public = getattr(importlib.import_module(PACKAGES[backend]), "gemm_one_shot_all_reduce")
+    sequential_form(backend, public)
+    fn = functools.partial(public, form="fused")  # the fused kernel, at every shape
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     bad_input(backend, module, fn)
@@ -201,7 +204,7 @@ FORM_CASES = (((37, 100, 72), (FP16, FP32), {}), ((129, 257, 136), (BF16, BF16),
 
 def forms_worker(backend: str) -> None:
     module = importlib.import_module(MODULES[backend])
-    fn = module.gemm_one_shot_all_reduce
+    fn = importlib.import_module(PACKAGES[backend]).gemm_one_shot_all_reduce
     rank = dist.get_rank()
     for shot in SHOTS:
         for seed, (shape, (in_dtype, out_dtype), extra) in enumerate(FORM_CASES, start=500):

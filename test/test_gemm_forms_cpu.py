@@ -20,12 +20,14 @@ RECIPES = {  # op -> (kraken module, helion module, whether a holds one rank's r
     "gemm_one_shot_all_reduce": ("kraken.fused.gemm_one_shot_all_reduce",
                                  "helion_ports.fused.gemm_one_shot_all_reduce", False),
 }
-PRODUCT = {"all_gather_matmul": "kraken.runtime.gather_matmul"}  # op -> its product layer, where not its recipe
+# op -> the product module that holds its ``call``, ``chosen``, ``check_sequential`` and ``prepare``.
+PRODUCTS = {"gemm_reduce_scatter": "kraken.runtime.gemm_reduce_scatter",
+            "gemm_one_shot_all_reduce": "kraken.runtime.gemm_all_reduce",
+            "all_gather_matmul": "kraken.runtime.gather_matmul"}
 
 
-def product(op: str):
-    """The module of ``op``'s ``call``, ``check_sequential`` and ``prepare``."""
-    return importlib.import_module(PRODUCT.get(op, RECIPES[op][0]))
+def product_of(op: str):
+    return importlib.import_module(PRODUCTS.get(op, RECIPES[op][0]))
 
 
 @pytest.mark.parametrize("op", sorted(crossover.FUSED_FROM) + ["helion gemm_reduce_scatter"])
@@ -91,7 +93,7 @@ def test_sequential_form_is_the_collective_and_the_gemm(two_ranks, monkeypatch, 
     """Below the crossover the call is the collective and cuBLAS, with the same result as the float64 reference
     (rank 1's operand twice rank 0's); no fused kernel is prepared."""
     module = importlib.import_module(RECIPES[op][package])
-    recipe = product(op)
+    recipe = product_of(op)
     monkeypatch.setattr(recipe, "check_sequential", lambda a, b, world_size, op: None)  # CPU tensors
     monkeypatch.setattr(recipe, "prepare", lambda *args: pytest.fail("the fused form was prepared"))
     if op == "gemm_one_shot_all_reduce":  # by rows always fused: forced here (its fill rule has a test of its own)
@@ -120,7 +122,7 @@ def test_sequential_form_is_the_collective_and_the_gemm(two_ranks, monkeypatch, 
 def test_forms_that_differ_between_ranks_raise_on_every_rank(two_ranks, monkeypatch, op):
     """``form`` is part of the agreed signature: rank 0 forcing sequential while rank 1 forces fused would launch
     different kernels against each other; both raise instead, and nothing runs."""
-    recipe = product(op)
+    recipe = product_of(op)
     two_ranks.other = lambda mine: (tuple((n, (("form", "fused"),) if n == "config" else s) for n, s in mine[0]),
                                     None)
     a, b = torch.randn(4, 24, dtype=BF16), torch.randn(24, 40, dtype=BF16)
@@ -133,7 +135,7 @@ def test_forms_that_differ_between_ranks_raise_on_every_rank(two_ranks, monkeypa
 @pytest.mark.parametrize("op", sorted(RECIPES))
 def test_one_rank_bad_input_in_the_sequential_form_raises_on_every_rank(two_ranks, op):
     """The sequential form's checks run inside the agreement: rank 1's bad input raises on rank 0 too."""
-    recipe = product(op)
+    recipe = product_of(op)
     two_ranks.other = lambda mine: (mine[0], ("ValueError", "a is bad"))
     a, b = torch.randn(4, 24, dtype=BF16), torch.randn(24, 40, dtype=BF16)
     args = (a, b, None, False) if op == "all_gather_matmul" else (a, b, None, BF16)
@@ -148,7 +150,7 @@ def test_one_rank_bad_input_in_the_sequential_form_raises_on_every_rank(two_rank
 def test_gemm_all_reduce_prefers_sequential_where_its_tiles_fill_poorly(monkeypatch, shape, world_size, poor):
     """80 tiles of 128x256 on 132 SMs (512x5120x5120) leave 39% of the wave idle: sequential; the other default
     shapes fill at least 97%, or have at most ``SKINNY_M`` rows (64 tiles at 64 rows and 2 ranks: still fused)."""
-    recipe = importlib.import_module(RECIPES["gemm_one_shot_all_reduce"][0])
+    recipe = product_of("gemm_one_shot_all_reduce")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     m, n, k = shape
     assert recipe.fills_poorly(torch.empty(m, k, dtype=BF16), torch.empty(k, n, dtype=BF16), world_size) is poor
@@ -173,8 +175,8 @@ def test_fp8_reduce_scatter_sequential_form_is_scaled_mm_and_the_collective(two_
     """``gemm_reduce_scatter_fp8`` below its crossover: ``torch._scaled_mm`` with row-wise scales (a per-tensor scale
     spread over the rows or columns) on a column-major ``b``, bf16 out, then the reduce-scatter; an fp32 output only
     the fused kernel gives, so it is prepared instead."""
-    recipe = importlib.import_module("kraken.fused.gemm_reduce_scatter_fp8")
-    module = importlib.import_module(f"{package}.fused.gemm_reduce_scatter_fp8")
+    recipe = importlib.import_module("kraken.runtime.gemm_reduce_scatter_fp8")  # the product: call, prepare, ...
+    module = importlib.import_module(f"{package}.fused.gemm_reduce_scatter_fp8")  # whose launch it drives
     monkeypatch.setattr(recipe, "check_sequential", lambda *args: None)  # CPU tensors
     monkeypatch.setattr(recipe, "prepare", lambda *args: (_ for _ in ()).throw(LookupError("fused form prepared")))
     m, k, n = 4, 32, 48

@@ -77,16 +77,40 @@ def test_both_kernels_compile_for_sm90_and_match(world_size, shape, out_dtype):
             assert h["ptx"].count(instruction) == t["ptx"].count(instruction) > 0, instruction
 
 
-def test_twin_shares_plan_prepare_and_signatures():
-    assert twin.plan is recipe.plan and twin.prepare is recipe.prepare
-    assert twin.rounds_of is recipe.rounds_of and twin.chunk_tile is recipe.chunk_tile
-    assert inspect.signature(twin.launch) == inspect.signature(recipe.launch)
-    assert inspect.signature(twin.gemm_reduce_scatter) == inspect.signature(recipe.gemm_reduce_scatter)
+def parameters(fn) -> list:
+    """``fn``'s parameters, their kinds and defaults, but ``launcher``'s default (Triton's launch in a recipe, None in
+    a twin)."""
+    return [(p.name, p.kind, p.default if p.name != "launcher" else None)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+PLAN_SHAPES = [(1, 8, 16), (37 * 8, 200, 72), (256, 8192, 4096), (1024, 6656, 2560), (8192, 14336, 4096),
+               (65536, 16384, 1024)]
+PLAN_CONFIGS = [{}, {"max_blocks": 7}, {"block_m": 64, "block_n": 64, "group_m": 2}, {"num_stages": 2}]
+
+
+def test_twin_plans_as_the_recipe_with_its_signatures():
+    """The twin's plan, rounds and chunk tile are copies of the recipe's: equal on every input here (several world
+    sizes, configs, SM counts and signal pads); its ``launch`` and plain host function take the recipe's arguments."""
+    for world_size in (1, 2, 3, 8):
+        for m, n, k in PLAN_SHAPES:
+            m = max(m - m % world_size, world_size)
+            for config in PLAN_CONFIGS:
+                for sms, pad in ((132, None), (100_000, 256)):
+                    cfg = recipe.plan(m, n, k, world_size, config, sms, pad)
+                    assert twin.plan(m, n, k, world_size, config, sms, pad) == cfg
+                    assert twin.rounds_of(m, n, world_size, cfg) == recipe.rounds_of(m, n, world_size, cfg)
+                    assert twin.chunk_tile(cfg, world_size) == recipe.chunk_tile(cfg, world_size)
+    assert twin.DEFAULT_CONFIG == recipe.DEFAULT_CONFIG
+    assert parameters(twin.launch) == parameters(recipe.launch)
+    assert parameters(twin.gemm_reduce_scatter) == parameters(recipe.gemm_reduce_scatter)
     import helion_ports
     import kraken
+    from kraken.runtime import gemm_reduce_scatter as product, twins
 
-    assert kraken.gemm_reduce_scatter is recipe.gemm_reduce_scatter
-    assert helion_ports.gemm_reduce_scatter is twin.gemm_reduce_scatter
+    assert kraken.gemm_reduce_scatter is product.gemm_reduce_scatter
+    assert helion_ports.gemm_reduce_scatter is twins.gemm_reduce_scatter
+    assert parameters(kraken.gemm_reduce_scatter) == parameters(recipe.gemm_reduce_scatter)
 
 
 def test_op_registration():
@@ -127,9 +151,9 @@ def test_plan_fits_the_signal_pad_and_shared_memory(world_size):
         assert recipe.chunk_tile(recipe.plan(m, n, k, world_size, {}, 132), world_size)[0] == max(world_size - 1, 1)
 
 
-def test_plan_with_a_small_signal_pad(monkeypatch):
-    monkeypatch.setattr(groups, "signal_pad_bytes", lambda: 256)  # 64 slots: 8 block ids at world size 8
-    assert recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS)["num_blocks"] == 8
+def test_plan_with_a_small_signal_pad():
+    # 64 slots: 8 block ids at world size 8
+    assert recipe.plan(8192, 8192, 8192, 8, {}, sm90.H200_NUM_SMS, pad_bytes=256)["num_blocks"] == 8
 
 
 def test_default_config_per_band_size():

@@ -25,6 +25,7 @@ TWIN = "helion_ports.fused.gemm_reduce_scatter_fp8"
 recipe = importlib.import_module(RECIPE)
 twin = importlib.import_module(TWIN)
 bf16_recipe = importlib.import_module("kraken.fused.gemm_reduce_scatter")
+product = importlib.import_module("kraken.runtime.gemm_reduce_scatter_fp8")  # checks, prepared calls, forms
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 OP = registry.get("gemm_reduce_scatter_fp8")
@@ -74,11 +75,39 @@ def test_both_kernels_compile_to_fp8_wgmma_and_match(world_size, shape, out_dtyp
         assert h["ptx"].count(instruction) == t["ptx"].count(instruction) > 0, instruction
 
 
-def test_twin_shares_plan_prepare_and_signatures():
-    assert twin.plan is recipe.plan and twin.prepare is recipe.prepare
-    assert twin.rounds_of is recipe.rounds_of is bf16_recipe.rounds_of and twin.chunk_tile is recipe.chunk_tile
-    assert inspect.signature(twin.launch) == inspect.signature(recipe.launch)
-    assert inspect.signature(twin.gemm_reduce_scatter_fp8) == inspect.signature(recipe.gemm_reduce_scatter_fp8)
+def parameters(fn) -> list:
+    """``fn``'s parameters, their kinds and defaults, but ``launcher``'s default (Triton's launch in a recipe, None in
+    a twin)."""
+    return [(p.name, p.kind, p.default if p.name != "launcher" else None)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def test_twin_plans_as_the_recipe_with_its_signatures():
+    """The twin's plan, rounds and chunk tile are copies of the recipe's (and its rounds and chunk tile the bf16
+    recipe's): equal on every input here; its ``launch`` and plain host function take the recipe's arguments."""
+    configs = [{}, {"max_blocks": 7}, {"block_m": 64, "block_n": 64, "block_k": 128, "group_m": 2},
+               {"b_layout": "kn", "num_stages": 2}]
+    for world_size in (1, 2, 3, 8):
+        for m, n, k in [(1, 16, 32), (37 * 8, 200, 144), (256, 8192, 4096), (8192, 14336, 4096)]:
+            m = max(m - m % world_size, world_size)
+            for config in configs:
+                for sms, pad in ((132, None), (100_000, 256)):
+                    cfg = recipe.plan(m, n, k, world_size, config, sms, pad)
+                    assert twin.plan(m, n, k, world_size, config, sms, pad) == cfg
+                    rounds = recipe.rounds_of(m, n, world_size, cfg)
+                    assert twin.rounds_of(m, n, world_size, cfg) == rounds == bf16_recipe.rounds_of(m, n, world_size,
+                                                                                                   cfg)
+                    assert twin.chunk_tile(cfg, world_size) == recipe.chunk_tile(cfg, world_size)
+    assert twin.DEFAULT_CONFIG == recipe.DEFAULT_CONFIG
+    assert parameters(twin.launch) == parameters(recipe.launch)
+    assert parameters(twin.gemm_reduce_scatter_fp8) == parameters(recipe.gemm_reduce_scatter_fp8)
+    import helion_ports
+    import kraken
+    from kraken.runtime import twins
+
+    assert kraken.gemm_reduce_scatter_fp8 is product.gemm_reduce_scatter_fp8
+    assert helion_ports.gemm_reduce_scatter_fp8 is twins.gemm_reduce_scatter_fp8
+    assert parameters(kraken.gemm_reduce_scatter_fp8) == parameters(recipe.gemm_reduce_scatter_fp8)
 
 
 def test_op_registration():
@@ -149,9 +178,9 @@ def fp8_inputs(m=8, n=32, k=16):
     return torch.zeros(m, k, dtype=FP8), torch.zeros(n, k, dtype=FP8).t(), torch.ones(m, 1), torch.ones(1, n)
 
 
-@pytest.mark.parametrize("module", [recipe, twin], ids=["triton", "helion"])
-def test_bad_input_is_refused_on_the_host(module):
-    fn = module.gemm_reduce_scatter_fp8
+@pytest.mark.parametrize("package", ["kraken", "helion_ports"])
+def test_bad_input_is_refused_on_the_host(package):
+    fn = importlib.import_module(package).gemm_reduce_scatter_fp8
     a, b, sa, sb = fp8_inputs()
     with pytest.raises(ValueError, match="out_dtype torch.float16 is not supported; supported: bfloat16, float32"):
         fn(a, b, sa, sb, out_dtype=torch.float16)
@@ -174,12 +203,12 @@ def test_bad_scale_raises_on_every_rank(monkeypatch):
     rank1 = ("ValueError", "scale_a must have one element (per tensor) or shape (8, 1), got (8,)")
     world = FakeWorld(monkeypatch, other=lambda mine: (mine[0], rank1))
     with pytest.raises(ValueError, match=r"bad input on rank 0: scale_b must be float32.*; rank 1: scale_a must have"):
-        recipe.prepare.uncached(a, b, sa, sb.half(), None, torch.bfloat16, recipe.OP, {})
+        product.prepare.uncached(a, b, sa, sb.half(), None, torch.bfloat16, recipe.OP, {})
     assert world.exchanges == 1
     # Only rank 0 is wrong: the exchange still happens (so rank 1, whose checks passed, raises the same error).
     world = FakeWorld(monkeypatch, other=lambda mine: (mine[0], None))
     with pytest.raises(ValueError, match=r"bad input on rank 0: scale_b must have one element") as error:
-        recipe.prepare.uncached(a, b, sa, sb.view(32, 1), None, torch.bfloat16, recipe.OP, {})
+        product.prepare.uncached(a, b, sa, sb.view(32, 1), None, torch.bfloat16, recipe.OP, {})
     assert "rank 1" not in str(error.value) and world.exchanges == 1
 
 
@@ -208,10 +237,8 @@ from benchmark.ops.gemm_reduce_scatter_fp8 import operands
 def no_barrier(signal_pad_ptrs, block_id, rank, world_size: tl.constexpr, epoch):
     pass  # the inline-PTX barrier cannot run here: every rank runs twice instead (below)
 
-shared = importlib.import_module("kraken.fused.gemm_reduce_scatter")  # where the shared kernel is
-shared.epoch_sync = shared.epoch_send = shared.epoch_wait = no_barrier
-body = importlib.import_module("helion_ports.fused.gemm_reduce_scatter")  # the body's module
-body.EPOCH_SYNC = body.EPOCH_SEND = body.EPOCH_WAIT = "tl.debug_barrier()"
+m.epoch_sync = m.epoch_send = m.epoch_wait = no_barrier
+twin.EPOCH_SYNC = twin.EPOCH_SEND = twin.EPOCH_WAIT = "tl.debug_barrier()"
 
 # (rows per band, N, K, world size, per-tensor scales, out dtype, config, module)
 cases = [

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from benchmark.ops.all_gather_matmul_fp8 import dequantized
 from benchmark.ops.gemm_reduce_scatter_fp8 import operands
 from gpu_utils import POISON, check_graph_replays, heartbeat, needs_gpus, rel_err, run_on_gpus
-from kraken import crossover
+from kraken.runtime import crossover
 
 pytestmark = needs_gpus
 
@@ -27,6 +27,8 @@ MODULES = {
     "triton": "kraken.fused.gemm_reduce_scatter_fp8",
     "helion": "helion_ports.fused.gemm_reduce_scatter_fp8",
 }
+PACKAGES = {"triton": "kraken", "helion": "helion_ports"}  # where the installed functions are
+PRODUCT = importlib.import_module("kraken.runtime.gemm_reduce_scatter_fp8")  # the prepared calls the installed recipe and twin share
 BF16, FP32 = torch.bfloat16, torch.float32
 # (rows per band, N, K): M is the band times the world size. Odd shapes (every tail masked; K not a multiple of
 # 16: a padded for TMA; a band of one row; bands that end inside a tile).
@@ -65,7 +67,7 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str, tolerance: float | No
 
 def launch_into(module, a, b, scale_a, scale_b, out_dtype, out: torch.Tensor, **config) -> torch.Tensor:
     """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
-    ctx, cfg = module.prepare(a, b, scale_a, scale_b, None, out_dtype, "test", config)
+    ctx, cfg = PRODUCT.prepare(a, b, scale_a, scale_b, None, out_dtype, "test", config)
     return module.launch(a, b, scale_a, scale_b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **cfg,
                          group_name=ctx.group_name)
 
@@ -174,9 +176,10 @@ def sequential_form(backend: str, fn) -> None:
 
 
 def worker(backend: str) -> None:
-    module = importlib.import_module(MODULES[backend])
-    sequential_form(backend, module.gemm_reduce_scatter_fp8)
-    fn = functools.partial(module.gemm_reduce_scatter_fp8, form="fused")  # the fused kernel, at every size
+    module = importlib.import_module(MODULES[backend])  # the recipe or twin: its launch
+    public = getattr(importlib.import_module(PACKAGES[backend]), "gemm_reduce_scatter_fp8")
+    sequential_form(backend, public)
+    fn = functools.partial(public, form="fused")  # the fused kernel, at every size
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     bad_input(backend, module, fn)

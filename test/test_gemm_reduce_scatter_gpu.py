@@ -28,6 +28,8 @@ MODULES = {
     "triton": "kraken.fused.gemm_reduce_scatter",
     "helion": "helion_ports.fused.gemm_reduce_scatter",
 }
+PACKAGES = {"triton": "kraken", "helion": "helion_ports"}  # where the installed functions are
+PRODUCT = importlib.import_module("kraken.runtime.gemm_reduce_scatter")  # the prepared calls the installed recipe and twin share
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (rows per band, N, K): M is the band times the world size. Odd shapes (every tail masked; K and N not
 # multiples of 16: the unaligned class; a band of one row; bands that end inside a tile).
@@ -67,7 +69,7 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 def launch_into(module, a, b, out_dtype, out: torch.Tensor) -> torch.Tensor:
     """The public call's own prepare/launch, but into a caller-owned (poisoned) output."""
-    ctx, cfg = module.prepare(a, b, None, out_dtype, "test", {})
+    ctx, cfg = PRODUCT.prepare(a, b, None, out_dtype, "test", {})
     return module.launch(a, b, ctx.peers, out, ctx.signal_pad_ptrs, ctx.rank, **cfg, group_name=ctx.group_name)
 
 
@@ -160,9 +162,10 @@ def sequential_form(backend: str, fn) -> None:
 
 
 def worker(backend: str) -> None:
-    module = importlib.import_module(MODULES[backend])
-    sequential_form(backend, module.gemm_reduce_scatter)
-    fn = functools.partial(module.gemm_reduce_scatter, form="fused")  # the fused kernel, at every size
+    module = importlib.import_module(MODULES[backend])  # the recipe or twin: its launch
+    public = getattr(importlib.import_module(PACKAGES[backend]), "gemm_reduce_scatter")
+    sequential_form(backend, public)
+    fn = functools.partial(public, form="fused")  # the fused kernel, at every size
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     bad_input(backend, module, fn)

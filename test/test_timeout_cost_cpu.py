@@ -41,7 +41,7 @@ def test_table_merges_runs_and_compares():
     header, body, rows = tc.table(off, on)
     assert len(header) == len(body[0]) == 12
     one_shot, gemm = rows
-    assert one_shot["op"] == "kraken.one_shot_all_reduce" and gemm["op"] == "kraken.fused.gemm_one_shot_all_reduce"
+    assert one_shot["op"] == "kraken.one_shot_all_reduce" and gemm["op"] == "kraken.gemm_one_shot_all_reduce"
     # medians of two runs: off 5.2, on 5.7 -> +0.5 us > max(0.3, 0.052): over; loop 8.2 vs 8.3: within
     assert one_shot["us"]["off"] == pytest.approx(5.2) and one_shot["us"]["on"] == pytest.approx(5.7)
     assert one_shot["us"]["verdict"] == "OVER" and one_shot["loop_us"]["verdict"] == "ok"

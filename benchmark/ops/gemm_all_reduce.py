@@ -99,9 +99,7 @@ def sequential(fn):
 def fused(package: str, shot: str | None = None):
     """The recipe (``package`` kraken) or its twin (helion_ports) in the form it picks, or ``shot``: "1shot" (one-shot,
     pushing or pulling as the recipe would for M rows), "2shot" or "seq" (cuBLAS, then the SM-driven all-reduce)."""
-    path = f"{package}.{RECIPE}"
-    module = importlib.import_module(path)
-    fn = public(path)
+    fn = public(f"{package}.{RECIPE}")
     if shot is None:
         return lambda i: fn(i["a"], i["b"], out_dtype=OUT_DTYPE)
     if shot == "seq":
@@ -119,7 +117,7 @@ def fused(package: str, shot: str | None = None):
 
 def example(module, world_size: int, shape=EXAMPLE_SHAPE, dtype=torch.bfloat16, out_dtype=OUT_DTYPE,
             rank: int | None = None, config: dict | None = None) -> None:
-    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``) as
+    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin: the same ``plan`` and ``launch`` arguments) as
     ``rank`` (default 1, or 0 in a group of one), with ``config`` (default: the recipe's choices)."""
     m, n, k = shape
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)

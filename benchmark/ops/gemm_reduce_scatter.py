@@ -19,8 +19,6 @@ For fp16 inputs the baselines reduce in fp16 and cast the result to bf16 at the 
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.distributed as dist
 
@@ -93,7 +91,7 @@ def fused(package: str, form: str | None = None):
 
 def example(module, world_size: int, shape=None, dtype=torch.bfloat16, out_dtype=OUT_DTYPE, rank: int | None = None,
             config: dict | None = None) -> None:
-    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``)."""
+    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin: the same ``plan`` and ``launch`` arguments)."""
     m, n, k = shape or example_shape(world_size)
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     cfg = module.plan(m, n, k, world_size, config or {}, H200_NUM_SMS)

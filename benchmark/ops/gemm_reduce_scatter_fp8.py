@@ -10,13 +10,11 @@ reduction dimension, and keeps rows ``[rank * M / ws, (rank + 1) * M / ws)`` of 
   fp8 with row-wise ``A_scale``: per-chunk ``_scaled_mm`` and symmetric-memory copies), bf16 out;
 * ``scaled_mm``: ``torch._scaled_mm`` alone, the floor column (every rank's partial, no exchange: timed,
   not compared);
-* ``triton`` / ``helion``: ``kraken.fused.gemm_reduce_scatter_fp8`` and its Helion twin, bf16 partials
-  over NVLink (the same bytes as the baselines).
+* ``triton`` / ``helion``: ``kraken.gemm_reduce_scatter_fp8`` (the installed recipe) and its Helion twin,
+  bf16 partials over NVLink (the same bytes as the baselines).
 """
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 import torch.distributed as dist
@@ -97,7 +95,7 @@ def fused(package: str, form: str | None = None):
 
 def example(module, world_size: int, shape=None, out_dtype=OUT_DTYPE, rank: int | None = None, per_tensor: bool = False,
             config: dict | None = None) -> None:
-    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin share ``plan`` and ``launch``)."""
+    """Call ``module.launch`` on CPU stand-ins (the recipe and its twin: the same ``plan`` and ``launch`` arguments)."""
     m, n, k = shape or example_shape(world_size)
     a, b = torch.randn(m, k).to(torch.float8_e4m3fn), torch.randn(n, k).to(torch.float8_e4m3fn).t()
     scale_a, scale_b = (torch.ones(()), torch.ones(())) if per_tensor else (torch.ones(m, 1), torch.ones(1, n))

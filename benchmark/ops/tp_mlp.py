@@ -19,7 +19,7 @@ and gets back its [TOKENS / ws, HIDDEN] rows of ``down(silu(gate(X)) * up(X))`` 
 * ``torch_async_tp``: the same block on functional collectives under ``torch.compile`` with
   ``_micro_pipeline_tp`` (inductor rewrites it into those two fused ops: torch's async tensor parallelism);
 * ``triton`` / ``helion``: ``tp_mlp`` with the kraken recipes (``kraken.fused.all_gather_matmul``,
-  ``kraken.fused.gemm_reduce_scatter``) or with their Helion twins;
+  ``kraken.gemm_reduce_scatter``) or with their Helion twins;
 * ``triton_compiled`` / ``helion_compiled``: the same under ``torch.compile``: the recipes are operators that
   inductor leaves alone (``kraken/runtime/library.py``), and it fuses the SwiGLU between them into one kernel;
 * ``matmul``: the two GEMMs and SwiGLU on an already gathered ``x`` (no exchange, its own partial product

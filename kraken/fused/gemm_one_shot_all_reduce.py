@@ -41,66 +41,83 @@ block waits for another, the grid is one block per tile (``ONE_RANK_TILE_PER_BLO
 rounds.
 
 Which form (``plan``; ``shot`` in ``config`` forces one): two-shot where the output is large enough for
-its bytes to matter at 4-8 ranks (``kraken.runtime.crossover``, the ``gemm_all_reduce`` row, by M x N);
-else one-shot, pushing for up to ``SKINNY_M`` rows at up to ``PUSH_MAX_WORLD_SIZE`` ranks. Pushing
-keeps the NVLink round trip of remote loads out of the tail (M = 64 on 2 H200s: 13.9 us against 14.8
-for the best tiles pulling). At 4 ranks pushing to 3 peers was slower than pulling from them, so
-only 2 ranks push. The cost is memory, a slot per rank (``world_size`` times the output, twice), and
-registers: an address per element and peer, which made the Helion twin spill on the 128x256 tiles
-of large M, where the exchange is a small part of the time and the recipe pulls. No barrier at the
-end: the workspace is a ``symm.BlockWorkspace``, so the next launch writes the other half while a
-peer may still be reading this one.
+its bytes to matter at 4-8 ranks (``ONE_SHOT_UP_TO``, by M x N output elements); else one-shot, pushing
+for up to ``SKINNY_M`` rows at up to ``PUSH_MAX_WORLD_SIZE`` ranks. Pushing keeps the NVLink round trip of
+remote loads out of the tail. At 4 ranks pushing to 3 peers is slower than pulling from them, so only 2
+ranks push. The cost is memory, a slot per rank (``world_size`` times the output, twice), and registers:
+an address per element and peer, which made the Helion twin spill on the 128x256 tiles of large M, where
+the exchange is a small part of the time and the recipe pulls.
+
+The workspace: a symmetric buffer viewed as [2, chunks, rounds, slots, BLOCK_M, BLOCK_N] (``rounds_of``,
+``chunk_tile``), ``parity`` and ``epochs`` (int32 per block) and the buffer's own signal pad. No barrier at
+the end: block ``b`` writes half ``parity[b]`` of its chunk and flips it, so the next launch writes the other
+half while a peer may still be reading this one (the launch before that has finished on every rank: each
+launch passes a barrier with every peer); its barrier rounds are numbered ``epochs[b] + 1, ...`` and advance
+on the device.
 
 The workspace holds partials in ``out_dtype``: fp32 partials for an fp32 output
 (no rounding before the sum), bf16 partials for a bf16 output, which halves the
 bytes crossing NVLink and rounds each partial once, as ``torch.matmul`` followed
 by a bf16 all-reduce does. A k split sums its partials in fp32 first.
+
+Layout: ``a`` [M, K] and ``b`` [K, N] contiguous, bf16 or fp16, the same shapes on every rank; ``out``
+[M, N], bf16 or fp32. TMA needs 16-byte aligned rows: other operands are zero-padded copies
+(``kraken._gemm_core.tma_operands``).
+
+This file is the recipe: the kernel, ``plan`` (pure), ``launch`` (the seam the installed package's fast
+path calls with its own ``launcher``) and a plain host function. ``kraken.gemm_one_shot_all_reduce`` is the
+same kernel behind the product layer (``kraken.runtime.gemm_all_reduce``: checks agreed across ranks, the
+choice between this fused form and cuBLAS then the SM all-reduce, prepared calls, a shared workspace).
+
+    torchrun --nproc-per-node 2 kraken/fused/gemm_one_shot_all_reduce.py
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+import torch.distributed.distributed_c10d as c10d
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kraken._gemm_core import (  # noqa: F401 (OUT_DTYPES, SKINNY_M: this recipe's, used by tests)
-    OUT_DTYPES, SKINNY_M, TILE_CONFIGS, mainloop, skinny_or_large_tiles, tile_coords, tma_operands,
+from kraken._gemm_core import (
+    SKINNY_M, TILE_CONFIGS, cdiv, mainloop, skinny_or_large_tiles, tile_coords, tma_operands,
 )
-from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait, symm_mem_sync
-from kraken.runtime.collectives import all_reduce as sm_all_reduce
-from kraken.runtime import agreement, crossover, groups, prepared, symm
-from kraken.runtime.gemm_checks import check_inputs
-from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
-from kraken.runtime.replay import prepared_launch
+from kraken._ptx_utils import barrier_blocks, epoch_send, epoch_sync, epoch_wait, symm_mem_sync
 
-# Tiles: ``kraken._gemm_core.skinny_or_large_tiles`` (swept on 2x H200, ``probe`` runs of the recipe and its
-# twin, ``python -m benchmark.tune``), and for this recipe: ``SKINNY_FILL`` of the SMs stream ``b`` as fast as all of
-# them (M = 64: 64x64 tiles on 64 SMs, 10.5 us; 64x32 on 128, 10.4), and pushing, half the blocks push,
-# fence and meet half as often (13.9 us against 14.3 for the whole fused kernel), so those tiles take no
-# k split. Skinny tiles push at world size 2 (``PUSH_MAX_WORLD_SIZE``); at 4, pushing to 3 peers was
-# slower than pulling from them (M = 256: 53.8 us against 42.3), so they pull there.
-# Larger M pulls, and at 4-8 ranks outputs above ``kraken.runtime.crossover``'s ``gemm_all_reduce`` entry run two-shot,
-# on the pulling tiles. With too few tiles for the SMs (small N), ``split_k`` cuts k so that tiles x split_k
-# fills them (up to ``MAX_SPLIT_K``).
+# Tiles: ``kraken._gemm_core.skinny_or_large_tiles``, and for this recipe: ``SKINNY_FILL`` of the SMs stream ``b``
+# as fast as all of them, and pushing, half the blocks push, fence and meet half as often, so those tiles take no
+# k split. Skinny tiles push at world size 2 (``PUSH_MAX_WORLD_SIZE``); at 4, pushing to 3 peers is slower than
+# pulling from them, so they pull there. Larger M pulls, and at 4-8 ranks outputs above ``ONE_SHOT_UP_TO`` run
+# two-shot, on the pulling tiles. With too few tiles for the SMs (small N), ``split_k`` cuts k so that tiles x
+# split_k fills them (up to ``MAX_SPLIT_K``).
 # Any key may be overridden per call. ``max_blocks`` None: one block per SM. ``shot``, ``split_k``, ``reduce_m``
 # None: chosen.
 SKINNY_FILL = 0.45
 PUSH_MAX_WORLD_SIZE = 2
 MAX_SPLIT_K = 4
 MIN_K_TILES_PER_SPLIT = 4  # a split shorter than this spends more on its partial than it saves
+MAX_WORLD_SIZE = 8  # one NVLink domain: the most ranks a k split's local barrier serves as parties too
 DEFAULT_CONFIG = {**TILE_CONFIGS[0], "split_k": None, "reduce_m": None, "max_blocks": None, "shot": None}
 OP = "gemm_one_shot_all_reduce"
 ONE, PUSH, TWO = "one", "push", "two"  # one-shot pulling, one-shot pushing, two-shot (module docstring)
 SHOTS = (ONE, PUSH, TWO)
+# The largest output (M x N elements) that runs one-shot, by world size (a world size without an entry takes the
+# next larger one's). One-shot reads ``world_size - 1`` whole partials, two-shot ``2 (world_size - 1) / world_size``
+# of one for one more barrier: at 2 ranks as much, so never; at 4 and 8 from where those bytes outgrow a barrier
+# (estimates at about 360 GB/s per peer read). ``kraken.runtime.crossover``'s ``gemm_all_reduce`` row, kept equal
+# by a test.
+ONE_SHOT_UP_TO = {1: math.inf, 2: math.inf, 4: 1 << 18, 8: 1 << 16}
 # At one rank with no k split no block waits for another (its epoch barrier is with itself), so the grid need not
 # be persistent: one block per tile, each keeping its only tile in registers through the barrier (``KEEP_LAST``), where
-# a persistent grid sends all but its last tile through the workspace and back (one H200, CUDA graphs, bf16 out, x
-# cuBLAS, against HEAD in one process: 2048x4096x4096 1.106-1.108 -> 1.078-1.079, 8192x4096x4096 1.126-1.129 -> 1.079;
-# 1024 rows, one tile per SM already, 1.060-1.063 either way). The block ids stay within the pad's
-# (``symm.BlockWorkspace`` keeps a parity and an epoch for each); more tiles than that keep the persistent grid.
+# a persistent grid sends all but its last tile through the workspace and back. The block ids stay within the pad's
+# (the workspace keeps a parity and an epoch for each); more tiles than that keep the persistent grid.
 ONE_RANK_TILE_PER_BLOCK = True
 # The reduce tile holds about this many values per thread (fp32 sums, and loads from up to 4 ranks in flight).
 REDUCE_VALUES_PER_THREAD = 64
@@ -121,7 +138,7 @@ def gemm_one_shot_all_reduce_kernel(
     workspace_ptr,  # this rank's BlockWorkspace as [2, chunks, tiles per chunk, slots, BLOCK_M, BLOCK_N], out_dtype
     peers,  # tuple of world_size pointers, peers[r] = rank r's workspace
     parity_ptr,  # int32[chunks]: the half of the workspace block b writes in this launch
-    epochs_ptr,  # int32[chunks]: the barrier rounds block b has completed (symm.BlockWorkspace)
+    epochs_ptr,  # int32[chunks]: the barrier rounds block b has completed
     out_ptr,  # [M, N]
     signal_pad_ptrs,
     split_pad_ptrs,  # local pads: the k-split group's barrier
@@ -165,7 +182,7 @@ def gemm_one_shot_all_reduce_kernel(
     num_tiles = tiles_m * tiles_n
     # A group of one that keeps its last tile in registers reads nothing through the barrier with itself: the
     # barrier is split, the send first, relaxed (nothing in this launch is written before it), so that only the wait
-    # stands where the block meets (64-256 rows x 4096 x 4096 on one H200, x cuBLAS: 1.19-1.25 -> 1.10-1.18).
+    # stands where the block meets.
     ALONE: tl.constexpr = world_size == 1 and KEEP_LAST == 1
     if ALONE:
         epoch_send(signal_pad_ptrs, block, rank, world_size, epoch + 1)
@@ -270,9 +287,156 @@ def gemm_one_shot_all_reduce_kernel(
                     owner = peers[j % world_size]
                     summed = tl.load(owner + chunk + rnd * TILE + rows[:, None] * BLOCK_N + cols[None, :])
                     store_rows(out_ptr, m0 + rows, n0 + cols, summed, M, N)
-    # The next launch writes the other half: no "done reading" barrier needed (symm.BlockWorkspace).
+    # The next launch writes the other half: no "done reading" barrier needed (the module docstring).
     tl.store(parity_ptr + block, 1 - parity)
     tl.store(epochs_ptr + block, epoch + (2 if SHARDS > 1 else 1))
+
+
+def keeps_last(split_k: int, world_size: int, out_dtype: torch.dtype, shot: str) -> int:
+    """1 if the last round's partial stays in registers through the barrier (``KEEP_LAST``): one-shot, with no k
+    split (a split sums slices of the tile, not the tile) and at most 2 ranks (where the sum of two partials is the
+    same in either order), bf16 partials at 2 ranks (a whole fp32 tile of the peer's beside mine spills)."""
+    one_shot = shot != TWO
+    return int(one_shot and split_k == 1 and (world_size == 1 or (world_size == 2 and out_dtype.itemsize == 2)))
+
+
+def shards_of(shot: str, world_size: int) -> int:
+    """``SHARDS``: the slices a two-shot block cuts its rows into, ``world_size`` rounded up to a power of two
+    (slice j is rank ``j % world_size``'s); 1 for one-shot."""
+    return 1 << (world_size - 1).bit_length() if shot == TWO else 1
+
+
+def one_shot_form(m: int, world_size: int) -> str:
+    """One-shot's form for M rows: pushing up to ``SKINNY_M`` rows at up to ``PUSH_MAX_WORLD_SIZE`` ranks, else
+    pulling."""
+    return PUSH if m <= SKINNY_M and world_size <= PUSH_MAX_WORLD_SIZE else ONE
+
+
+def choose_shot(m: int, n: int, world_size: int) -> str:
+    """The form for an M x N output: two-shot above ``ONE_SHOT_UP_TO``'s entry for the world size (that of the
+    smallest world size at or above it), else one-shot (``one_shot_form``)."""
+    sizes = sorted(ONE_SHOT_UP_TO)
+    if not 1 <= world_size <= sizes[-1]:
+        raise ValueError(f"{OP}: no crossover for world size {world_size} (measured: {sizes})")
+    if m * n > ONE_SHOT_UP_TO[min(ws for ws in sizes if ws >= world_size)]:
+        return TWO
+    return one_shot_form(m, world_size)
+
+
+def default_config(m: int, n: int, k: int, num_sms: int, world_size: int, shot: str | None = None) -> dict:
+    """This shape's form (``shot``, or ``choose_shot``) and tiles (``kraken._gemm_core.skinny_or_large_tiles``,
+    narrower when pushing), with no k split for up to ``SKINNY_M`` rows if the tiles give ``SKINNY_FILL`` of
+    the SMs a tile."""
+    shot = choose_shot(m, n, world_size) if shot is None else shot
+    # Pushing 64-row tiles takes them 64 wide (fewer pushes); a group of one pushes nothing: 32 wide, twice the
+    # blocks streaming b.
+    cfg = {**skinny_or_large_tiles(m, n, k, num_sms, shot == PUSH and world_size > 1), "shot": shot}
+    if m <= SKINNY_M and cdiv(m, cfg["block_m"]) * cdiv(n, cfg["block_n"]) >= SKINNY_FILL * num_sms:
+        cfg["split_k"] = 1
+    return cfg
+
+
+def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int, max_split: int = MAX_SPLIT_K) -> int:
+    """The largest power-of-two k split (<= ``max_split``) whose blocks all fit the grid at once and
+    divide k's tiles evenly, at least ``MIN_K_TILES_PER_SPLIT`` each."""
+    k_tiles, split = cdiv(k, block_k), 1
+    while (
+        2 * split <= max_split
+        and num_tiles * 2 * split <= max_blocks
+        and k_tiles % (2 * split) == 0
+        and k_tiles // (2 * split) >= MIN_K_TILES_PER_SPLIT
+    ):
+        split *= 2
+    return split
+
+
+def reduce_rows(rows: int, block_n: int, num_warps: int, world_size: int) -> int:
+    """Rows per reduce step: as many of ``rows`` as fit the register budget, so a slice is loaded (over
+    NVLink when pulling) in as few round trips as possible."""
+    budget = REDUCE_VALUES_PER_THREAD * 32 * num_warps
+    while rows > 1 and rows * block_n * min(world_size, 4) > budget:
+        rows //= 2
+    return rows
+
+
+def _power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int, pad_bytes: int | None = None) -> dict:
+    """The launch configuration (shared with the Helion twin).
+
+    The grid is persistent: ``num_groups`` groups of ``split_k`` blocks, at most one block per SM
+    and per block id the signal pad holds (``pad_bytes``; by default torch's pad size); group g owns tiles g,
+    g + num_groups, ...; at one rank with no k split, one block per tile, one-shot (``ONE_RANK_TILE_PER_BLOCK``).
+    """
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"{OP}: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    shot = config.get("shot")
+    if shot is not None and shot not in SHOTS:
+        raise ValueError(f"{OP}: shot must be one of {', '.join(map(repr, SHOTS))} (or absent: chosen by shape), "
+                         f"got {shot!r}")
+    pad_bytes = symm_mem.get_signal_pad_size() if pad_bytes is None else pad_bytes
+    defaults = default_config(m, n, k, num_sms, world_size, shot)
+    cfg = {**DEFAULT_CONFIG, **defaults, **config, "shot": defaults["shot"]}  # shot None: the chosen one
+    shards = shards_of(cfg["shot"], world_size)
+    for key in ("block_m", "block_n", "block_k"):
+        if cfg[key] < 16 or not _power_of_two(cfg[key]):
+            raise ValueError(f"{OP}: {key} must be a power of two >= 16, got {cfg[key]}")
+    num_tiles = cdiv(max(m, 1), cfg["block_m"]) * cdiv(max(n, 1), cfg["block_n"])
+    max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
+    max_blocks = max(1, min(num_sms, max_blocks, barrier_blocks(world_size, pad_bytes)))
+    if cfg["split_k"] is None:  # two-shot: every rank's slice of the block's rows at least one row
+        max_split = min(MAX_SPLIT_K, cfg["block_m"] // shards)
+        cfg["split_k"] = split_k_for(num_tiles, k, cfg["block_k"], max_blocks, max_split)
+    split = cfg["split_k"]
+    if not _power_of_two(split) or split > min(MAX_WORLD_SIZE, cfg["block_m"] // shards, max_blocks):
+        rows = "block_m" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
+        raise ValueError(f"{OP}: split_k must be a power of two <= min(8, {rows}, blocks), got {split}")
+    shard_m = cfg["block_m"] // split // shards
+    if cfg["reduce_m"] is None:
+        cfg["reduce_m"] = reduce_rows(shard_m, cfg["block_n"], cfg["num_warps"], world_size)
+    if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > shard_m:
+        what = "block_m / split_k" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
+        raise ValueError(f"{OP}: reduce_m must be a power of two <= {what} = {shard_m}, got {cfg['reduce_m']}")
+    # Only where the kernel keeps its one tile in registers (``keeps_last``): two-shot sends every tile through its
+    # block's chunk of the workspace, and there are chunks for one block per SM.
+    solo = (ONE_RANK_TILE_PER_BLOCK and world_size == 1 and split == 1 and cfg["max_blocks"] is None
+            and cfg["shot"] != TWO)
+    if solo and num_tiles <= barrier_blocks(1, pad_bytes):
+        num_groups = num_tiles  # one tile per block (``ONE_RANK_TILE_PER_BLOCK``)
+    else:
+        num_groups = min(num_tiles, max_blocks // split)
+    keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "shot", "num_warps", "num_stages")
+    return {
+        **{key: cfg[key] for key in keys},
+        "num_blocks": num_groups * split,
+        "num_groups": num_groups,
+        "k_per_split": cdiv(cdiv(k, cfg["block_k"]), split) * cfg["block_k"],
+    }
+
+
+def rounds_of(m: int, n: int, cfg: dict) -> int:
+    """Rounds of the persistent loop (``plan``'s ``cfg``): the tiles each group takes."""
+    return cdiv(cdiv(m, cfg["block_m"]) * cdiv(n, cfg["block_n"]), cfg["num_groups"])
+
+
+def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
+    """What block ``b``'s chunk of the workspace holds per round (``plan``'s ``cfg``): [slots, BLOCK_M,
+    BLOCK_N], a slot per rank's partial of the round's tile when pushing, else one for this rank's (two-shot:
+    overwritten by the sums of the rows it owns)."""
+    return (world_size if cfg["shot"] == PUSH else 1, cfg["block_m"], cfg["block_n"])
+
+
+def triton_launch(kernel, grid: tuple[int, ...], *args, **meta):
+    """``launch``'s default launcher: Triton's own ``kernel[grid](...)``."""
+    return kernel[grid](*args, **meta)
+
+
+def descriptor(tensor: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor of ``tensor`` in ``block_shape`` boxes (zeros past its ends)."""
+    return TensorDescriptor(tensor, tensor.shape, tensor.stride(), block_shape)
 
 
 def launch(
@@ -298,19 +462,21 @@ def launch(
     num_groups: int,
     k_per_split: int,
     group_name: str = "",
-    launcher=jit_launch,
+    launcher=triton_launch,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+    """Launch on planned arguments (no checks); the same signature as the Helion twin's ``launch``.
 
-    ``peers`` are every rank's workspace as ``prepare`` views it, ``peers[rank]`` this rank's;
-    ``group_name`` is unused here (Helion's ``hl.ProcessGroupName``).
+    ``peers`` are every rank's workspace viewed as [2, chunks, rounds, *chunk_tile], ``peers[rank]`` this rank's;
+    ``partials`` fp32 [blocks, 2, BLOCK_M, BLOCK_N] local scratch for a k split (anything without one) and
+    ``split_pad_ptrs`` the k-split group's local barrier pads (``local_barrier_pads``); ``group_name`` is unused
+    here (Helion's ``hl.ProcessGroupName``). ``launcher``: Triton's own launch, or the installed package's.
     """
     m, n = out.shape
     a, b = tma_operands(a, b, block_m)  # a's rows zero-padded to whole tiles (``tma_operands`` says why)
     workspace = peers[rank]
     launcher(
         gemm_one_shot_all_reduce_kernel, (num_blocks,),
-        tma_operand(a, [block_m, block_k]), tma_operand(b, [block_k, block_n]),
+        descriptor(a, [block_m, block_k]), descriptor(b, [block_k, block_n]),
         partials, workspace, peers, parity, epochs, out, signal_pad_ptrs, split_pad_ptrs, m, n, a.shape[1],
         *workspace.stride()[:2], num_groups, k_per_split, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, REDUCE_M=reduce_m, PUSH=shot == PUSH,
@@ -320,165 +486,27 @@ def launch(
     return out
 
 
-def keeps_last(split_k: int, world_size: int, out_dtype: torch.dtype, shot: str) -> int:
-    """1 if the last round's partial stays in registers through the barrier (``KEEP_LAST``): one-shot, with no k
-    split (a split sums slices of the tile, not the tile) and at most 2 ranks (where the sum of two partials is the
-    same in either order), bf16 partials at 2 ranks (a whole fp32 tile of the peer's beside mine spills)."""
-    one_shot = shot != TWO
-    return int(one_shot and split_k == 1 and (world_size == 1 or (world_size == 2 and out_dtype.itemsize == 2)))
+def local_barrier_pads(num_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signal pads for the k-split groups' barrier between blocks of one GPU, as ``symm_mem_sync`` takes them:
+    a zeroed int32 pad per party (split), a slot per (block id, party), and the device array of their addresses
+    (its ``data_ptr()`` is ``split_pad_ptrs``). The barrier resets its slots, so the pads serve every launch."""
+    pads = torch.zeros(MAX_WORLD_SIZE, max(num_blocks, 1) * MAX_WORLD_SIZE, dtype=torch.int32, device=device)
+    return pads, torch.tensor([row.data_ptr() for row in pads], dtype=torch.int64, device=device)
 
 
-def shards_of(shot: str, world_size: int) -> int:
-    """``SHARDS``: the slices a two-shot block cuts its rows into, ``world_size`` rounded up to a power of two
-    (slice j is rank ``j % world_size``'s); 1 for one-shot."""
-    return 1 << (world_size - 1).bit_length() if shot == TWO else 1
-
-
-def one_shot_form(m: int, world_size: int) -> str:
-    """One-shot's form for M rows: pushing up to ``SKINNY_M`` rows at up to ``PUSH_MAX_WORLD_SIZE`` ranks, else
-    pulling."""
-    return PUSH if m <= SKINNY_M and world_size <= PUSH_MAX_WORLD_SIZE else ONE
-
-
-def choose_shot(m: int, n: int, world_size: int) -> str:
-    """The form for an M x N output: two-shot above ``kraken.runtime.crossover``'s ``gemm_all_reduce`` entry, else
-    one-shot (``one_shot_form``)."""
-    if crossover.choose(OP, m * n, world_size) == crossover.TWO:
-        return TWO
-    return one_shot_form(m, world_size)
-
-
-def default_config(m: int, n: int, k: int, num_sms: int, world_size: int, shot: str | None = None) -> dict:
-    """This shape's form (``shot``, or ``choose_shot``) and tiles (``kraken._gemm_core.skinny_or_large_tiles``,
-    narrower when pushing), with no k split for up to ``SKINNY_M`` rows if the tiles give ``SKINNY_FILL`` of
-    the SMs a tile."""
-    shot = choose_shot(m, n, world_size) if shot is None else shot
-    # Pushing 64-row tiles takes them 64 wide (fewer pushes); a group of one pushes nothing: 32 wide, twice the
-    # blocks streaming b (M = 64, 4096 x 4096 on one H200: 10.3 us against 10.9).
-    cfg = {**skinny_or_large_tiles(m, n, k, num_sms, shot == PUSH and world_size > 1), "shot": shot}
-    if m <= SKINNY_M and groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"]) >= SKINNY_FILL * num_sms:
-        cfg["split_k"] = 1
-    return cfg
-
-
-def split_k_for(num_tiles: int, k: int, block_k: int, max_blocks: int, max_split: int = MAX_SPLIT_K) -> int:
-    """The largest power-of-two k split (<= ``max_split``) whose blocks all fit the grid at once and
-    divide k's tiles evenly, at least ``MIN_K_TILES_PER_SPLIT`` each."""
-    k_tiles, split = groups.cdiv(k, block_k), 1
-    while (
-        2 * split <= max_split
-        and num_tiles * 2 * split <= max_blocks
-        and k_tiles % (2 * split) == 0
-        and k_tiles // (2 * split) >= MIN_K_TILES_PER_SPLIT
-    ):
-        split *= 2
-    return split
-
-
-def reduce_rows(rows: int, block_n: int, num_warps: int, world_size: int) -> int:
-    """Rows per reduce step: as many of ``rows`` as fit the register budget, so a slice is loaded (over
-    NVLink when pulling) in as few round trips as possible."""
-    budget = REDUCE_VALUES_PER_THREAD * 32 * num_warps
-    while rows > 1 and rows * block_n * min(world_size, 4) > budget:
-        rows //= 2
-    return rows
-
-
-def _power_of_two(value: int) -> bool:
-    return value >= 1 and value & (value - 1) == 0
-
-
-def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
-    """Resolve the launch configuration (shared with the Helion port).
-
-    The grid is persistent: ``num_groups`` groups of ``split_k`` blocks, at most one block per SM
-    and within the signal pad's budget; group g owns tiles g, g + num_groups, ...; at one rank with no k split,
-    one block per tile, one-shot (``ONE_RANK_TILE_PER_BLOCK``).
-    """
-    groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    shot = config.get("shot")
-    if shot is not None and shot not in SHOTS:
-        raise ValueError(f"{OP}: shot must be one of {', '.join(map(repr, SHOTS))} (or absent: chosen by shape), "
-                         f"got {shot!r}")
-    defaults = default_config(m, n, k, num_sms, world_size, shot)
-    cfg = {**DEFAULT_CONFIG, **defaults, **config, "shot": defaults["shot"]}  # shot None: the chosen one
-    shards = shards_of(cfg["shot"], world_size)
-    for key in ("block_m", "block_n", "block_k"):
-        if cfg[key] < 16 or not _power_of_two(cfg[key]):
-            raise ValueError(f"{OP}: {key} must be a power of two >= 16, got {cfg[key]}")
-    num_tiles = groups.cdiv(max(m, 1), cfg["block_m"]) * groups.cdiv(max(n, 1), cfg["block_n"])
-    max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
-    max_blocks = groups.persistent_grid(num_sms, max_blocks, world_size)
-    if cfg["split_k"] is None:  # two-shot: every rank's slice of the block's rows at least one row
-        max_split = min(MAX_SPLIT_K, cfg["block_m"] // shards)
-        cfg["split_k"] = split_k_for(num_tiles, k, cfg["block_k"], max_blocks, max_split)
-    split = cfg["split_k"]
-    if not _power_of_two(split) or split > min(groups.MAX_WORLD_SIZE, cfg["block_m"] // shards, max_blocks):
-        rows = "block_m" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
-        raise ValueError(f"{OP}: split_k must be a power of two <= min(8, {rows}, blocks), got {split}")
-    shard_m = cfg["block_m"] // split // shards
-    if cfg["reduce_m"] is None:
-        cfg["reduce_m"] = reduce_rows(shard_m, cfg["block_n"], cfg["num_warps"], world_size)
-    if not _power_of_two(cfg["reduce_m"]) or cfg["reduce_m"] > shard_m:
-        what = "block_m / split_k" + (f" / {shards} (two-shot slices)" if shards > 1 else "")
-        raise ValueError(f"{OP}: reduce_m must be a power of two <= {what} = {shard_m}, got {cfg['reduce_m']}")
-    # Only where the kernel keeps its one tile in registers (``keeps_last``): two-shot sends every tile through its
-    # block's chunk of the workspace, and there are chunks for one block per SM.
-    solo = (ONE_RANK_TILE_PER_BLOCK and world_size == 1 and split == 1 and cfg["max_blocks"] is None
-            and cfg["shot"] != TWO)
-    if solo and num_tiles <= groups.max_barrier_blocks(1):
-        num_groups = num_tiles  # one tile per block (``ONE_RANK_TILE_PER_BLOCK``)
-    else:
-        num_groups = min(num_tiles, max_blocks // split)
-    keys = ("block_m", "block_n", "block_k", "split_k", "reduce_m", "shot", "num_warps", "num_stages")
-    return {
-        **{key: cfg[key] for key in keys},
-        "num_blocks": num_groups * split,
-        "num_groups": num_groups,
-        "k_per_split": groups.cdiv(groups.cdiv(k, cfg["block_k"]), split) * cfg["block_k"],
-    }
-
-
-def rounds_of(m: int, n: int, cfg: dict) -> int:
-    """Rounds of the persistent loop (``plan``'s ``cfg``): the tiles each group takes."""
-    return groups.cdiv(groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"]), cfg["num_groups"])
-
-
-def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
-    """What block ``b``'s chunk of the workspace holds per round (``plan``'s ``cfg``): [slots, BLOCK_M,
-    BLOCK_N], a slot per rank's partial of the round's tile when pushing, else one for this rank's (two-shot:
-    overwritten by the sums of the rows it owns)."""
-    return (world_size if cfg["shot"] == PUSH else 1, cfg["block_m"], cfg["block_n"])
-
-
-@prepared.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, prepared.tensor_key(a), prepared.tensor_key(b), out_dtype, prepared.config_key(config)))
-def prepare(
-    a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
-) -> tuple[symm.SymmContext, dict]:
-    """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
-    ``symm.BlockWorkspace`` viewed as [2, chunks, tiles per chunk, slots, BLOCK_M, BLOCK_N] of
-    ``out_dtype`` (``chunk_tile``)."""
-    # The first call of each signature checks that every rank passes the same shapes and valid ones.
-    with agreement.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
-        check_inputs(a, b, out_dtype, op)
-        (m, k), n = a.shape, b.shape[1]
-        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-        world_size = groups.world_size_of(group, op)
-        cfg = plan(m, n, k, world_size, config, num_sms)
-        groups.check_barrier_blocks(cfg["num_blocks"], world_size, op)
-    tile = chunk_tile(cfg, world_size)
-    chunk_bytes = rounds_of(m, n, cfg) * math.prod(tile) * out_dtype.itemsize
-    workspace = symm.block_workspace(chunk_bytes, a.device, group, op)
-    ctx = workspace.context(out_dtype, tile)
-    split_args = {
-        "parity": workspace.parity,
-        "epochs": workspace.epochs,
-        "partials": symm.local_scratch((workspace.num_chunks, 2, *tile[1:]) if cfg["split_k"] > 1 else (1,),
-                                       torch.float32, a.device),
-        "split_pad_ptrs": symm.local_barrier_pads(a.device),
-    }
-    return ctx, {**split_args, **cfg, "launcher": Launcher(op)}
+def block_workspace(m: int, n: int, cfg: dict, dtype: torch.dtype, device: torch.device,
+                    group: dist.ProcessGroup) -> tuple:
+    """A fresh symmetric workspace for ``plan``'s ``cfg`` on every rank of ``group`` (a collective): (every rank's
+    workspace viewed as [2, num_blocks, rounds, *chunk_tile] as this rank sees it, the signal pads' pointer array,
+    this rank, parity, epochs). Its pad is new, all zeros: the barrier rounds count from 1."""
+    world_size = group.size()
+    shape = (2, cfg["num_blocks"], rounds_of(m, n, cfg), *chunk_tile(cfg, world_size))
+    buf = symm_mem.empty(math.prod(shape), dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buf, group.group_name)
+    peers = tuple(buf.view(shape) if r == handle.rank else handle.get_buffer(r, shape, dtype)
+                  for r in range(handle.world_size))
+    parity = torch.zeros(cfg["num_blocks"], dtype=torch.int32, device=device)
+    return peers, handle.signal_pad_ptrs_dev, handle.rank, parity, torch.zeros_like(parity)
 
 
 def gemm_one_shot_all_reduce(
@@ -488,61 +516,65 @@ def gemm_one_shot_all_reduce(
     out_dtype: torch.dtype = torch.float32,
     **config,
 ) -> torch.Tensor:
-    """``sum over ranks of a @ b`` as a new [M, N] tensor of ``out_dtype`` (bf16 or fp32).
+    """``sum over ranks of a @ b`` as a new [M, N] tensor of ``out_dtype`` (bf16 or fp32), by the fused kernel.
 
-    ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or
-    fp16, the same shapes on every rank. ``config`` overrides ``default_config(M, N, K, num_sms, world_size)``
-    (the form, ``shot="one"`` / ``"push"`` / ``"two"``, and tiles) and the chosen ``split_k``/``reduce_m``/
-    ``max_blocks`` (see ``plan``); ``form="fused"`` or ``"sequential"`` forces the form ``crossover`` would
-    choose by size.
-    """
-    return call(launch, OP, a, b, group, out_dtype, config, sm_all_reduce)
-
-
-def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, config: dict,
-         all_reduce) -> torch.Tensor:
-    """``gemm_one_shot_all_reduce`` with a given ``launch`` and ``all_reduce`` (the recipe's or its twin's front door)
-    under the name ``op``, in the form ``crossover`` chooses: sequential, cuBLAS then ``all_reduce`` (one- or
-    two-shot by size: the sum in fp32, rounded once), only where the output dtype is ``a``'s; else the prepared
-    call and its launch."""
-    prepared = chosen(a, b, group, out_dtype, op, config)
-    if prepared == crossover.SEQUENTIAL:
-        return all_reduce(torch.matmul(a, b), group)
-    ctx, launch_cfg = prepared
-    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    return prepared_launch(launch, (a, b), ctx, launch_cfg, out)
-
-
-@prepared.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, prepared.tensor_key(a), prepared.tensor_key(b), out_dtype, prepared.config_key(config)))
-def chosen(a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict):
-    """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
-    sequential only where the output dtype is ``a``'s."""
-    sequential_ok = isinstance(a, torch.Tensor) and a.dtype == out_dtype
-    return crossover.fused_prepared(op, a, b, group, False, sequential_ok, config, check_sequential,
-                                    lambda fused_config: prepare(a, b, group, out_dtype, op, fused_config),
-                                    fills_poorly)
-
-
-def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
-    """The sequential form's checks (``kraken.runtime.crossover.form`` runs them inside its agreement)."""
-    check_inputs(a, b, a.dtype, op)
-
-
-# The fused kernel runs one block per output tile (or per k slice of one). Above ``SKINNY_M`` rows the tensor
-# cores bind, and where its tiles leave more than a quarter of the SMs' last wave idle (512x5120x5120: 80 tiles
-# of 128x256 on 132 SMs), cuBLAS, which splits such shapes its own way, then the all-reduce is the faster form
-# (``kraken.runtime.crossover``). Up to ``SKINNY_M`` rows streaming ``b`` binds, whatever the wave's fill.
-MIN_WAVE_FILL = 0.75
-
-
-def fills_poorly(a: torch.Tensor, b: torch.Tensor, world_size: int) -> bool:
-    """Whether the fused plan for ``a @ b`` (more than ``SKINNY_M`` rows) fills less than ``MIN_WAVE_FILL`` of its
-    waves of SMs."""
+    The recipe spelled out: the plan (its form, ``shot``, and tiles; ``config`` overrides them), a symmetric
+    workspace on every rank, the k split's local scratch and pads, one launch. It allocates and rendezvouses on
+    every call and checks nothing; ``kraken.gemm_one_shot_all_reduce`` is the installed one (checks agreed across
+    ranks, cuBLAS then the SM all-reduce where that is faster, prepared calls)."""
+    group = dist.group.WORLD if group is None else group
+    group = c10d._resolve_process_group(group) if isinstance(group, str) else group
     (m, k), n = a.shape, b.shape[1]
-    if m <= SKINNY_M:
-        return False
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    cfg = plan(m, n, k, world_size, {}, num_sms)
-    units = groups.cdiv(m, cfg["block_m"]) * groups.cdiv(n, cfg["block_n"]) * cfg["split_k"]
-    return units / (groups.cdiv(units, num_sms) * num_sms) < MIN_WAVE_FILL
+    cfg = plan(m, n, k, group.size(), config, num_sms)
+    peers, signal_pad_ptrs, rank, parity, epochs = block_workspace(m, n, cfg, out_dtype, a.device, group)
+    partials = torch.empty(cfg["num_blocks"] * 2 * cfg["block_m"] * cfg["block_n"] if cfg["split_k"] > 1 else 1,
+                           dtype=torch.float32, device=a.device)
+    pads, pad_ptrs = local_barrier_pads(cfg["num_blocks"], a.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    launch(a, b, peers, out, signal_pad_ptrs, rank, parity, epochs, partials, pad_ptrs.data_ptr(), **cfg)
+    return out
+
+
+def main(m: int = 256, n: int = 4096, k: int = 4096, iters: int = 20) -> None:
+    """Check against ``torch.matmul`` and NCCL's all-reduce and time the kernel (``torchrun``, or alone)."""
+    if "RANK" not in os.environ:  # run alone: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    a = (torch.randn(m, k, device=device) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(k, n, device=device).to(torch.bfloat16)
+    expected = a.float() @ b.float()
+    dist.all_reduce(expected)
+    got = gemm_one_shot_all_reduce(a, b)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * world_size)
+
+    cfg = plan(m, n, k, world_size, {}, torch.cuda.get_device_properties(device).multi_processor_count)
+    peers, signal_pad_ptrs, rank, parity, epochs = block_workspace(m, n, cfg, torch.float32, device,
+                                                                   dist.group.WORLD)
+    partials = torch.empty(cfg["num_blocks"] * 2 * cfg["block_m"] * cfg["block_n"] if cfg["split_k"] > 1 else 1,
+                           device=device)
+    pads, pad_ptrs = local_barrier_pads(cfg["num_blocks"], device)
+    out = torch.empty(m, n, device=device)
+    args = (a, b, peers, out, signal_pad_ptrs, rank, parity, epochs, partials, pad_ptrs.data_ptr())
+    for _ in range(3):  # warm up (compile)
+        launch(*args, **cfg)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        launch(*args, **cfg)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - start) / iters * 1e6
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2 * world_size)
+    if rank == 0:
+        print(f"gemm_one_shot_all_reduce: {m}x{n}x{k} bf16 -> fp32 x {world_size} ranks: matches matmul + NCCL, "
+              f"{us:.1f} us per call (eager launches; {cfg})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ summed product, rows ``[rank * M / ws, (rank + 1) * M / ws)``. Each band is cut 
 rows, so the blocks running at once share ``a`` rows and ``b`` columns in L2). The
 grid is persistent: block ``b`` takes tiles ``j = b, b + blocks, ...`` of *every* band,
 the same ``j`` on every rank, so block ``b`` of a rank exchanges only with block ``b``
-of the others (``symm.BlockWorkspace``: block ``b`` writes only chunk ``b``).
+of the others (block ``b`` writes only chunk ``b`` of the workspace).
 
 1. Peers' bands, owners ``rank + 1, rank + 2, ...`` (so the ranks do not all push to
    one peer at once): GEMM each tile (``kraken._gemm_core.mainloop``) and push the
@@ -23,42 +23,60 @@ of the others (``symm.BlockWorkspace``: block ``b`` writes only chunk ``b``).
 
 Rows past a band's end (``M / ws`` not a multiple of ``BLOCK_M``) are the next band's
 rows, or TMA's zeros past M: computed and pushed, never stored to ``out``.
-No barrier at the end: the workspace is double-buffered per block (``BlockWorkspace``),
-its parity and epoch count advance on the device, and CUDA graphs replay it as is.
 
-The kernel also serves ``kraken.fused.gemm_reduce_scatter_fp8``: its constexpr switches (``B_TRANS``,
-``SCALED``) and scale pointers stay at their defaults here, and compile away.
+The workspace: a symmetric buffer viewed as [2, chunks, rounds, world_size - 1, BLOCK_M,
+BLOCK_N] of ``out_dtype`` (two halves of a chunk per block, a slot per sending peer in each
+round: ``rounds_of``, ``chunk_tile``), with ``parity`` and ``epochs`` (int32 per block) and
+the buffer's own signal pad. No barrier at the end: block ``b`` writes half ``parity[b]``
+and flips it, so a launch writes the half the previous launch did not, and the launch
+before that has finished on every rank (each launch passes a barrier with every peer,
+and a peer's kernel starts only after its previous one ended); its barrier rounds are
+numbered ``epochs[b] + 1, ...`` and advance on the device, so CUDA graphs replay it as is.
+
+Layout: ``a`` [M, K] and ``b`` [K, N] contiguous, bf16 or fp16, the same shapes on every
+rank, M divisible by the world size; ``out`` [M / ws, N], bf16 or fp32. TMA needs 16-byte
+aligned rows: other operands are zero-padded copies (``kraken._gemm_core.tma_operands``).
+
+The kernel's constexpr switches for fp8 (``B_TRANS``, ``SCALED``) and its scale pointers
+stay at their defaults here, and compile away.
+
+This file is the recipe: the kernel, ``plan`` (pure), ``launch`` (the seam the installed
+package's fast path calls with its own ``launcher``) and a plain host function.
+``kraken.gemm_reduce_scatter`` is the same kernel behind the product layer
+(``kraken.runtime.gemm_reduce_scatter``: checks agreed across ranks, the choice between this
+fused form and cuBLAS then the SM reduce-scatter, a prepared call per signature, a shared
+workspace, replayed launches).
+
+    torchrun --nproc-per-node 2 kraken/fused/gemm_reduce_scatter.py
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+import torch.distributed.distributed_c10d as c10d
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kraken._gemm_core import (  # noqa: F401 (check_tiles: the fp8 recipe's too)
-    MAX_INDEX, SKINNY_M, balanced_grid, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles,
+from kraken._gemm_core import (
+    MAX_INDEX, SKINNY_M, balanced_grid, cdiv, check_tiles, flattens, mainloop, scaled, skinny_or_large_tiles,
     tile_coords, tma_operands,
 )
-from kraken._ptx_utils import epoch_send, epoch_sync, epoch_wait
-from kraken.runtime.collectives import reduce_scatter as sm_reduce_scatter
-from kraken.runtime import agreement, crossover, groups, prepared, symm
-from kraken.runtime.gemm_checks import check_inputs
-from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
-from kraken.runtime.replay import prepared_launch
+from kraken._ptx_utils import barrier_blocks, epoch_send, epoch_sync, epoch_wait
 
 OP = "gemm_reduce_scatter"
 GROUP_M = 8  # tile rows per group of the tile order (L2 reuse across the blocks running at once)
 DEFAULT_CONFIG = {"block_m": None, "block_n": None, "block_k": None, "group_m": GROUP_M, "num_warps": None,
                   "num_stages": None, "max_blocks": None}
 # Above 256 rows per band the tensor cores bind, and each phase ends in a partial wave of tiles. 128x128 tiles
-# (8 warps, 4 stages) replace the core's 128x256 where they fill the waves ``WAVE_GAIN`` better:
-# on 2x H200, 2048x14336x4096 (448 tiles of 128x256 in 4 waves of 132, 85% full; 896 of 128x128, 97%) took
-# 390-392 us against 411-418; 1024x6656x2560 (79% either way) 83 us against 78, and 8192x14336x4096 (97%
-# either way) 1643 (1603 on 4 warps) against 1523-1556.
+# (8 warps, 4 stages) replace the core's 128x256 where they fill the waves ``WAVE_GAIN`` better (a short last
+# wave costs as much as a full one).
 MID_TILE = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}
 WAVE_GAIN = 0.05
 
@@ -169,8 +187,7 @@ def gemm_reduce_scatter_kernel(
     # tile (with the barrier) runs before the loop, so that the loop waits on nothing: Triton copies a wait inside a
     # flattened loop into its peeled iterations. A group of one pushed nothing and reads no partial: its barrier (with
     # itself) is split around the whole band, whose loop is flattened. The send goes first, relaxed (nothing in this
-    # launch is written before it), the wait last, so neither stands between the block and its first loads
-    # (1024x6656x2560 on one H200, x cuBLAS: 1.057-1.061 with the whole barrier before the band, 1.034-1.036 split).
+    # launch is written before it), the wait last, so neither stands between the block and its first loads.
     ALONE: tl.constexpr = world_size == 1
     PEEL: tl.constexpr = FLATTEN and not ALONE
     if ALONE:
@@ -185,9 +202,70 @@ def gemm_reduce_scatter_kernel(
                  GROUP_M, B_TRANS, SCALED, A_ROWWISE, B_COLWISE, not FLATTEN and not ALONE, WIDE)
     if ALONE:
         epoch_wait(signal_pad_ptrs, block, rank, world_size, epoch + 1)
-    # The next launch writes the other half: no "done reading" barrier (symm.BlockWorkspace).
+    # The next launch writes the other half: no "done reading" barrier (the module docstring).
     tl.store(parity_ptr + block, 1 - parity)
     tl.store(epochs_ptr + block, epoch + 1)
+
+
+def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dict:
+    """The tiles for one band (``M / world_size`` rows): ``kraken._gemm_core.skinny_or_large_tiles`` (up to 256
+    rows one warpgroup on narrow tiles that fit one wave, bound by streaming ``b``, 64 wide on 64-row tiles up
+    to 2 ranks; above, the largest tile that gives more than half the SMs a tile), or ``MID_TILE`` where that
+    fills the waves of ``num_sms`` blocks by ``WAVE_GAIN`` better."""
+    band_m = max(m // world_size, 1)
+    cfg = skinny_or_large_tiles(band_m, n, k, num_sms, push=band_m <= SKINNY_M and world_size <= 2)
+
+    def fill(tile: dict) -> float:  # the share of the rounds' block slots (rounds x blocks) that get a tile
+        tiles = cdiv(band_m, tile["block_m"]) * cdiv(n, tile["block_n"])
+        return tiles / (cdiv(tiles, num_sms) * num_sms)
+
+    if band_m > SKINNY_M and fill(MID_TILE) > fill(cfg) + WAVE_GAIN:
+        return dict(MID_TILE)
+    return cfg
+
+
+LAUNCH_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+
+
+def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int, pad_bytes: int | None = None) -> dict:
+    """The launch configuration: ``DEFAULT_CONFIG`` overridden by ``config``, the tiles of ``default_config`` for
+    what it leaves None, and a persistent grid of at most one block per band tile, per SM (``max_blocks``) and
+    per block id the signal pad holds (``pad_bytes``; by default torch's pad size), balanced (``balanced_grid``:
+    every round of a band as many tiles). Shared with the Helion twin."""
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"{OP}: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    chosen = {key: value for key, value in config.items() if value is not None}
+    cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms, world_size), **chosen}
+    check_tiles(cfg, OP)
+    pad_bytes = symm_mem.get_signal_pad_size() if pad_bytes is None else pad_bytes
+    band_tiles = cdiv(max(m // world_size, 1), cfg["block_m"]) * cdiv(max(n, 1), cfg["block_n"])
+    max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
+    grid = max(1, min(band_tiles, max_blocks, barrier_blocks(world_size, pad_bytes)))
+    return {**{key: cfg[key] for key in LAUNCH_KEYS}, "num_blocks": balanced_grid(band_tiles, grid)}
+
+
+def rounds_of(m: int, n: int, world_size: int, cfg: dict) -> int:
+    """Tiles per band of block 0, the busiest (``plan``'s ``cfg``): the rounds a chunk holds."""
+    band_tiles = cdiv(max(m // world_size, 1), cfg["block_m"]) * cdiv(n, cfg["block_n"])
+    return cdiv(band_tiles, cfg["num_blocks"])
+
+
+def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
+    """What block ``b``'s chunk of the workspace holds per round: a slot per sending peer, [world_size - 1,
+    BLOCK_M, BLOCK_N]; a group of one has no sender but keeps one (unused) slot, so that its workspace, views
+    and barrier pads are those of any other group."""
+    return (max(world_size - 1, 1), cfg["block_m"], cfg["block_n"])
+
+
+def triton_launch(kernel, grid: tuple[int, ...], *args, **meta):
+    """``launch``'s default launcher: Triton's own ``kernel[grid](...)``."""
+    return kernel[grid](*args, **meta)
+
+
+def descriptor(tensor: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor of ``tensor`` in ``block_shape`` boxes (zeros past its ends)."""
+    return TensorDescriptor(tensor, tensor.shape, tensor.stride(), block_shape)
 
 
 def launch(
@@ -207,19 +285,21 @@ def launch(
     num_stages: int,
     num_blocks: int,
     group_name: str = "",
-    launcher=jit_launch,
+    launcher=triton_launch,
 ) -> torch.Tensor:
-    """Launch on prepared arguments (no checks); the same signature as the Helion port's ``launch``.
+    """Launch on planned arguments (no checks); the same signature as the Helion twin's ``launch``.
 
-    ``peers`` are every rank's workspace as ``prepare`` views it, ``peers[rank]`` this rank's; ``out``
-    is this rank's band [M / world_size, N]; ``group_name`` is unused here (Helion's ``hl.ProcessGroupName``).
+    ``peers`` are every rank's workspace viewed as [2, chunks, rounds, *chunk_tile], ``peers[rank]`` this rank's;
+    ``out`` is this rank's band [M / world_size, N]; ``group_name`` is unused here (Helion's
+    ``hl.ProcessGroupName``). ``launcher(kernel, grid, *args, **meta)``: Triton's own launch, or the one the
+    installed package's prepared call passes (its host fast path).
     """
     band_m, n = out.shape
     a, b = tma_operands(a, b, block_m)  # a's rows zero-padded to whole tiles (``tma_operands`` says why)
     workspace = peers[rank]
     launcher(
         gemm_reduce_scatter_kernel, (num_blocks,),
-        tma_operand(a, [block_m, block_k]), tma_operand(b, [block_k, block_n]),
+        descriptor(a, [block_m, block_k]), descriptor(b, [block_k, block_n]),
         None, None, workspace, peers, parity, epochs, out, signal_pad_ptrs, band_m, n, a.shape[1],
         *workspace.stride()[:2], num_blocks, rank, len(peers),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
@@ -229,94 +309,19 @@ def launch(
     return out
 
 
-def default_config(m: int, n: int, k: int, num_sms: int, world_size: int) -> dict:
-    """The tiles for one band (``M / world_size`` rows): ``kraken._gemm_core.skinny_or_large_tiles`` (up to 256
-    rows one warpgroup on narrow tiles that fit one wave, bound by streaming ``b``, 64 wide on 64-row tiles up
-    to 2 ranks; above, the largest tile that gives more than half the SMs a tile), or ``MID_TILE`` where that
-    fills the waves of ``num_sms`` blocks by ``WAVE_GAIN`` better."""
-    band_m = max(m // world_size, 1)
-    cfg = skinny_or_large_tiles(band_m, n, k, num_sms, push=band_m <= SKINNY_M and world_size <= 2)
-
-    def fill(tile: dict) -> float:  # the share of the rounds' block slots (rounds x blocks) that get a tile
-        tiles = groups.cdiv(band_m, tile["block_m"]) * groups.cdiv(n, tile["block_n"])
-        return tiles / (groups.cdiv(tiles, num_sms) * num_sms)
-
-    if band_m > SKINNY_M and fill(MID_TILE) > fill(cfg) + WAVE_GAIN:
-        return dict(MID_TILE)
-    return cfg
-
-
-LAUNCH_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
-
-
-def with_grid(cfg: dict, m: int, n: int, world_size: int, num_sms: int, keys=LAUNCH_KEYS) -> dict:
-    """``cfg``'s ``keys`` and a persistent grid of at most one block per band tile, per SM and per the signal
-    pad's budget, balanced (``balanced_grid``: every round of a band as many tiles)."""
-    band_tiles = groups.cdiv(max(m // world_size, 1), cfg["block_m"]) * groups.cdiv(max(n, 1), cfg["block_n"])
-    max_blocks = num_sms if cfg["max_blocks"] is None else min(cfg["max_blocks"], num_sms)
-    num_blocks = balanced_grid(band_tiles, groups.persistent_grid(band_tiles, max_blocks, world_size))
-    return {**{key: cfg[key] for key in keys}, "num_blocks": num_blocks}
-
-
-def plan(m: int, n: int, k: int, world_size: int, config: dict, num_sms: int) -> dict:
-    """Resolve the launch configuration (shared with the Helion port): tiles, and a persistent grid of at
-    most one block per band tile, per SM and per the signal pad's budget."""
-    groups.resolve_config(config, DEFAULT_CONFIG, OP)  # rejects unknown keys
-    chosen = {key: value for key, value in config.items() if value is not None}
-    cfg = {**DEFAULT_CONFIG, **default_config(m, n, k, num_sms, world_size), **chosen}
-    check_tiles(cfg, OP)
-    return with_grid(cfg, m, n, world_size, num_sms)
-
-
-def rounds_of(m: int, n: int, world_size: int, cfg: dict) -> int:
-    """Tiles per band of block 0, the busiest (``plan``'s ``cfg``): the rounds a chunk holds."""
-    band_tiles = groups.cdiv(max(m // world_size, 1), cfg["block_m"]) * groups.cdiv(n, cfg["block_n"])
-    return groups.cdiv(band_tiles, cfg["num_blocks"])
-
-
-def chunk_tile(cfg: dict, world_size: int) -> tuple[int, int, int]:
-    """What block ``b``'s chunk of the workspace holds per round: a slot per sending peer, [world_size - 1,
-    BLOCK_M, BLOCK_N]; a group of one has no sender but keeps one (unused) slot, so that its workspace, views
-    and barrier pads are those of any other group."""
-    return (max(world_size - 1, 1), cfg["block_m"], cfg["block_n"])
-
-
-def planned(a: torch.Tensor, b: torch.Tensor, group, config: dict, op: str, plan=plan) -> tuple[int, dict]:
-    """The checks after the argument checks, inside ``agreement.agreed``: M splits over the ranks, ``plan``, and
-    the grid fits the signal pad. (world_size, launch config)."""
-    (m, k), n = a.shape, b.shape[1]
-    world_size = groups.world_size_of(group, op)
-    if m % world_size:
-        raise ValueError(f"{op}: M = {m} rows do not split evenly over {world_size} ranks (a is {tuple(a.shape)})")
-    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    cfg = plan(m, n, k, world_size, config, num_sms)
-    groups.check_barrier_blocks(cfg["num_blocks"], world_size, op)
-    return world_size, cfg
-
-
-def with_workspace(a: torch.Tensor, n: int, world_size: int, cfg: dict, out_dtype: torch.dtype, group,
-                   op: str) -> tuple[symm.SymmContext, dict]:
-    """The context of every rank's ``symm.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1,
-    BLOCK_M, BLOCK_N] of ``out_dtype``, and the launch arguments but the tensors."""
-    tile = chunk_tile(cfg, world_size)
-    chunk_bytes = rounds_of(a.shape[0], n, world_size, cfg) * math.prod(tile) * out_dtype.itemsize
-    workspace = symm.block_workspace(chunk_bytes, a.device, group, op)
-    ctx = workspace.context(out_dtype, tile)
-    return ctx, {"parity": workspace.parity, "epochs": workspace.epochs, **cfg, "launcher": Launcher(op)}
-
-
-@prepared.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, prepared.tensor_key(a), prepared.tensor_key(b), out_dtype, prepared.config_key(config)))
-def prepare(
-    a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict
-) -> tuple[symm.SymmContext, dict]:
-    """Validate, plan, and find the workspace: the context's ``peers`` are every rank's
-    ``symm.BlockWorkspace`` viewed as [2, chunks, rounds, world_size - 1, BLOCK_M, BLOCK_N] of ``out_dtype``."""
-    # Local checks; the first call of each signature also agrees on them (and on the shapes) across ranks.
-    with agreement.agreed(op, group, a=a, b=b, out_dtype=out_dtype, config=config):
-        check_inputs(a, b, out_dtype, op, wide=True)
-        world_size, cfg = planned(a, b, group, config, op)
-    return with_workspace(a, b.shape[1], world_size, cfg, out_dtype, group, op)
+def block_workspace(m: int, n: int, cfg: dict, dtype: torch.dtype, device: torch.device,
+                    group: dist.ProcessGroup) -> tuple:
+    """A fresh symmetric workspace for ``plan``'s ``cfg`` on every rank of ``group`` (a collective): (every rank's
+    workspace viewed as [2, num_blocks, rounds, *chunk_tile] as this rank sees it, the signal pads' pointer array,
+    this rank, parity, epochs). Its pad is new, all zeros: the barrier rounds count from 1."""
+    world_size = group.size()
+    shape = (2, cfg["num_blocks"], rounds_of(m, n, world_size, cfg), *chunk_tile(cfg, world_size))
+    buf = symm_mem.empty(math.prod(shape), dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buf, group.group_name)
+    peers = tuple(buf.view(shape) if r == handle.rank else handle.get_buffer(r, shape, dtype)
+                  for r in range(handle.world_size))
+    parity = torch.zeros(cfg["num_blocks"], dtype=torch.int32, device=device)
+    return peers, handle.signal_pad_ptrs_dev, handle.rank, parity, torch.zeros_like(parity)
 
 
 def gemm_reduce_scatter(
@@ -327,43 +332,57 @@ def gemm_reduce_scatter(
     **config,
 ) -> torch.Tensor:
     """This rank's rows ``[rank * M / ws, (rank + 1) * M / ws)`` of ``sum over ranks of a @ b``, a new
-    [M / ws, N] tensor of ``out_dtype`` (bf16 or fp32).
+    [M / ws, N] tensor of ``out_dtype`` (bf16 or fp32), by the fused kernel.
 
-    ``a`` [M, K] and ``b`` [K, N] are ordinary contiguous CUDA tensors, bf16 or fp16, the same shapes on
-    every rank, M divisible by the world size. ``config`` overrides the tiles of ``default_config``,
-    ``group_m`` and ``max_blocks`` (see ``plan``); ``form="fused"`` or ``"sequential"`` forces the form
-    ``kraken.runtime.crossover`` would choose by size.
-    """
-    return call(launch, OP, a, b, group, out_dtype, config, sm_reduce_scatter)
-
-
-def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, config: dict,
-         reduce_scatter) -> torch.Tensor:
-    """``gemm_reduce_scatter`` with a given ``launch`` and ``reduce_scatter`` (the recipe's or its twin's) under the
-    name ``op``, in the form ``kraken.runtime.crossover`` chooses: sequential, cuBLAS then ``reduce_scatter`` (the
-    SM-driven collective: the sum in fp32 in rank order, rounded once, as the fused kernel's), only where the
-    output dtype is ``a``'s; else the prepared call and its launch."""
-    prepared = chosen(a, b, group, out_dtype, op, config)
-    if prepared == crossover.SEQUENTIAL:
-        return reduce_scatter(torch.matmul(a, b), group)
-    ctx, launch_cfg = prepared
-    out = torch.empty(a.shape[0] // ctx.world_size, b.shape[1], dtype=out_dtype, device=a.device)
-    return prepared_launch(launch, (a, b), ctx, launch_cfg, out)
+    The recipe spelled out: the plan, a symmetric workspace on every rank, one launch. It allocates and
+    rendezvouses on every call and checks nothing; ``kraken.gemm_reduce_scatter`` is the installed one (checks
+    agreed across ranks, cuBLAS then the SM reduce-scatter where that is faster, prepared calls)."""
+    group = dist.group.WORLD if group is None else group
+    group = c10d._resolve_process_group(group) if isinstance(group, str) else group
+    (m, k), n = a.shape, b.shape[1]
+    world_size = group.size()
+    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    cfg = plan(m, n, k, world_size, config, num_sms)
+    peers, signal_pad_ptrs, rank, parity, epochs = block_workspace(m, n, cfg, out_dtype, a.device, group)
+    out = torch.empty(m // world_size, n, dtype=out_dtype, device=a.device)
+    return launch(a, b, peers, out, signal_pad_ptrs, rank, parity, epochs, **cfg)
 
 
-@prepared.per_signature(lambda a, b, group, out_dtype, op, config: (
-    op, group, prepared.tensor_key(a), prepared.tensor_key(b), out_dtype, prepared.config_key(config)))
-def chosen(a: torch.Tensor, b: torch.Tensor, group, out_dtype: torch.dtype, op: str, config: dict):
-    """``crossover.SEQUENTIAL`` or the fused form's ``prepare``, kept per signature (``crossover.fused_prepared``);
-    sequential only where the output dtype is ``a``'s."""
-    sequential_ok = isinstance(a, torch.Tensor) and a.dtype == out_dtype
-    return crossover.fused_prepared(op, a, b, group, False, sequential_ok, config, check_sequential,
-                                    lambda fused_config: prepare(a, b, group, out_dtype, op, fused_config))
+def main(m: int = 2048, n: int = 4096, k: int = 4096, iters: int = 20) -> None:
+    """Check against ``torch.matmul`` and NCCL's reduce-scatter and time the kernel (``torchrun``, or alone)."""
+    if "RANK" not in os.environ:  # run alone: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    a = (torch.randn(m, k, device=device) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(k, n, device=device).to(torch.bfloat16)
+    expected = torch.empty(m // world_size, n, device=device)
+    dist.reduce_scatter_tensor(expected, a.float() @ b.float())
+    got = gemm_reduce_scatter(a, b)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * world_size)
+
+    cfg = plan(m, n, k, world_size, {}, torch.cuda.get_device_properties(device).multi_processor_count)
+    peers, signal_pad_ptrs, rank, parity, epochs = block_workspace(m, n, cfg, torch.bfloat16, device,
+                                                                   dist.group.WORLD)
+    out = torch.empty(m // world_size, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):  # warm up (compile)
+        launch(a, b, peers, out, signal_pad_ptrs, rank, parity, epochs, **cfg)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        launch(a, b, peers, out, signal_pad_ptrs, rank, parity, epochs, **cfg)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - start) / iters * 1e6
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * world_size)
+    if rank == 0:
+        print(f"gemm_reduce_scatter: {m}x{n}x{k} bf16 x {world_size} ranks: matches matmul + NCCL, {us:.1f} us per "
+              f"call (eager launches; {cfg})")
+    dist.destroy_process_group()
 
 
-def check_sequential(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> None:
-    """The sequential form's checks (``kraken.crossover.form`` runs them inside its agreement)."""
-    check_inputs(a, b, a.dtype, op, wide=True)
-    if a.shape[0] % world_size:
-        raise ValueError(f"{op}: M = {a.shape[0]} rows do not split evenly over {world_size} ranks (a is "
-                         f"{tuple(a.shape)})")
+if __name__ == "__main__":
+    main()

@@ -18,14 +18,14 @@ from kraken.runtime.gather_matmul import all_gather_matmul_fp8
 from kraken.runtime.bias_doors import all_reduce_bias
 from kraken.runtime.bias_doors import all_reduce_bias_rms_norm
 from kraken.runtime.attention import context_parallel_attention
-from kraken.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
-from kraken.fused.gemm_reduce_scatter import gemm_reduce_scatter
-from kraken.fused.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
 from kraken.runtime.bias_norm import one_shot_all_reduce_bias
 from kraken.runtime.bias_norm import one_shot_all_reduce_bias_rms_norm
 from kraken.runtime.bias_norm import rms_norm
 from kraken.runtime.bias_norm import two_shot_all_reduce_bias
 from kraken.runtime.bias_norm import two_shot_all_reduce_bias_rms_norm
+from kraken.runtime.gemm_all_reduce import gemm_one_shot_all_reduce
+from kraken.runtime.gemm_reduce_scatter import gemm_reduce_scatter
+from kraken.runtime.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
 from kraken.runtime.library import install_front_doors
 from kraken.runtime.symm import symm_empty
 

@@ -25,8 +25,9 @@ Measured on H200s, bf16, eager GPU time (``docs/history.md``, ``docs/results.md`
   between 16 and 32 tokens.
 
 * GEMM + all-reduce (``kraken.fused.gemm_one_shot_all_reduce`` and its twin, whose ``config`` takes
-  ``shot="one"``, ``"push"`` or ``"two"``), in output elements (M x N): the recipe asks ``choose`` for one
-  or two and picks push or pull for one itself. At 8 ranks the one-shot form lost to matmul + NCCL from
+  ``shot="one"``, ``"push"`` or ``"two"``), in output elements (M x N): the recipe's plan holds a copy of this
+  row (its ``ONE_SHOT_UP_TO``, kept equal by a test: a recipe imports nothing of the runtime) and picks push or
+  pull for one itself. At 8 ranks the one-shot form lost to matmul + NCCL from
   M = 128 at N = 4096 (0.46x at M = 2048: each rank reads 7 whole partials, where two-shot reads 2 x 7/8
   of one). Two-shot pays one more barrier, so it starts where the one-shot's reads outgrow a barrier:
   estimates from those bytes at about 360 GB/s per peer read, not yet measured on 4- or 8-GPU hosts

@@ -13,14 +13,17 @@ from helion_ports.comm import all_gather_with_progress as progress_twin
 from helion_ports.fused import all_gather_matmul as agm_twin
 from helion_ports.fused import all_gather_matmul_fp8 as agm_fp8_twin
 from helion_ports.fused import context_parallel_attention as cp_twin
-from helion_ports.fused.gemm_one_shot_all_reduce import gemm_one_shot_all_reduce
-from helion_ports.fused.gemm_reduce_scatter import gemm_reduce_scatter
-from helion_ports.fused.gemm_reduce_scatter_fp8 import gemm_reduce_scatter_fp8
 from helion_ports.fused import one_shot_all_reduce_bias as one_shot_bias_twin
 from helion_ports.fused import one_shot_all_reduce_bias_rms_norm as one_shot_norm_twin
 from helion_ports.fused import rms_norm as rms_norm_twin
 from helion_ports.fused import two_shot_all_reduce_bias as two_shot_bias_twin
 from helion_ports.fused import two_shot_all_reduce_bias_rms_norm as two_shot_norm_twin
+from helion_ports.fused import gemm_one_shot_all_reduce as gemm_all_reduce_twin
+from helion_ports.fused import gemm_reduce_scatter as gemm_reduce_scatter_twin
+from helion_ports.fused import gemm_reduce_scatter_fp8 as gemm_reduce_scatter_fp8_twin
+from kraken.runtime import gemm_all_reduce as gemm_all_reduce_product
+from kraken.runtime import gemm_reduce_scatter as gemm_reduce_scatter_product
+from kraken.runtime import gemm_reduce_scatter_fp8 as gemm_reduce_scatter_fp8_product
 from kraken.runtime import attention, bias_doors, bias_norm, collectives, gather_matmul, moe, progress
 from kraken.runtime.api import COMM, FUSED
 from kraken.runtime.library import install_front_doors
@@ -48,6 +51,12 @@ all_reduce_bias_rms_norm = bias_doors.all_reduce_bias_rms_norm_with(
 context_parallel_attention = attention.context_parallel_attention_with(cp_twin.launch_attention,
                                                                   "helion context_parallel_attention")
 attention_on_gathered = attention.attention_on_gathered_with(cp_twin.launch_attention, "helion context_parallel_attention")
+gemm_one_shot_all_reduce = gemm_all_reduce_product.gemm_one_shot_all_reduce_with(
+    gemm_all_reduce_twin.launch, "helion gemm_one_shot_all_reduce", "helion_ports")
+gemm_reduce_scatter = gemm_reduce_scatter_product.gemm_reduce_scatter_with(
+    gemm_reduce_scatter_twin.launch, "helion gemm_reduce_scatter", "helion_ports")
+gemm_reduce_scatter_fp8 = gemm_reduce_scatter_fp8_product.gemm_reduce_scatter_fp8_with(
+    gemm_reduce_scatter_fp8_twin.launch, "helion gemm_reduce_scatter_fp8", "helion_ports")
 
 __all__ = [*COMM, *FUSED]
 
