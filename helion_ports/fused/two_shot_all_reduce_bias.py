@@ -176,7 +176,7 @@ def main(tokens: int = 256, hidden: int = 5120, iters: int = 100) -> None:
     """Check against NCCL's all-reduce plus the bias and time the twin (``torchrun``, or alone as a group of one)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     torch.manual_seed(1234)  # the bias: the same on every rank

@@ -217,7 +217,7 @@ def main(tokens: int = 256, hidden: int = 5120, iters: int = 100) -> None:
     alone)."""
     if "RANK" not in os.environ:  # run alone: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
