@@ -20,7 +20,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import helion_ports
 import kraken
-import kraken
 from kraken.runtime import library
 
 WORLD = 4
