@@ -14,19 +14,27 @@ One module per topic (importing this package imports none of them):
 * ``graphs``: a call's work kept and replayed as CUDA graphs (``graphed``, ``forked``);
 * ``staging``: ordinary tensors into the symmetric-memory collectives (their two prepared calls);
 * ``crossover``: one-shot or two-shot, fused or sequential, by size and world size (the front doors' table);
-* ``library``: the recipes as ``torch.library`` operators, and their front doors.
-* ``moe``: the MoE pair's product layer (checks, buffers, the handle, the installed dispatch and combine);
-* ``moe_ops``: the MoE pair as operators, the dispatch's handle crossing as tensors.
-* ``collectives``: the product layer of the collective recipes (one ``check``, the prepared calls, the public
-  functions ``kraken.<name>`` and ``helion_ports.<name>`` of the four collectives, and the all-reduce front door);
-* ``gemm_checks``: the GEMM recipes' argument checks.
-* ``progress``: the copy-engine gather's product layer (``kraken.all_gather_with_progress``: prepared calls, the side
-  stream, kept events, graphs), and the primitives ``context_parallel_attention`` exchanges K/V with;
-* ``gather_matmul``: the all-gather + matmul recipes' product layer (checks, forms, prepared calls, workspaces).
-* ``bias_norm``: the all-reduce + bias (+ RMSNorm) family's product layer (checks, prepared calls on the shared
-  workspace, the public functions); ``bias_doors``: its front doors, ``all_reduce_bias[_rms_norm]``.
+* ``library``: the recipes as ``torch.library`` operators, and their front doors; ``moe_ops``: the MoE pair as
+  operators, the dispatch's handle crossing as tensors;
+* ``helion_run``: the twins' Helion kernels run through a prepared call's ``Launcher`` (their host code replayed);
+* ``api``, ``twins``: the public functions ``kraken.<name>`` and ``helion_ports.<name>``, gathered (the packages load
+  them on first use) and installed as operators.
+
+Per family, the checks, prepared calls and the factories (``<name>_with(launch, op)``) that make the installed
+function of a recipe and of its twin around their ``launch``:
+
+* ``collectives``: one-shot and two-shot all-reduce, reduce-scatter, all-gather (one ``check``) and the ``all_reduce``
+  front door;
+* ``bias_norm``: the all-reduce + bias (+ RMSNorm) family and ``rms_norm``; ``bias_doors``: its front doors;
+* ``moe``: the MoE pair (checks, buffers, the handle);
+* ``progress``: the copy-engine gather (the side stream, kept events, graphs), and the primitives
+  context-parallel attention exchanges K/V with;
+* ``gather_matmul``: the all-gather + matmul recipes (checks, forms, workspaces); ``gemm_checks``: the GEMM checks;
+* ``gemm_reduce_scatter``, ``gemm_reduce_scatter_fp8``, ``gemm_all_reduce``: the reduce GEMMs (forms, workspaces);
+* ``attention``: context-parallel attention (checks, caches of tile orders, the exchange, graphs,
+  ``attention_on_gathered``).
 
 Functions that tests replace (``groups.check_tensor``, ``symm.symm_context``, ...) are called through their
-module (``symm.symm_context(...)``), here and in the recipes, so that replacing one there replaces it for every
+module (``symm.symm_context(...)``), so that replacing one there replaces it for every
 caller. The launcher's and the replays' names, which run on every warm call, are imported by name.
 """
