@@ -9,6 +9,8 @@
 ``kraken/fused/<name>.py`` are the recipes themselves, one file each, to read and copy.
 """
 
+from kraken._ptx_utils import timeout as _barrier_timeout  # noqa: F401 (a bad KRAKEN_BARRIER_TIMEOUT_S fails here)
+
 
 def __getattr__(name: str):
     """The public functions, loaded on first use (``kraken.runtime.api``): importing a recipe module loads none of them."""
