@@ -57,9 +57,9 @@ COPY_CONFIG = ((4096,), 4)  # (block sizes, warps) of ``copy_into``'s kernel: on
 def copy_into(dst: torch.Tensor, src: torch.Tensor, group_name: str, launcher=None) -> None:
     """``dst``'s first ``src.numel()`` elements = ``src`` (contiguous tensors of one dtype), as a Helion kernel
     launched through ``launcher`` (``run``). The twins stage an ordinary input into their workspace with it, and
-    the two-shot twin copies its sum back, so a staged twin's whole call replays (``replayed``: its launches
-    from the call's addresses). An ATen ``copy_`` there was an op a replay would not repeat: such a call ran its
-    host code every time (one H200: the one-shot twin on an ordinary tensor 38 us a call, its recipe 15)."""
+    the two-shot twin copies its sum back, so that the installed package can replay a staged twin's whole call
+    from the call's addresses: an ATen ``copy_`` there would be an op a replay does not repeat, and such a call
+    would run its host code every time."""
     dst = flat_view(dst)
     if dst.size(0) != src.numel():
         dst = dst[:src.numel()]
