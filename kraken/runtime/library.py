@@ -6,9 +6,9 @@ look into: ``torch.ops.kraken.<name>`` for ``kraken``, ``torch.ops.kraken_helion
 in ``helion_ports``. Each has a fake implementation (output shapes and dtypes, for tracing) and
 declares what it writes (``two_shot_all_reduce`` sums its input in place).
 
-The public functions stay the front door. ``install_front_doors(package)``, called at the end of
-each package's ``__init__``, replaces every recipe of the table in that package (and in its module)
-by a wrapper with the recipe's signature (``functools.wraps``): in eager it calls the recipe straight
+The public functions stay the front door. ``install_front_doors(module, namespace)``, called at the end of
+``kraken.runtime.api`` and ``kraken.runtime.twins``, replaces every public function of the table there (and in the
+module that defines it) by a wrapper with the recipe's signature (``functools.wraps``): in eager it calls the recipe straight
 away (one ``torch.compiler.is_dynamo_compiling()`` check; the wrapper costs about 0.2 us a call on the CI
 CPU), and while Dynamo traces it calls the operator, whose implementation calls the recipe.
 
@@ -31,7 +31,7 @@ are operators of their own (``kraken/runtime/moe_ops.py``, installed from here):
 operator boundary as its tensors (the received tokens and one int32 routing tensor).
 
 Adding a recipe is one ``Entry`` in ``ENTRIES`` (its name, its fake, and, if it differs from a
-single new tensor, what it returns and writes), plus the usual export in its package.
+single new tensor, what it returns and writes), plus its line in ``kraken.runtime.api`` (and ``.twins``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-
 
 
 def world_size(group: str | None) -> int:
