@@ -630,7 +630,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
     Twins whose kernels take views (``kraken._blocks.helion.run``'s ``kernel_args``) are replayed from their own
     arguments, with no view made."""
     import kraken._blocks.helion as helion_blocks
-    import kraken.runtime.helion_run as helion_run
+    import kraken.runtime.replay as replays
 
     module = importlib.import_module(module_name)
     calls, real_run = [], helion_blocks.run
@@ -650,7 +650,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
         runs = {}
         for replaying in (True, False):
             if not replaying:
-                monkeypatch.setattr(helion_run, "record_replay",
+                monkeypatch.setattr(replays, "record_replay",
                                     lambda launcher, code, args, **kwargs: (None, code()))
             launcher, start = Launcher("test"), len(launches)
             results = [real_run(kernel, variant, launcher, kernel_args) for variant in variants]
@@ -660,7 +660,7 @@ def test_a_replay_launches_what_the_twins_host_code_launches(monkeypatch, launch
                                     if result is not None else None for result, variant in zip(results, variants)])
             if replaying:
                 assert isinstance(launcher.replays[id(kernel)].plan, Replay), f"{module_name}: not replayed"
-        monkeypatch.setattr(helion_run, "record_replay", real_record)
+        monkeypatch.setattr(replays, "record_replay", real_record)
         assert [kind for kind, _ in runs[True][:-1]] == ["jit", "jit", "fast", "fast", "fast"], runs[True]
         assert "other" not in runs[True][-1], "a call returned something other than one of its arguments"
         assert runs[True] == runs[False], module_name

@@ -8,8 +8,9 @@ with Triton's scratch allocator set.
 
 from __future__ import annotations
 
+from kraken.runtime import replay as replays  # (as a module: ``launcher`` imports this one while ``replay`` may be
+# half-imported, so its names are read when a call runs)
 from kraken.runtime.launcher import jit_launch, launch_hooked, scratch_allocator
-from kraken.runtime.replay import NOT_REPLAYED, NOT_YET, record_replay
 
 
 def run(kernel, args: tuple, launcher=jit_launch, kernel_args=None):
@@ -42,7 +43,7 @@ def run(kernel, args: tuple, launcher=jit_launch, kernel_args=None):
     replay = launcher.replays.get(key)
     if replay is not None and recording is None and not launch_hooked():
         result = replay(args)
-        if result is not NOT_REPLAYED:
+        if result is not replays.NOT_REPLAYED:
             return result
     call = args if kernel_args is None else kernel_args(args)
     bound = launcher.bound.get(key)
@@ -53,9 +54,9 @@ def run(kernel, args: tuple, launcher=jit_launch, kernel_args=None):
             result = kernel(*call)
         launcher.bound[key] = kernel.bind(call)
     elif key not in launcher.replays and recording is None and not launch_hooked():
-        replay, result = record_replay(launcher, lambda: bound._run(*call, _launcher=launcher), args,
+        replay, result = replays.record_replay(launcher, lambda: bound._run(*call, _launcher=launcher), args,
                                        viewed=call is not args)
-        if replay is not NOT_YET:
+        if replay is not replays.NOT_YET:
             launcher.replays[key] = replay
     else:
         result = bound._run(*call, _launcher=launcher)

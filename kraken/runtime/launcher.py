@@ -85,17 +85,6 @@ def jit_launch(kernel, grid: tuple[int, ...], *args, **meta):
         return kernel[grid](*args, **meta)
 
 
-def _helion_plain(kernel, args: tuple, kernel_args=None):
-    """A twin's Helion kernel called plainly, with Triton's scratch allocator set (``kraken._blocks.helion.run``
-    hands a launcher's Helion kernels to its ``helion``)."""
-    from kraken.runtime.helion_run import run
-
-    return run(kernel, args, jit_launch, kernel_args)
-
-
-jit_launch.helion = _helion_plain
-
-
 def launch_hooked() -> bool:
     """Whether a Triton launch enter/exit hook is installed (triton 3.6 keeps them in always-present chains)."""
     enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -133,9 +122,7 @@ class Launcher:
 
     def helion(self, kernel, args: tuple, kernel_args=None):
         """A twin's Helion kernel through this launcher (``kraken.runtime.helion_run.run``: replayed host code)."""
-        from kraken.runtime.helion_run import run
-
-        return run(kernel, args, self, kernel_args)
+        return helion_run.run(kernel, args, self, kernel_args)
 
     def __call__(self, kernel, grid: tuple[int, ...], *args, **meta):
         global last_op
@@ -218,3 +205,16 @@ def tensor_maps(args: tuple, descriptors: tuple) -> list:
             value = cache[key] = tuple(encode(desc, meta))
         expanded[position:position + 1] = value
     return expanded
+
+
+def _helion_plain(kernel, args: tuple, kernel_args=None):
+    """A twin's Helion kernel called plainly, with Triton's scratch allocator set (``kraken._blocks.helion.run``
+    hands a launcher's Helion kernels to its ``helion``)."""
+    return helion_run.run(kernel, args, jit_launch, kernel_args)
+
+
+jit_launch.helion = _helion_plain
+
+# Last: ``helion_run`` imports this module's names above. Imported here, not inside ``Launcher.helion``: an import
+# statement on every twin launch costs about a microsecond.
+from kraken.runtime import helion_run  # noqa: E402
