@@ -4,18 +4,7 @@ What the twins share lives in ``kraken._blocks.helion``; the fast path that runs
 ``kraken.runtime.helion_run``; ``helion_ports.<name>`` is the installed twin (``kraken.runtime.twins``).
 """
 
+from kraken import _lazy_exports
 
-def __getattr__(name: str):
-    """The public functions, loaded on first use (``kraken.runtime.twins``): importing a recipe module loads none of them."""
-    import importlib
-
-    public = importlib.import_module("kraken.runtime.twins")
-    if name in public.__all__:
-        return getattr(public, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    import importlib
-
-    return sorted(set(globals()) | set(importlib.import_module("kraken.runtime.twins").__all__))
+# The public functions, loaded on first use (``kraken.runtime.twins``): importing a twin module loads none of them.
+__getattr__, __dir__ = _lazy_exports(globals(), "kraken.runtime.twins")

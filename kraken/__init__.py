@@ -12,17 +12,24 @@
 from kraken._ptx_utils import timeout as _barrier_timeout  # noqa: F401 (a bad KRAKEN_BARRIER_TIMEOUT_S fails here)
 
 
-def __getattr__(name: str):
-    """The public functions, loaded on first use (``kraken.runtime.api``): importing a recipe module loads none of them."""
+def _lazy_exports(package_globals: dict, public_module: str):
+    """A package's ``__getattr__`` and ``__dir__`` for the public functions of ``public_module``, imported on first
+    use and then copied into the package, so that later ``package.<name>`` lookups are plain attribute reads (a
+    module's ``__getattr__`` runs on every lookup of a name the module lacks). Shared with ``helion_ports``."""
     import importlib
 
-    public = importlib.import_module("kraken.runtime.api")
-    if name in public.__all__:
-        return getattr(public, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str):
+        public = importlib.import_module(public_module)
+        if name not in public.__all__:
+            raise AttributeError(f"module {package_globals['__name__']!r} has no attribute {name!r}")
+        package_globals.update((n, getattr(public, n)) for n in public.__all__)
+        return package_globals[name]
+
+    def __dir__():
+        return sorted(set(package_globals) | set(importlib.import_module(public_module).__all__))
+
+    return __getattr__, __dir__
 
 
-def __dir__():
-    import importlib
-
-    return sorted(set(globals()) | set(importlib.import_module("kraken.runtime.api").__all__))
+# The public functions, loaded on first use (``kraken.runtime.api``): importing a recipe module loads none of them.
+__getattr__, __dir__ = _lazy_exports(globals(), "kraken.runtime.api")
