@@ -233,27 +233,3 @@ def all_reduce_with(one_shot, two_shot, op: str):
 
 
 all_reduce = all_reduce_with(ONE_SHOT, TWO_SHOT, ALL_REDUCE)
-
-
-# ---------------------------------------------------------------------------
-# The Helion twins' installed functions
-# ---------------------------------------------------------------------------
-
-TWIN_FACTORIES = {"two_shot_all_reduce": two_shot_all_reduce_with, "reduce_scatter": reduce_scatter_with,
-                  "all_gather": all_gather_with}
-
-
-def __getattr__(name: str):
-    """``helion_two_shot_all_reduce``, ``helion_reduce_scatter``, ``helion_all_gather``, ``helion_all_reduce``: the
-    product above driving the twins' ``launch`` (``helion_ports.<name>``; the twins' fused recipes import them from
-    here), made on first use and kept."""
-    recipe = name.removeprefix("helion_")
-    if name == "helion_all_reduce":
-        twins = (importlib.import_module(f"helion_ports.comm.{shot}_shot_all_reduce") for shot in ("one", "two"))
-        made = all_reduce_with(*twins, f"helion {ALL_REDUCE}")
-    elif name.startswith("helion_") and recipe in TWIN_FACTORIES:
-        made = TWIN_FACTORIES[recipe](importlib.import_module(f"helion_ports.comm.{recipe}").launch, f"helion {recipe}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = made
-    return made

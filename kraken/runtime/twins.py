@@ -3,10 +3,13 @@ behind the same product layer (each family's factory around the twin's ``launch`
 ``torch.ops.kraken_helion.<name>`` under ``torch.compile``.
 """
 
+from helion_ports.comm import all_gather as all_gather_twin
 from helion_ports.comm import all_gather_with_progress as progress_twin
 from helion_ports.comm import moe_combine as moe_combine_twin
 from helion_ports.comm import moe_dispatch as moe_dispatch_twin
 from helion_ports.comm import one_shot_all_reduce as one_shot_twin
+from helion_ports.comm import reduce_scatter as reduce_scatter_twin
+from helion_ports.comm import two_shot_all_reduce as two_shot_twin
 from helion_ports.fused import all_gather_matmul as agm_twin
 from helion_ports.fused import all_gather_matmul_fp8 as agm_fp8_twin
 from helion_ports.fused import context_parallel_attention as cp_twin
@@ -24,12 +27,11 @@ from kraken.runtime import gemm_reduce_scatter_fp8 as grs_fp8_product
 from kraken.runtime.api import COMM, FUSED
 from kraken.runtime.library import install_front_doors
 
-# The collectives' twins (two-shot, reduce-scatter, all-gather, the all-reduce door) are built by ``collectives``.
-all_gather = collectives.helion_all_gather
-all_reduce = collectives.helion_all_reduce
-reduce_scatter = collectives.helion_reduce_scatter
-two_shot_all_reduce = collectives.helion_two_shot_all_reduce
 one_shot_all_reduce = collectives.one_shot_all_reduce_with(one_shot_twin.launch, "helion one_shot_all_reduce")
+two_shot_all_reduce = collectives.two_shot_all_reduce_with(two_shot_twin.launch, "helion two_shot_all_reduce")
+reduce_scatter = collectives.reduce_scatter_with(reduce_scatter_twin.launch, "helion reduce_scatter")
+all_gather = collectives.all_gather_with(all_gather_twin.launch, "helion all_gather")
+all_reduce = collectives.all_reduce_with(one_shot_twin, two_shot_twin, "helion all_reduce")
 all_gather_with_progress = progress.all_gather_with_progress_with(progress_twin.launch,
                                                                   "helion all_gather_with_progress")
 moe_combine = moe.moe_combine_with(moe_combine_twin.launch, "helion moe_combine")
