@@ -220,13 +220,40 @@ def test_plan_refuses_bad_config():
         with pytest.raises(ValueError, match=f"without causal the kernel is warp-specialized.*got {next(iter(bad))}="):
             recipe.plan(1, 4, 4, 640, 128, 2, False, bad, 132)
         recipe.plan(1, 4, 4, 640, 128, 2, True, bad, 132)  # the causal kernel takes them
-    assert twin.plan is recipe.plan  # the twin's kernels are the recipe's two, on the same tiles
     assert recipe.plan(1, 4, 4, 640, 128, 2, False, {"block_n": 64}, 132)["block_n"] == 64
 
 
 # ---------------------------------------------------------------------------
 # Input validation: CPU tensors, no process group; every error is raised before either is needed
 # ---------------------------------------------------------------------------
+
+
+def test_twin_copies_the_plan():
+    """The twin holds its own copy of the plan (no import of the recipe): the same tiles and grids everywhere."""
+    assert twin.plan is not recipe.plan and twin.tile_order is recipe.tile_order  # the orders are building blocks
+    for name in ("TILES", "ONE_RANK_TILES", "FULL_TILES", "FULL_CHOICES", "DEFAULT_CONFIG", "SPLIT_HEAD_DIMS",
+                 "SPLIT_LONG", "SPLIT_ONE_RANK_WAVES", "PIECE_BUDGET", "RESERVED_SMS", "FULL_ONE_RANK_WAVES", "OP"):
+        assert getattr(twin, name) == getattr(recipe, name), name
+    for world_size in (1, 2, 3, 4, 8):
+        for batch, heads, kv_heads, s_local, head_dim in [(1, 32, 8, 8192, 128), (2, 4, 2, 2 * 37, 64),
+                                                          (1, 32, 32, 32768, 128), (3, 6, 3, 640, 64)]:
+            for causal in (False, True):
+                for config in ({}, {"max_blocks": 7}, {"pieces": 3}, {"block_n": 64, "blocks_per_sm": 2}):
+                    if not causal and "blocks_per_sm" in config:
+                        continue
+                    args = (batch, heads, kv_heads, s_local, head_dim, world_size, causal, config, 132)
+                    assert twin.plan(*args) == recipe.plan(*args), args
+                    assert twin.softmax_scale(None, head_dim) == recipe.softmax_scale(None, head_dim)
+                    x = torch.randn(1, 2, s_local * world_size, 3)
+                    assert torch.equal(twin.shard_sequence(x, world_size - 1, world_size, causal),
+                                       recipe.shard_sequence(x, world_size - 1, world_size, causal))
+    for module in (recipe, twin):
+        with pytest.raises(TypeError, match="unknown config keys"):
+            module.plan(1, 4, 4, 64, 64, 2, True, {"blockm": 64}, 132)
+        for bad in ({"block_m": 48}, {"block_m": 32, "block_n": 64}, {"blocks_per_sm": 0}, {"pieces": 0}):
+            with pytest.raises(ValueError):
+                module.plan(1, 4, 4, 640, 64, 2, True, bad, 132)
+    assert twin.progress_size(4, 8) == recipe.progress_size(4, 8) and twin.dependent_merge(True, 2) is False
 
 
 def qkv(batch=1, heads=4, kv_heads=2, s_local=16, head_dim=64, dtype=BF16):

@@ -33,7 +33,7 @@ def run_main(path: str, nproc: int) -> tuple[str, int, str, str]:
 
 
 def test_every_recipe_and_twin_runs_under_torchrun():
-    assert len(STANDALONE) >= 30, STANDALONE  # every recipe and (but one) twin
+    assert len(STANDALONE) >= 36, STANDALONE  # every recipe and twin
     nproc = max(1, min(WORLD_SIZE, torch.cuda.device_count()))
     with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
         results = list(pool.map(lambda path: run_main(path, nproc), STANDALONE))

@@ -68,6 +68,12 @@ def test_a_recipe_imports_only_the_building_blocks(recipe):
     assert not outside(project_imports(ROOT / recipe)), recipe
 
 
+def test_every_recipe_and_twin_is_in_the_one_file_shape():
+    files = [str(f.relative_to(ROOT)) for d in RECIPE_DIRS for f in sorted((ROOT / d).glob("*.py"))
+             if f.name != "__init__.py"]
+    assert len(files) >= 36 and files == STANDALONE, sorted(set(files) - set(STANDALONE))
+
+
 def test_the_recipe_packages_import_nothing():
     """``kraken/comm/__init__.py`` and the like hold no imports: importing a recipe loads no other."""
     for d in RECIPE_DIRS:

@@ -1,8 +1,8 @@
 """Helion twin of ``kraken/fused/context_parallel_attention.py``: the same kernels' algorithm, plan and arguments.
 
-The host planning is the recipe's, imported from it (``plan`` and its tiles, the tile orders, the sequence layout):
-the orders are too long to copy. ``launch_attention`` has the recipe's signature and launches these kernels through
-``kraken._blocks.helion.run``; ``helion_ports.context_parallel_attention`` is the same product code as
+Its ``plan`` is the recipe's, copied (a CPU test keeps the two equal); the tile orders the kernels read are the
+recipe's building blocks (``kraken._blocks.attention``). ``launch_attention`` has the recipe's signature and launches
+these kernels through ``kraken._blocks.helion.run``; ``helion_ports.context_parallel_attention`` is the same product code as
 ``kraken.context_parallel_attention`` (``kraken.runtime.attention``: checks, prepared calls, the K/V exchange on the
 copy engine, CUDA graphs) driving this ``launch_attention``. The two attention kernels mirror the recipe's two.
 
@@ -44,6 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import os
+import time
 import types
 
 import helion
@@ -55,23 +58,124 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 from triton.runtime import _allocation
 
+from kraken._blocks.attention import full_order, tile_order
 from kraken._blocks.helion import flat_kernel, run
 from kraken._ptx_utils.inline_source import GMEM_WAIT_ASYNC, GMEM_WAIT_EACH_THREAD
-from kraken.fused.context_parallel_attention import (  # noqa: F401 (the recipe's host planning: see the docstring)
-    FULL_TILES,
-    cdiv,
-    default_tiles,
-    dependent_merge,
-    full_order,
-    lse_buffer,
-    plan,
-    progress_size,
-    shard_sequence,
-    softmax_scale,
-    tile_order,
-    triton_launch,
-    unshard_sequence,
-)
+
+# The plan: the recipe's, copied (``test/test_context_parallel_attention_cpu.py`` keeps the two equal; the recipe's
+# comments say why each value) ------------------------------------------------------------------------------------
+
+OP = "context_parallel_attention"
+HEAD_DIMS = (64, 128)
+LOG2E = 1.4426950408889634
+RESERVED_SMS = 1
+FULL_ONE_RANK_WAVES = 4
+TILES = {
+    64: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "blocks_per_sm": 3},
+    128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "blocks_per_sm": 1},
+}
+ONE_RANK_TILES = {128: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1, "blocks_per_sm": 3}}
+FULL_TILES = {d: {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2, "blocks_per_sm": 1}
+              for d in HEAD_DIMS}
+FULL_CHOICES = {"block_m": (128,), "block_n": (64, 128), "num_warps": (4,), "num_stages": (2,), "blocks_per_sm": (1,)}
+SPLIT_HEAD_DIMS = (128,)
+SPLIT_LONG = 16384
+SPLIT_ONE_RANK_WAVES = 5
+SM_REGISTERS, MAX_REGISTERS = 65536, 255
+PIECE_BUDGET = 32
+DEFAULT_CONFIG = {"block_m": None, "block_n": None, "num_warps": None, "num_stages": None, "blocks_per_sm": None,
+                  "pieces": None, "max_blocks": None}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_tiles(head_dim: int, world_size: int, causal: bool) -> dict:
+    if not causal:
+        return FULL_TILES.get(head_dim, FULL_TILES[128])
+    return (ONE_RANK_TILES if world_size == 1 else {}).get(head_dim) or TILES.get(head_dim, TILES[128])
+
+
+def plan(batch: int, heads: int, kv_heads: int, s_local: int, head_dim: int, world_size: int, causal: bool,
+         config: dict, num_sms: int) -> dict:
+    """The recipe's ``plan``: tiles, register cap, pieces, the persistent grids of both kernels."""
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"{OP}: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
+    cfg = {**DEFAULT_CONFIG, **config}
+    defaults = default_tiles(head_dim, world_size, causal)
+    cfg = {**cfg, **{key: cfg[key] if cfg[key] is not None else value for key, value in defaults.items()}}
+    for key in ("block_m", "block_n"):
+        if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"{OP}: {key} must be a power of two >= 16, got {cfg[key]}")
+    if cfg["block_m"] % cfg["block_n"]:
+        raise ValueError(f"{OP}: block_n must divide block_m (the causal diagonal starts at a query tile), "
+                         f"got block_m={cfg['block_m']}, block_n={cfg['block_n']}")
+    if isinstance(cfg["blocks_per_sm"], bool) or not isinstance(cfg["blocks_per_sm"], int) or cfg["blocks_per_sm"] < 1:
+        raise ValueError(f"{OP}: blocks_per_sm must be an int >= 1, got {cfg['blocks_per_sm']!r}")
+    if not causal:
+        refused = {key: cfg[key] for key, allowed in FULL_CHOICES.items() if cfg[key] not in allowed}
+        if refused:
+            raise ValueError(f"{OP}: without causal the kernel is warp-specialized and takes only "
+                             f"{', '.join(f'{key} in {allowed}' for key, allowed in FULL_CHOICES.items())}; got "
+                             f"{', '.join(f'{key}={value!r}' for key, value in refused.items())}")
+    pieces = max(2, PIECE_BUDGET // world_size) if cfg["pieces"] is None else cfg["pieces"]
+    if pieces < 1:
+        raise ValueError(f"{OP}: pieces must be >= 1, got {pieces}")
+    kv_rows = batch * kv_heads
+    piece_rows = cdiv(kv_rows, min(pieces, kv_rows))
+    chunk = s_local // 2 if causal else s_local
+    num_tiles = batch * heads * (2 if causal else 1) * cdiv(max(chunk, 1), cfg["block_m"])
+    slots = cfg["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
+    if not causal and world_size == 1:
+        slots *= FULL_ONE_RANK_WAVES
+    max_blocks = slots if cfg["max_blocks"] is None else max(1, min(cfg["max_blocks"], slots))
+    num_blocks = max(1, min(num_tiles, max_blocks))
+    split_blocks = 0
+    if causal and head_dim in SPLIT_HEAD_DIMS:
+        split_tiles = batch * heads * 2 * cdiv(max(chunk, 1), FULL_TILES[head_dim]["block_m"])
+        split_slots = FULL_TILES[head_dim]["blocks_per_sm"] * max(1, num_sms - RESERVED_SMS)
+        if world_size == 1:
+            split_slots = split_tiles if s_local >= SPLIT_LONG else split_slots * SPLIT_ONE_RANK_WAVES
+        if cfg["max_blocks"] is not None:
+            split_slots = max(1, min(cfg["max_blocks"], split_slots))
+        split_blocks = max(1, min(split_tiles, split_slots))
+    if world_size == 1 and cfg["pieces"] is None:
+        piece_rows = max(piece_rows, min(kv_rows, cdiv(2 * num_blocks, num_tiles // kv_rows)))
+    cap = SM_REGISTERS // (cfg["blocks_per_sm"] * cfg["num_warps"] * 32) // 8 * 8
+    keys = ("block_m", "block_n", "num_warps", "num_stages")
+    return {**{key: cfg[key] for key in keys}, "maxnreg": None if cap >= MAX_REGISTERS else cap,
+            "piece_rows": piece_rows, "pieces": cdiv(kv_rows, piece_rows), "num_blocks": num_blocks,
+            "split_blocks": split_blocks}
+
+
+def progress_size(world_size: int, pieces: int) -> int:
+    """Slots of a launch's ``progress``: a flag per (rank, piece), then the count of tiles taken."""
+    return world_size * pieces + 1
+
+
+def softmax_scale(scale: float | None, head_dim: int) -> float:
+    """The scores' scale (default 1 / sqrt(head_dim)) times log2(e): the kernels exponentiate with exp2."""
+    return (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
+
+
+def dependent_merge(wait: bool, world_size: int) -> bool:
+    """Whether the causal kernel after the warp-specialized one is a programmatic dependent launch (the recipe's)."""
+    return not (wait and world_size > 1)
+
+
+def lse_buffer(rows: int, device) -> torch.Tensor:
+    return torch.empty(rows, dtype=torch.float32, device=device)
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world_size: int, causal: bool = False, dim: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s shard of the full sequence ``x`` (the recipe's layout: under causal chunks ``rank`` and
+    ``2 * world_size - 1 - rank`` of ``2 * world_size``, else the ``rank``-th of ``world_size``)."""
+    chunks = x.chunk(2 * world_size if causal else world_size, dim=dim)
+    mine = (rank, 2 * world_size - 1 - rank) if causal else (rank,)
+    return torch.cat([chunks[c] for c in mine], dim=dim).contiguous()
+
 
 # A masked key's score is the recipe's ``MASKED_SCORE`` (-1e30), written as a literal in the body: Helion reads a
 # module constant used in device code as ``_source_module.NAME`` after ``import helion_ports.fused.
@@ -225,7 +329,6 @@ def context_parallel_attention_body(
             last_piece = order[tile, 4]
             tile = hl.atomic_add(taken, [0], 1)
     return out2
-
 
 
 # Before the tile loop, the warp-specialized kernel's descriptors, built on the device as the recipe's (Triton 3.6
@@ -396,7 +499,6 @@ def explicit_masks():
         BlockSizeInfo.known_multiple = plain
 
 
-
 @contextlib.contextmanager
 def warp_specialization():
     """While Helion binds the warp-specialized kernel: ``range_warp_specializes`` offered on sm_90. Helion 1.5.0 offers
@@ -410,6 +512,7 @@ def warp_specialization():
         yield
     finally:
         helion_loops._supports_warp_specialize = plain
+
 
 @functools.cache
 def compiled(causal: bool, merge: bool, block_m: int, block_n: int, num_warps: int, num_stages: int) -> helion.Kernel:
@@ -477,6 +580,11 @@ def scratch():
         yield
     finally:
         _allocation._allocator.reset(token)
+
+
+def triton_launch(kernel, grid: tuple[int, ...], *args, **meta):
+    """Triton's own ``kernel[grid](...)``: a plain call's launcher of the capped kernels (inside ``scratch``)."""
+    return kernel[grid](*args, **meta)
 
 
 def launch_attention(q, k, v, gathered, out, progress, rank: int, world_size: int, causal: bool, scale, wait: bool,
@@ -555,3 +663,37 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     progress = torch.zeros(progress_size(world_size, cfg["pieces"]), dtype=torch.int32, device=q.device)
     return launch_attention(q, k, v, gathered, torch.empty_like(q), progress, rank, world_size, causal, scale, False,
                             **cfg)
+
+
+def main(batch: int = 1, seq: int = 4096, heads: int = 8, kv_heads: int = 2, head_dim: int = 128, iters: int = 20):
+    """Check against SDPA on the whole sequence, causal and not; time the plain function (``torchrun``, or alone)."""
+    if "RANK" not in os.environ:  # run alone: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator(device=device).manual_seed(0)  # the same sequence on every rank
+    for causal in (False, True):
+        q_seq, k_seq, v_seq = (torch.randn(batch, h, seq, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
+                               for h in (heads, kv_heads, kv_heads))
+        expected = torch.nn.functional.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=causal,
+                                                                    enable_gqa=True)
+        q, k, v = (shard_sequence(t, rank, world_size, causal) for t in (q_seq, k_seq, v_seq))
+        got = context_parallel_attention(q, k, v, causal=causal)
+        torch.testing.assert_close(got, shard_sequence(expected, rank, world_size, causal), rtol=2e-2, atol=2e-2)
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            context_parallel_attention(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        if rank == 0:
+            print(f"helion context_parallel_attention: B{batch} S{seq} H{heads} Hkv{kv_heads} D{head_dim} "
+                  f"causal={causal}, {world_size} ranks: matches SDPA, "
+                  f"{(time.perf_counter() - start) / iters * 1e6:.0f} us per call (allocation and rendezvous included)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

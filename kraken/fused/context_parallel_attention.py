@@ -35,16 +35,16 @@ keys of one shard that a query row sees are a prefix: of its own shard, those up
 the first chunk or both. Without ``causal``, rank r holds the r-th ``1 / world_size`` of the sequence. GQA: ``k``, ``v``
 may have fewer heads than ``q`` (a divisor). World size 1: the same kernels, whose peer loops have no step.
 
-This file is the recipe: the kernels, the sequence layout, a pure ``plan`` and tile orders, ``launch_attention`` and a
-plain host function. ``kraken.context_parallel_attention`` adds checks agreed across ranks, prepared calls, the
-overlapped exchange and CUDA graphs.
+This file is the recipe: the kernels, the sequence layout, a pure ``plan``, ``launch_attention`` and a plain host
+function; the tile orders the kernels read are building blocks (``kraken._blocks.attention``), shared with the twin.
+``kraken.context_parallel_attention`` adds checks agreed across ranks, prepared calls, the overlapped exchange and CUDA
+graphs.
 
     torchrun --nproc-per-node 2 kraken/fused/context_parallel_attention.py
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
 import time
@@ -59,7 +59,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kraken._blocks.attention import _MASKED_SCORE, attend, softmax_step
+from kraken._blocks.attention import _MASKED_SCORE, attend, full_order, softmax_step, tile_order
 from kraken._ptx_utils import wait_async, wait_each_thread
 
 OP = "context_parallel_attention"
@@ -473,88 +473,6 @@ def register_cap(blocks_per_sm: int, num_warps: int) -> int | None:
 def progress_size(world_size: int, pieces: int) -> int:
     """Slots of a launch's ``progress``: a flag per (rank, piece), then the count of tiles taken."""
     return world_size * pieces + 1
-
-
-def tile_order(query_rows: int, group: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
-               device, blocks: int = 0) -> torch.Tensor:
-    """The query tiles in the order the kernel's blocks take them, an int32 [tiles, 5] tensor on ``device``, each as
-    (its first row of q, the first row of its kv head's K/V: rows of the flattened [rows, head_dim] q and k; half of
-    the shard, first row in the chunk, piece): piece by piece (a piece's tiles need only its flags). Within a piece,
-    under causal, the costliest position first across its heads (a tile's keys grow with its last row; the last tiles
-    taken are short, so the blocks finish together); without, head by head (tiles running at once share K/V in L2).
-    ``blocks``: a static schedule of that many blocks (below)."""
-    halves = 2 if causal else 1
-    tiles_per_chunk = cdiv(max(s_local // halves, 1), block_m)
-    position = torch.arange(halves * tiles_per_chunk)
-    half = halves - 1 - position // tiles_per_chunk  # the later half first
-    m0 = (tiles_per_chunk - 1 - position % tiles_per_chunk if causal else position) * block_m  # from its last
-    heads_per_piece = group * piece_rows
-    tiles = []
-    for piece, first in enumerate(range(0, query_rows, heads_per_piece)):
-        bh = torch.arange(first, min(first + heads_per_piece, query_rows))[None, :].expand(len(position), -1)
-        tile_half, tile_m0 = half[:, None].expand_as(bh), m0[:, None].expand_as(bh)
-        fields = (bh * s_local + tile_half * (s_local // halves) + tile_m0, bh // group * s_local, tile_half,
-                  tile_m0, torch.full_like(bh, piece))
-        stacked = torch.stack(fields, -1)  # [position, head, field]: position-major under causal, else head-major
-        tiles.append((stacked if causal else stacked.transpose(0, 1)).reshape(-1, 5))
-    order = torch.cat(tiles)
-    if blocks:
-        # A static schedule (block b takes b, b + blocks, ...): every other round of ``blocks`` tiles reversed, so the
-        # block that takes a round's longest tile takes the next round's shortest (the blocks' sums even).
-        p = torch.arange(len(order))
-        first = p // blocks * blocks
-        width = torch.clamp(len(order) - first, max=blocks)
-        order = order[torch.where(p // blocks % 2 == 0, p, first + width - 1 - (p - first))]
-    return order.to(torch.int32).to(device)
-
-
-def full_order(batch: int, heads: int, kv_heads: int, s_local: int, causal: bool, block_m: int, piece_rows: int,
-               world_size: int, grid: int, device, rank: int = 0, block_n: int = 128) -> torch.Tensor:
-    """The warp-specialized kernel's ``tile_order`` on a grid of ``grid`` blocks. Under causal, with peers, balanced
-    across the blocks by the tiles' key counts (``balanced_order``); at one rank no tile waits, so one piece, longest
-    first, snaked, or, with a block per tile (``SPLIT_LONG``), kv head by kv head."""
-    tiles = batch * heads * 2 * cdiv(s_local // 2, block_m) if causal else 0
-    if causal and world_size > 1 and grid < tiles:
-        order = tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, piece_rows, "cpu")
-        return balanced_order(order, s_local, block_n, rank, world_size, grid, device)
-    rows = piece_rows if world_size > 1 or not causal else (1 if grid == tiles else batch * kv_heads)
-    return tile_order(batch * heads, heads // kv_heads, s_local, causal, block_m, rows, device,
-                      grid if causal and grid < tiles else 0)
-
-
-def balanced_order(order: torch.Tensor, s_local: int, block_n: int, rank: int, world_size: int, blocks: int,
-                   device) -> torch.Tensor:
-    """``order`` (causal, on the CPU) rearranged for the warp-specialized kernel's static schedule (block b takes
-    positions b, b + blocks, ...) so that the blocks' key tiles sum evenly (a causal tile sees its own shard's keys
-    before its first row, both chunks of each later peer to the later half, the first chunk of each earlier peer).
-    Piece by piece, the piece's tiles keep its positions but, longest first, each goes to the least-loaded block."""
-    chunk = s_local // 2
-    half, m0, piece = order[:, 2], order[:, 3], order[:, 4]
-    later = world_size - 1 - rank
-    # key tiles per tile (as the kernel counts them), plus two for the tile's own load and epilogue
-    cost = (half * (chunk // block_n) + m0 // block_n + later * half * (s_local // block_n)
-            + rank * (chunk // block_n) + 2).tolist()
-    loads = [0] * blocks
-    positions = torch.empty(len(cost), dtype=torch.long)
-    pieces = piece.tolist()
-    begin = 0
-    while begin < len(cost):  # piece by piece: the positions its tiles take stay where ``order`` has them
-        end = begin
-        while end < len(cost) and pieces[end] == pieces[begin]:
-            end += 1
-        slots: dict[int, list[int]] = {}
-        for position in range(begin, end):
-            slots.setdefault(position % blocks, []).append(position)
-        heap = [(loads[b], b) for b in slots]
-        heapq.heapify(heap)
-        for t in sorted(range(begin, end), key=lambda t: -cost[t]):
-            _, b = heapq.heappop(heap)
-            positions[slots[b].pop(0)] = t
-            loads[b] += cost[t]
-            if slots[b]:
-                heapq.heappush(heap, (loads[b], b))
-        begin = end
-    return order[positions].to(torch.int32).to(device)
 
 
 def lse_buffer(rows: int, device) -> torch.Tensor:
