@@ -697,6 +697,7 @@ def fake_capture(monkeypatch, events: list, capturing: list) -> None:
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "capture stream")
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
     monkeypatch.setattr(graphs, "_graphs", {})
+    monkeypatch.setattr(graphs, "_recent", {})
     monkeypatch.setattr(graphs, "_capture_streams", {})
 
 
@@ -731,6 +732,29 @@ def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
         graphs.graphed(("failing",), failing, gpu)
     assert events == ["run", ("on", "capture stream"), "begin", "run", "end", "run", "run", "run"]
     assert graphs._graphs[("failing",)] == graphs.NEVER
+
+
+def test_graphed_never_captures_a_prepared_call_whose_addresses_keep_changing(monkeypatch):
+    """A model's layers call one prepared call (same shapes) on fresh activations: every call a new address set.
+    Those calls run plainly, step after step: no capture (a millisecond each), no kept key (no cache to start over,
+    no device synchronisation). A key that comes back within ``RECENT_CALLS`` calls (two outputs in turn: a loop
+    that keeps the last output while the next is made) is captured then, and a kept graph replays whatever came
+    between."""
+    events, capturing = [], [False]
+    fake_capture(monkeypatch, events, capturing)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    gpu = torch.device("cuda", 0)
+    run = lambda: events.append("run")  # noqa: E731
+    for step in range(3):
+        for layer in range(32):
+            graphs.graphed(("prepared call", 1000 + layer), run, gpu)
+    assert events == ["run"] * 96 and not graphs._graphs
+    events.clear()
+    for address in (1, 2, 1, 2, 1, 3, 2):
+        graphs.graphed(("prepared call", address), run, gpu)
+    assert events == ["run", "run", "begin", "run", "end", "replay", "begin", "run", "end", "replay", "replay", "run",
+                      "replay"]
+    assert list(graphs._graphs) == [("prepared call", 1), ("prepared call", 2)]
 
 
 def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypatch):

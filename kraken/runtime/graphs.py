@@ -15,16 +15,22 @@ import torch
 from kraken.runtime import prepared
 from kraken.runtime.launcher import launch_hooked
 
-_graphs: dict = {}  # key -> the CUDA graph of its work, or the count of its plain runs so far (NEVER: never captured)
-PLAIN_RUNS = 1  # a key's plain runs before its capture: the first binds its kernels through the JIT
+_graphs: dict = {}  # key -> the CUDA graph of its work, or NEVER (its capture failed: always plain)
 NEVER = -1
+# A key is captured when it comes back within this many calls of its prepared call (the key's first item): its first
+# call binds the kernels through the JIT; a key that comes back so soon will come back again.
+RECENT_CALLS = 4
+_recent: dict = {}  # prepared call -> the keys of its last RECENT_CALLS calls
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None:
     """``run()``'s work on the current stream, from a CUDA graph of it kept under ``key``: captured (thread-local
-    mode: other threads' CUDA calls go on) on the key's run after ``PLAIN_RUNS`` plain runs, and replayed from then
-    on, one graph launch where ``run`` made a host call per launch, stream operation and copy. ``key`` must hold
+    mode: other threads' CUDA calls go on) when the key comes back within ``RECENT_CALLS`` calls of its prepared
+    call (a loop on the same tensors, or two outputs in turn), and replayed from then on, one graph launch where
+    ``run`` made a host call per launch, stream operation and copy. A prepared call whose calls come with new
+    addresses each time (a model's layers on fresh activations) runs plainly: a capture costs about a millisecond and
+    would be replayed at most once a step. ``key`` must hold
     everything ``run`` reads whose value can change from call to call: a prepared call (its ``Launcher``: its
     shapes, plan and buffers) and the address of every tensor passed in. Tensors ``run`` makes itself come from the
     graph's memory pool. ``run`` goes plainly where the device is no GPU, while the current stream is being
@@ -53,13 +59,16 @@ def _kept_graph(key: tuple, run: Callable[[], object], device: torch.device, cap
     if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing() or launch_hooked():
         run()
         return None
-    entry = _graphs.get(key, 0)
-    if not isinstance(entry, int):
+    entry = _graphs.get(key)
+    if entry is not None and entry != NEVER:
         return entry
-    if entry < PLAIN_RUNS:  # NEVER included
+    recent = _recent.get(key[0], ())
+    again = key in recent
+    if not recent and len(_recent) >= prepared.MAX_PREPARED:  # a bound (no graph here: nothing to wait for)
+        _recent.clear()
+    _recent[key[0]] = (*recent[1 - RECENT_CALLS:], key)
+    if entry == NEVER or not again:
         run()
-        if entry != NEVER:
-            _graphs[key] = entry + 1
         return None
     if len(_graphs) >= prepared.MAX_PREPARED:  # start over
         drop_graphs()
