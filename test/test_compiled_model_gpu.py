@@ -29,6 +29,9 @@ from gpu_utils import assert_close, check_graph_replays, heartbeat, needs_gpus, 
 pytestmark = needs_gpus
 
 PACKAGES = {"triton": ("kraken", "kraken"), "helion": ("helion_ports", "kraken_helion")}  # package, op namespace
+# The modules of the public functions (``kraken.<name>``, ``helion_ports.<name>`` load them on first use): loading
+# one registers its package's operators.
+PUBLIC = {"triton": "kraken.runtime.api", "helion": "kraken.runtime.twins"}
 BF16 = torch.bfloat16
 
 
@@ -250,8 +253,7 @@ def opcheck_every_operator(backend: str) -> None:
     from kraken.runtime import library
 
     _, namespace = PACKAGES[backend]
-    for package in ("comm", "fused"):  # importing a package registers its operators
-        importlib.import_module(f"{PACKAGES[backend][0]}.{package}")
+    importlib.import_module(PUBLIC[backend])  # loading the public functions registers their operators
     cases = operator_cases()
     assert set(cases) == set(library.ENTRIES)
     failures = []
@@ -284,8 +286,8 @@ def opcheck_moe_operators(backend: str) -> None:
     tensor in every call of the shape) and ``routing`` has two ints of padding after the status that no kernel
     writes, so its AOT check compares the written parts by hand; the combine takes all four checks (its AOT check
     passes it copies of ``recv``, which it must tell from the buffer)."""
-    package, namespace = PACKAGES[backend]
-    importlib.import_module(package)
+    _, namespace = PACKAGES[backend]
+    importlib.import_module(PUBLIC[backend])
     dispatch, combine = (getattr(getattr(torch.ops, namespace), name).default
                          for name in ("moe_dispatch", "moe_combine"))
     ws, rank = dist.get_world_size(), dist.get_rank()

@@ -1,0 +1,137 @@
+"""The host fast path in a model: a 32-layer eager loop calling the fused recipes on fresh activations.
+
+Each layer (this rank's ``ROWS`` tokens): ``all_gather_matmul`` -> SiLU -> ``gemm_reduce_scatter`` ->
+``all_reduce_bias_rms_norm`` -> ``context_parallel_attention`` (causal, its heads from the normed rows) ->
+``gemm_one_shot_all_reduce`` -> ``moe_dispatch`` -> one expert matmul -> ``moe_combine``. Every layer has its own
+weights and every call new inputs (a model's activations: new addresses), three steps, under
+``torch.cuda.set_sync_debug_mode("error")`` (a call that synchronises with the device raises) and with
+``torch.cuda.synchronize`` counted (none may happen). Each call's host cost (the time until it returns, nothing
+synchronised) is compared with the op's warm cost as the benchmark measures it, the same call looped on the same
+inputs: the 95th percentile of each op's calls within ``BOUND`` times it (the table of every op is printed).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from gpu_utils import heartbeat, needs_gpus, run_on_gpus
+
+pytestmark = needs_gpus
+BF16 = torch.bfloat16
+LAYERS, STEPS = 32, 3
+ROWS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS_PER_RANK, TOP_K = 128, 512, 1024, 4, 2, 128, 2, 2
+WARM_CALLS = 30
+BOUND = 2.0  # a model's call against the op's warm call (the slowest 5%: the OS's jitter, printed)
+
+
+class Layer:
+    def __init__(self, seed: int):
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        gen = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
+
+        def weight(*shape):
+            return torch.randn(*shape, generator=gen, device="cuda").div(shape[0] ** 0.5).to(BF16)
+
+        self.w1, self.w2, self.w3 = weight(HIDDEN, FFN), weight(FFN, HIDDEN), weight(HIDDEN, HIDDEN)
+        self.bias, self.norm = weight(1, HIDDEN)[0], 1 + weight(1, HIDDEN)[0]
+        self.expert = weight(HIDDEN, HIDDEN)  # every local expert's (the routing, not the math, is under test)
+        shared = torch.Generator(device="cuda").manual_seed(seed)  # the router: the same on every rank
+        self.router = torch.randn(HIDDEN, EXPERTS_PER_RANK * ws, generator=shared, device="cuda")
+        self.capacity = ws * ROWS * TOP_K
+
+    def forward(self, kraken, x: torch.Tensor, call) -> torch.Tensor:
+        """The layer; ``call(op, fn, *args, **kwargs)`` runs each kraken call (the caller times it), its arguments made
+        before (fresh tensors from the previous output)."""
+        h = call("all_gather_matmul", kraken.all_gather_matmul, x, self.w1)
+        y = call("gemm_reduce_scatter", kraken.gemm_reduce_scatter, torch.nn.functional.silu(h), self.w2)
+        z = call("all_reduce_bias_rms_norm", kraken.all_reduce_bias_rms_norm, y, self.bias, self.norm)
+        heads = z.view(ROWS, HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0)
+        q, k = heads.contiguous(), heads[:, :KV_HEADS].contiguous()
+        o = call("context_parallel_attention", kraken.context_parallel_attention, q, k, k * 0.5, causal=True)
+        r = call("gemm_one_shot_all_reduce", kraken.gemm_one_shot_all_reduce,
+                 o[0].transpose(0, 1).reshape(ROWS, HIDDEN), self.w3, out_dtype=BF16)
+        weights, ids = torch.topk(torch.softmax(r.float() @ self.router, dim=-1), TOP_K)
+        recv, _, handle = call("moe_dispatch", kraken.moe_dispatch, r, ids, self.router.shape[1],
+                               capacity=self.capacity)
+        return call("moe_combine", kraken.moe_combine, recv @ self.expert, handle, weights)
+
+
+def model_loop() -> None:
+    import kraken
+
+    rank = dist.get_rank()
+    layers = [Layer(seed) for seed in range(LAYERS)]
+    record: dict = {}
+    kept: dict = {}
+
+    def timed(op, fn, *args, **kwargs):
+        start = time.perf_counter_ns()
+        out = fn(*args, **kwargs)
+        record.setdefault(op, []).append((time.perf_counter_ns() - start) / 1e3)
+        return out
+
+    def keep(op, fn, *args, **kwargs):  # layer 0's calls, kept for the warm loops
+        kept[op] = (fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    def plain(op, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def step(seed: int, first, call) -> torch.Tensor:
+        gen = torch.Generator(device="cuda").manual_seed(seed * 97 + rank)
+        x = torch.randn(ROWS, HIDDEN, generator=gen, device="cuda").to(BF16)
+        for i, layer in enumerate(layers):
+            x = layer.forward(kraken, x, first if i == 0 else call)
+        return x
+
+    with torch.no_grad():
+        out = step(0, keep, plain)  # compiles every kernel, agrees on every signature
+        torch.cuda.synchronize()
+        assert out.shape == (ROWS, HIDDEN) and torch.isfinite(out).all(), "the model's output"
+        heartbeat("model warm-up step done")
+        warm = {}
+        for op, (fn, args, kwargs) in kept.items():  # the benchmark's loop: the same inputs, the last output kept
+            samples = []
+            for _ in range(WARM_CALLS):
+                start = time.perf_counter_ns()
+                out = fn(*args, **kwargs)
+                samples.append((time.perf_counter_ns() - start) / 1e3)
+            warm[op] = statistics.median(samples[WARM_CALLS // 3:])
+            torch.cuda.synchronize()
+        del out
+        heartbeat("warm costs measured")
+
+        real_synchronize, synchronized = torch.cuda.synchronize, []
+        for seed in range(1, STEPS + 1):
+            torch.cuda.synchronize = lambda *args, **kwargs: synchronized.append(args)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step(seed, timed, timed)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize = real_synchronize
+            real_synchronize()
+            heartbeat(f"model step {seed} done")
+    assert not synchronized, f"rank {rank}: the fast path synchronised the device {len(synchronized)} times"
+    lines, misses = [], []
+    for op, samples in record.items():
+        assert len(samples) == LAYERS * STEPS, (op, len(samples))
+        ordered = sorted(samples)
+        median, p95 = statistics.median(samples), ordered[int(0.95 * len(ordered)) - 1]
+        over = sum(us > BOUND * warm[op] for us in samples)
+        lines.append(f"  {op:28s} warm {warm[op]:7.1f} us  model median {median:7.1f}  p95 {p95:7.1f}  "
+                     f"max {ordered[-1]:7.1f}  ({median / warm[op]:.2f}x; {over} of {len(samples)} calls over "
+                     f"{BOUND:g}x)")
+        if p95 > BOUND * warm[op]:
+            misses.append(op)
+    print(f"rank {rank} of {dist.get_world_size()}: {LAYERS} layers x {STEPS} steps, host cost per call:\n"
+          + "\n".join(lines), flush=True)
+    assert not misses, f"rank {rank}: host cost past {BOUND:g}x the warm cost for {misses}"
+
+
+def test_model_loop_calls_stay_warm_without_synchronising():
+    run_on_gpus(model_loop, name="model loop")
