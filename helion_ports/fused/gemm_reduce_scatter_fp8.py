@@ -320,8 +320,8 @@ def gemm_reduce_scatter_fp8(
 
 
 def main(m: int = 2048, n: int = 4096, k: int = 4096, iters: int = 20) -> None:
-    """Check against ``torch.matmul`` of the scaled operands and NCCL's reduce-scatter and time the twin
-    (``torchrun``, or alone)."""
+    """Check against ``torch.matmul`` of the scaled operands and NCCL's reduce-scatter and time ``launch`` on a
+    workspace prepared once (``torchrun``, or alone)."""
     if "RANK" not in os.environ:  # run alone: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -338,16 +338,27 @@ def main(m: int = 2048, n: int = 4096, k: int = 4096, iters: int = 20) -> None:
     for _ in range(3):  # compile, then warm
         got = gemm_reduce_scatter_fp8(a, b, scale_a, scale_b)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * world_size)
+
+    group = dist.group.WORLD
+    cfg = plan(m, n, k, world_size, {}, torch.cuda.get_device_properties(device).multi_processor_count)
+    peers, signal_pad_ptrs, rank, parity, epochs = block_workspace(m, n, cfg, torch.bfloat16, device, group)
+    out = torch.empty(m // world_size, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):  # warm up (the first compiles)
+        launch(a, b, scale_a, scale_b, peers, out, signal_pad_ptrs, rank, parity, epochs, **cfg,
+               group_name=group.group_name)
+    out.fill_(float("nan"))  # a timed launch that writes nothing fails the check below
     dist.barrier()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
-        gemm_reduce_scatter_fp8(a, b, scale_a, scale_b)
+        launch(a, b, scale_a, scale_b, peers, out, signal_pad_ptrs, rank, parity, epochs, **cfg,
+               group_name=group.group_name)
     torch.cuda.synchronize()
     us = (time.perf_counter() - start) / iters * 1e6
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * world_size)
     if rank == 0:
         print(f"helion gemm_reduce_scatter_fp8: {m}x{n}x{k} fp8 x {world_size} ranks: matches matmul + NCCL, "
-              f"{us:.1f} us per call (allocation and rendezvous included)")
+              f"{us:.1f} us per call (eager launches; {cfg})")
     dist.destroy_process_group()
 
 
