@@ -294,8 +294,6 @@ class Events:
     join (``wait_stream``), the flags' reset (``zero_``) and writes (``stream_write_value32``), the launches."""
 
     def __init__(self, monkeypatch, module):
-        import contextlib
-
         self.events: list = []
         events = self.events
 
@@ -315,8 +313,8 @@ class Events:
 
         self.flags = Flags()
         monkeypatch.setattr(module, "side_stream", lambda device: Stream("side"))
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream("current"))
-        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
         monkeypatch.setattr(module, "_SymmetricMemory", SimpleNamespace(
             stream_write_value32=lambda flags, index, value: events.append(("flag", index, value))))
 

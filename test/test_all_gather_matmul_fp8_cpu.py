@@ -319,7 +319,6 @@ def test_the_gather_stages_for_the_peers_and_flags_only_their_chunks(monkeypatch
     group of one), the staging kernel on the side stream only for the peers, two barriers around each peer's chunk
     copied and then flagged (rank + 1 first; my chunk never: the GEMM reads my rows from ``a``), the GEMM on the
     current stream, the join last."""
-    import contextlib
     from types import SimpleNamespace
 
     events: list = []
@@ -339,8 +338,8 @@ def test_the_gather_stages_for_the_peers_and_flags_only_their_chunks(monkeypatch
             return self
 
     monkeypatch.setattr(recipe, "side_stream", lambda device: Stream("side"))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream("current"))
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     monkeypatch.setattr(recipe, "_SymmetricMemory", SimpleNamespace(
         stream_write_value32=lambda flags, index, value: events.append(("flag", index, value))))
 

@@ -351,14 +351,18 @@ def launch(
     side = side_stream(a.device)
     if world_size > 1:
         progress.zero_()  # before the fork: no flag of the previous call survives into this one
-    side.wait_stream(torch.cuda.current_stream())  # the fork
-    with torch.cuda.stream(side):
+    current = torch.cuda.current_stream(a.device)  # (the device named: else torch looks it up, a device query)
+    side.wait_stream(current)  # the fork
+    torch.cuda.set_stream(side)
+    try:
         if world_size > 1 or a_out is not None:  # my rows into my chunk, for the peers (and the snapshot)
             peers[rank].copy_(a[:m])
         gather(peers, gathered, progress, signal_pad_ptrs, rank, a_out, group_name, launcher)
+    finally:
+        torch.cuda.set_stream(current)
     launch_matmul(a, gathered, b, out, progress, rank, world_size, b_trans, block_m, block_n, block_k, group_m,
                   num_warps, num_stages, num_blocks, launcher)
-    torch.cuda.current_stream().wait_stream(side)  # the join: the caller may write the buffer again
+    current.wait_stream(side)  # the join: the caller may write the buffer again
     return out
 
 

@@ -405,14 +405,18 @@ def launch(
     side = side_stream(a.device)
     if world_size > 1:
         progress.zero_()  # before the fork: no flag of the previous call survives into this one
-    side.wait_stream(torch.cuda.current_stream())  # the fork
-    with torch.cuda.stream(side):
+    current = torch.cuda.current_stream(a.device)  # (the device named: else torch looks it up, a device query)
+    side.wait_stream(current)  # the fork
+    torch.cuda.set_stream(side)
+    try:
         if world_size > 1:  # my rows and their scales into my chunk, for the peers
             stage(a, scale_a, own_values, own_scales, launcher)
         gather(peers, gathered, progress, signal_pad_ptrs, rank, launcher)
+    finally:
+        torch.cuda.set_stream(current)
     launch_matmul(tma_fp8(a, block_m), scale_a, gathered, b, scale_b, out, progress, rank, world_size, a.shape[1],
                   b_trans, block_m, block_n, block_k, group_m, num_warps, num_stages, num_blocks, launcher)
-    torch.cuda.current_stream().wait_stream(side)  # the join: the caller may write the buffer again
+    current.wait_stream(side)  # the join: the caller may write the buffer again
     return out
 
 
