@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import importlib
 import pkgutil
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -15,7 +15,6 @@ rank holds ``a`` [M / world_size, K] and the same ``b`` [K, N]; every rank needs
 
 from __future__ import annotations
 
-import importlib
 
 import torch
 import torch.distributed as dist

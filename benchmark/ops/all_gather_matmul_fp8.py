@@ -18,7 +18,6 @@ be bf16 (the default). Backends:
 
 from __future__ import annotations
 
-import importlib
 
 import torch
 import torch.distributed as dist

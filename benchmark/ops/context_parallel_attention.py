@@ -38,7 +38,6 @@ All of them compute the same output and are checked against ``nccl_cudnn``.
 
 from __future__ import annotations
 
-import importlib
 
 import torch
 import torch.distributed as dist
