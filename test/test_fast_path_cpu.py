@@ -738,8 +738,8 @@ def test_graphed_never_captures_a_prepared_call_whose_addresses_keep_changing(mo
     """A model's layers call one prepared call (same shapes) on fresh activations: every call a new address set.
     Those calls run plainly, step after step: no capture (a millisecond each), no kept key (no cache to start over,
     no device synchronisation). A key that comes back within ``RECENT_CALLS`` calls (two outputs in turn: a loop
-    that keeps the last output while the next is made) is captured then, and a kept graph replays whatever came
-    between."""
+    that keeps the last output while the next is made; ten input sets in turn) is captured then, and a kept graph
+    replays whatever came between."""
     events, capturing = [], [False]
     fake_capture(monkeypatch, events, capturing)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -755,6 +755,10 @@ def test_graphed_never_captures_a_prepared_call_whose_addresses_keep_changing(mo
     assert events == ["run", "run", "begin", "run", "end", "replay", "begin", "run", "end", "replay", "replay", "run",
                       "replay"]
     assert list(graphs._graphs) == [("prepared call", 1), ("prepared call", 2)]
+    events.clear()
+    for call in range(30):  # ten input sets in turn: each captured on its second round
+        graphs.graphed(("rotating", 100 + call % 10), run, gpu)
+    assert events == ["run"] * 10 + ["begin", "run", "end", "replay"] * 10 + ["replay"] * 10
 
 
 def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypatch):

@@ -18,8 +18,9 @@ from kraken.runtime.launcher import launch_hooked
 _graphs: dict = {}  # key -> the CUDA graph of its work, or NEVER (its capture failed: always plain)
 NEVER = -1
 # A key is captured when it comes back within this many calls of its prepared call (the key's first item): its first
-# call binds the kernels through the JIT; a key that comes back so soon will come back again.
-RECENT_CALLS = 4
+# call binds the kernels through the JIT; a key that comes back so soon (a loop over a few buffers in turn) will come
+# back again. A model's layers, each with its own weights, bring a prepared call more address sets than this.
+RECENT_CALLS = 16
 _recent: dict = {}  # prepared call -> the keys of its last RECENT_CALLS calls
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -27,7 +28,7 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None:
     """``run()``'s work on the current stream, from a CUDA graph of it kept under ``key``: captured (thread-local
     mode: other threads' CUDA calls go on) when the key comes back within ``RECENT_CALLS`` calls of its prepared
-    call (a loop on the same tensors, or two outputs in turn), and replayed from then on, one graph launch where
+    call (a loop on the same tensors, or a few buffers in turn), and replayed from then on, one graph launch where
     ``run`` made a host call per launch, stream operation and copy. A prepared call whose calls come with new
     addresses each time (a model's layers on fresh activations) runs plainly: a capture costs about a millisecond and
     would be replayed at most once a step. ``key`` must hold
