@@ -10,7 +10,8 @@ synchronised) is compared with the op's warm cost as the benchmark measures it, 
 inputs (the table of every op is printed): the typical call (median) within ``TYPICAL`` times it; after the first
 step no call past ``SPIKE`` times it and no CUDA graph captured (a capture costs about a millisecond: where
 consecutive layers reuse the addresses of the last one's tensors, the first step captures that address set once). A
-call amid a model's other work runs with cold caches: the same code path as the warm loop's costs about 1.7-2.2x.
+call amid a model's other work runs with cold caches, so the same code path costs more there than in the warm loop
+(docs/history.md, the host path).
 """
 
 from __future__ import annotations
