@@ -378,10 +378,10 @@ def symmetric_chunks(m: int, k: int, dtype: torch.dtype, device: torch.device, g
 
 
 def call_buffers(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, return_a: bool, config: dict
-                 ) -> tuple[tuple, dict]:
+                 ) -> tuple[dict, dict]:
     """What a call on ``a`` and ``b`` launches on (a collective: every rank of ``group`` calls it): ``launch``'s
-    arguments after ``a`` and ``b`` (peers, gather buffer, out, zeroed progress flags, signal pads, rank, ``a_out``
-    when ``return_a``) and the plan. Shared by the plain host function and the timing in ``main``."""
+    buffer arguments by name (peers, gather buffer, out, zeroed progress flags, signal pads, rank, ``a_out`` when
+    ``return_a``) and the plan. Shared by the plain host function and the timing in ``main``."""
     (m, k), n = a.shape, b.shape[1]
     world_size = dist.get_world_size(group)
     gathered, peers, signal_pad_ptrs, rank = symmetric_chunks(m, round_up(k, 16 // a.element_size()), a.dtype,
@@ -390,7 +390,8 @@ def call_buffers(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, ret
     out = a.new_empty(world_size * m, n)
     a_out = torch.empty_like(gathered) if return_a else None
     progress = torch.zeros(world_size, dtype=torch.int32, device=a.device)
-    return (peers, gathered, out, progress, signal_pad_ptrs, rank, a_out), cfg
+    return {"peers": peers, "gathered": gathered, "out": out, "progress": progress, "signal_pad_ptrs": signal_pad_ptrs,
+            "rank": rank, "a_out": a_out}, cfg
 
 
 def all_gather_matmul(
@@ -406,9 +407,9 @@ def all_gather_matmul(
     The twin spelled out: a symmetric gather buffer on every rank, the plan, one launch. It allocates and
     rendezvouses on every call and checks nothing; ``helion_ports.all_gather_matmul`` is the installed one."""
     group = dist.group.WORLD if group is None else group
-    args, cfg = call_buffers(a, b, group, return_a, config)
-    out, a_out = launch(a, b, *args, **cfg, group_name=group.group_name), args[6]
-    return (a_out[:, :a.shape[1]], out) if return_a else out
+    buffers, cfg = call_buffers(a, b, group, return_a, config)
+    out = launch(a, b, **buffers, **cfg, group_name=group.group_name)
+    return (buffers["a_out"][:, :a.shape[1]], out) if return_a else out
 
 
 def main(m: int = 1024, n: int = 8192, k: int = 8192, iters: int = 20) -> None:
@@ -432,16 +433,16 @@ def main(m: int = 1024, n: int = 8192, k: int = 8192, iters: int = 20) -> None:
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
     group = dist.group.WORLD
-    args, cfg = call_buffers(a, b, group, False, {})  # the buffers, once
-    out = args[2]
+    buffers, cfg = call_buffers(a, b, group, False, {})  # the buffers, once
+    out = buffers["out"]
     for _ in range(3):  # warm up (the first compiles)
-        launch(a, b, *args, **cfg, group_name=group.group_name)
+        launch(a, b, **buffers, **cfg, group_name=group.group_name)
     out.fill_(float("nan"))  # a timed launch that writes nothing fails the check below
     dist.barrier()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
-        launch(a, b, *args, **cfg, group_name=group.group_name)
+        launch(a, b, **buffers, **cfg, group_name=group.group_name)
     torch.cuda.synchronize()
     us = (time.perf_counter() - start) / iters * 1e6
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)

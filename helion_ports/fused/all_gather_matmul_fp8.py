@@ -432,9 +432,9 @@ def launch(
     return out
 
 
-def call_buffers(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, config: dict) -> tuple[tuple, dict]:
+def call_buffers(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, config: dict) -> tuple[dict, dict]:
     """What a call on ``a`` and ``b`` launches on (a collective: every rank of ``group`` calls it): ``launch``'s
-    arguments after the operands and scales (peers, gather buffer, my chunk's values and scales, out, zeroed
+    buffer arguments by name (peers, gather buffer, my chunk's values and scales, out, zeroed
     progress flags, signal pads, rank) and the plan. Shared by the plain host function and the timing in ``main``."""
     (m, k), n = a.shape, b.shape[1]
     world_size = dist.get_world_size(group)
@@ -448,7 +448,8 @@ def call_buffers(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, con
     cfg = plan(m, n, k, world_size, config, torch.cuda.get_device_properties(a.device).multi_processor_count)
     out = torch.empty(world_size * m, n, dtype=OUT_DTYPE, device=a.device)
     progress = torch.zeros(world_size, dtype=torch.int32, device=a.device)
-    return (peers, gathered, own_values, own_scales, out, progress, handle.signal_pad_ptrs_dev, rank), cfg
+    return {"peers": peers, "gathered": gathered, "own_values": own_values, "own_scales": own_scales, "out": out,
+            "progress": progress, "signal_pad_ptrs": handle.signal_pad_ptrs_dev, "rank": rank}, cfg
 
 
 def all_gather_matmul_fp8(
@@ -466,8 +467,8 @@ def all_gather_matmul_fp8(
     The twin spelled out: a symmetric gather buffer on every rank, the plan, one launch. It allocates and
     rendezvouses on every call and checks nothing; ``helion_ports.all_gather_matmul_fp8`` is the installed one."""
     group = dist.group.WORLD if group is None else group
-    args, cfg = call_buffers(a, b, group, config)
-    return launch(a, b, scale_a, scale_b, *args, **cfg, group_name=group.group_name)
+    buffers, cfg = call_buffers(a, b, group, config)
+    return launch(a, b, scale_a, scale_b, **buffers, **cfg, group_name=group.group_name)
 
 
 def main(m: int = 1024, n: int = 8192, k: int = 8192, iters: int = 20) -> None:
@@ -496,16 +497,16 @@ def main(m: int = 1024, n: int = 8192, k: int = 8192, iters: int = 20) -> None:
     torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2 * expected.abs().max().item())
 
     group = dist.group.WORLD
-    args, cfg = call_buffers(a, b, group, {})  # the buffers, once
-    out = args[4]
+    buffers, cfg = call_buffers(a, b, group, {})  # the buffers, once
+    out = buffers["out"]
     for _ in range(3):  # warm up (the first compiles)
-        launch(a, b, scale_a, scale_b, *args, **cfg, group_name=group.group_name)
+        launch(a, b, scale_a, scale_b, **buffers, **cfg, group_name=group.group_name)
     out.fill_(float("nan"))  # a timed launch that writes nothing fails the check below
     dist.barrier()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
-        launch(a, b, scale_a, scale_b, *args, **cfg, group_name=group.group_name)
+        launch(a, b, scale_a, scale_b, **buffers, **cfg, group_name=group.group_name)
     torch.cuda.synchronize()
     us = (time.perf_counter() - start) / iters * 1e6
     torch.testing.assert_close(out.float(), expected.float(), rtol=3e-2, atol=3e-2 * expected.abs().max().item())

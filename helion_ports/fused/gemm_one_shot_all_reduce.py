@@ -546,9 +546,9 @@ def launch(
 
 
 def call_buffers(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, out_dtype: torch.dtype,
-                 config: dict) -> tuple[tuple, dict, tuple]:
+                 config: dict) -> tuple[dict, dict, tuple]:
     """What a call on ``a`` and ``b`` launches on (a collective: every rank of ``group`` calls it): ``launch``'s
-    arguments after ``a`` and ``b`` (peers, out, signal pads, rank, parity, epochs, the k split's scratch and its
+    buffer arguments by name (peers, out, signal pads, rank, parity, epochs, the k split's scratch and its
     local pads' pointer array), the plan, and the local pads themselves, which must outlive the launches (the
     arguments hold only their addresses). Shared by the plain host function and the timing in ``main``."""
     (m, k), n = a.shape, b.shape[1]
@@ -559,7 +559,9 @@ def call_buffers(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup, out
                            dtype=torch.float32, device=a.device)
     pads, pad_ptrs = local_barrier_pads(cfg["num_blocks"], a.device)
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    return (peers, out, signal_pad_ptrs, rank, parity, epochs, partials, pad_ptrs.data_ptr()), cfg, (pads, pad_ptrs)
+    buffers = {"peers": peers, "out": out, "signal_pad_ptrs": signal_pad_ptrs, "rank": rank, "parity": parity,
+               "epochs": epochs, "partials": partials, "split_pad_ptrs": pad_ptrs.data_ptr()}
+    return buffers, cfg, (pads, pad_ptrs)
 
 
 def gemm_one_shot_all_reduce(
@@ -576,8 +578,8 @@ def gemm_one_shot_all_reduce(
     nothing."""
     group = dist.group.WORLD if group is None else group
     group = c10d._resolve_process_group(group) if isinstance(group, str) else group
-    args, cfg, pads = call_buffers(a, b, group, out_dtype, config)  # pads: alive until the launch is queued
-    return launch(a, b, *args, **cfg, group_name=group.group_name)
+    buffers, cfg, pads = call_buffers(a, b, group, out_dtype, config)  # pads: alive until the launch is queued
+    return launch(a, b, **buffers, **cfg, group_name=group.group_name)
 
 
 def main(m: int = 256, n: int = 4096, k: int = 4096, iters: int = 20) -> None:
@@ -599,16 +601,16 @@ def main(m: int = 256, n: int = 4096, k: int = 4096, iters: int = 20) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * world_size)
 
     group = dist.group.WORLD
-    args, cfg, pads = call_buffers(a, b, group, torch.float32, {})  # the buffers, once
-    out = args[1]
+    buffers, cfg, pads = call_buffers(a, b, group, torch.float32, {})  # the buffers, once
+    out = buffers["out"]
     for _ in range(3):  # warm up (the first compiles)
-        launch(a, b, *args, **cfg, group_name=group.group_name)
+        launch(a, b, **buffers, **cfg, group_name=group.group_name)
     out.fill_(float("nan"))  # a timed launch that writes nothing fails the check below
     dist.barrier()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
-        launch(a, b, *args, **cfg, group_name=group.group_name)
+        launch(a, b, **buffers, **cfg, group_name=group.group_name)
     torch.cuda.synchronize()
     us = (time.perf_counter() - start) / iters * 1e6
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2 * world_size)
