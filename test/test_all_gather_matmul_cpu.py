@@ -4,6 +4,7 @@ and bad input is refused on the host before anything needs CUDA or torch.distrib
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import re
@@ -351,6 +352,55 @@ def test_the_gather_flags_only_what_the_gemm_waits_for(monkeypatch, world_size, 
     assert staged == (world_size > 1 or return_a)
     if return_a:
         assert torch.equal(a_out, gathered)
+
+
+@pytest.mark.parametrize("world_size,return_a", [(1, False), (1, True), (2, False), (2, True), (4, False)])
+def test_the_installed_call_in_pieces_keeps_the_recipes_protocol(monkeypatch, world_size, return_a):
+    """``gather_matmul.in_pieces`` (a call on new addresses) on the same CPU stand-ins as the recipe's launch above:
+    the same events in the same order and the same buffers (but a group of one without ``return_a``: the GEMM alone);
+    the exchange under a key of the prepared call alone (no address of the call's tensors), the GEMM replayed from
+    the call's out, a and b."""
+    product = importlib.import_module("kraken.runtime.gather_matmul")
+    fake = Events(monkeypatch, recipe)
+    events, keys, replays = fake.events, [], []
+    monkeypatch.setattr(product, "copy_stream", lambda device: "side")
+    monkeypatch.setattr(product, "fork", lambda side: events.append("fork"))
+    monkeypatch.setattr(product, "join", lambda side: events.append("join"))
+    monkeypatch.setattr(product, "on_stream", lambda side: contextlib.nullcontext())
+    monkeypatch.setattr(product, "reset_flags", lambda flags: events.append("reset"))
+    monkeypatch.setattr(product.graphs, "graphed", lambda key, run, device: (keys.append(key), run()))
+    monkeypatch.setattr(product.replay, "replayed", lambda launcher, launch, args, host_code, keep: (
+        replays.append((launch, args)), host_code()))
+    rows, k, rank = 3, 16, world_size - 1
+    results = []
+    for run in ("recipe", "pieces"):
+        events.clear()
+        torch.manual_seed(0)
+        buffers = [torch.full((world_size * rows, k), float("nan"), dtype=torch.bfloat16) for _ in range(world_size)]
+        for r in range(world_size - 1):
+            buffers[r][r * rows:(r + 1) * rows] = torch.randn(rows, k).to(torch.bfloat16)
+        peers = tuple(buffers[r][r * rows:(r + 1) * rows] for r in range(world_size))
+        a, b = torch.randn(rows, k).to(torch.bfloat16), torch.randn(k, 8).to(torch.bfloat16)
+        a_out = torch.empty_like(buffers[rank]) if return_a else None
+        cfg = recipe.plan(rows, 8, k, world_size, {}, sm90.H200_NUM_SMS)
+        out = torch.empty(world_size * rows, 8, dtype=torch.bfloat16)
+        if run == "recipe":
+            recipe.launch(a, b, peers, buffers[rank], out, fake.flags, 0, rank, a_out, **cfg, launcher=fake.launcher)
+        else:
+            ctx = SimpleNamespace(rank=rank, signal_pad_ptrs=0, group_name="")
+            cfg = {**cfg, "peers": peers, "gathered": buffers[rank], "progress": fake.flags, "launcher": fake.launcher}
+            product.in_pieces(recipe, ctx, cfg, a, b, out, a_out)
+        results.append((list(events), buffers[rank].clone(), a_out))
+    (recipe_events, recipe_buffer, recipe_a_out), (events, buffer, a_out) = results
+    if world_size == 1 and not return_a:
+        assert events == ["all_gather_matmul_kernel"] and keys == [], events
+    else:
+        assert events == recipe_events, (events, recipe_events)
+        assert keys == [(("gather", fake.launcher),)]
+        assert torch.equal(buffer.nan_to_num(7), recipe_buffer.nan_to_num(7))
+    if return_a:
+        assert torch.equal(a_out, recipe_a_out)
+    assert [(launch, len(args), args[0].shape) for launch, args in replays] == [(recipe.launch_matmul, 3, out.shape)]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

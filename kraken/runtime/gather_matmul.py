@@ -11,8 +11,11 @@ What the installed package adds lives here:
   (``kraken.runtime.crossover``) and kept with the prepared call (``chosen``);
 * the prepared call per signature: the symmetric gather buffer (a slice of ``symm.symm_workspace``), every rank's
   own chunk of it, the flags, the plan and a ``Launcher`` (``prepare``);
-* the public call: its fork, the gather's exchange, the GEMM and the join replayed from one CUDA graph per pointer
-  set (``graphs.graphed``), driving the recipe's ``launch`` or its twin's (``all_gather_matmul_with``).
+* the public call, driving the recipe's kernels or its twin's (``all_gather_matmul_with``): its fork, the gather's
+  exchange, the GEMM and the join replayed from one CUDA graph per pointer set (``graphs.graphed``) when the same
+  addresses come back; on new ones (a model's layers), the launch in pieces that new addresses do not change: the
+  exchange but the staging of ``a`` as one CUDA graph per prepared call, the GEMM as one replayed launch
+  (``in_pieces``).
 
 The SM-driven all-gather of the sequential form is ``kraken.all_gather`` (or ``helion_ports.all_gather``), looked up
 at its first use.
@@ -20,15 +23,18 @@ at its first use.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 
 import torch
 import torch.distributed as dist
 
 from kraken._gemm_core import MAX_INDEX
-from kraken.runtime import agreement, crossover, graphs, groups, prepared, symm
+from kraken.runtime import agreement, crossover, graphs, groups, prepared, replay, symm
 from kraken.runtime.gemm_checks import check_fp8_inputs, check_inputs
 from kraken.runtime.launcher import Launcher
+from kraken.runtime.progress import copy_stream, fork, join, on_stream, reset_flags
 
 # The recipes' modules: their plans and buffer layouts (tests replace them there), their ``launch`` by name.
 BF16 = importlib.import_module("kraken.fused.all_gather_matmul")
@@ -125,12 +131,13 @@ def outputs(a: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor, return_a: 
     return {"out": torch.empty(gathered.shape[0], b.shape[1], dtype=a.dtype, device=a.device), "a_out": a_out}
 
 
-def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: bool, config: dict, all_gather
+def call(recipe, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: bool, config: dict, all_gather
          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``all_gather_matmul`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the name
-    ``op``, in the form ``crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of ``a``,
-    then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch; its fork, the
-    gather's exchange, the GEMM and a join are replayed from one CUDA graph per pointer set (``graphs.graphed``)."""
+    """``all_gather_matmul`` with a given ``recipe`` (the recipe's module or its twin's) and ``all_gather`` under
+    the name ``op``, in the form ``crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of
+    ``a``, then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch: replayed from
+    one CUDA graph per pointer set (``graphs.graphed``) when the same addresses come back, else in its pieces
+    (``in_pieces``)."""
     prepared = chosen(a, b, group, op, config, return_a)
     if prepared == crossover.SEQUENTIAL:
         gathered = all_gather(a, group)
@@ -139,17 +146,74 @@ def call(launch, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: boo
     ctx, cfg = prepared
     new = outputs(a, b, cfg["gathered"], return_a)
     out, a_out = new["out"], new["a_out"]
+    if cfg["gathered"].shape[1] == a.shape[1]:
+        run = lambda: in_pieces(recipe, ctx, cfg, a, b, out, a_out)  # noqa: E731
+    else:  # K padded for TMA: the whole launch stages the zero-padded rows
+        run = lambda: recipe.launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank,  # noqa: E731
+                                    **cfg, **new, group_name=ctx.group_name)
     graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(),
-                    a_out is not None and a_out.data_ptr()),
-                   lambda: launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, **cfg, **new,
-                                  group_name=ctx.group_name), a.device)
+                    a_out is not None and a_out.data_ptr()), run, a.device)
     return out if not return_a else (a_out[:, :a.shape[1]], out)
 
 
-def all_gather_matmul_with(launch, op: str, package: str):
-    """The installed all-gather + matmul, driving ``launch``: the recipe's (``kraken.all_gather_matmul``) or its
-    Helion twin's (``helion_ports.all_gather_matmul``, ``op`` "helion all_gather_matmul"); the sequential form
-    gathers with ``<package>.all_gather``."""
+def in_pieces(recipe, ctx: symm.SymmContext, cfg: dict, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+              a_out: torch.Tensor | None) -> None:
+    """The recipe's ``launch`` (K needing no padding) in pieces that new addresses do not change (``pieces``): my
+    rows staged with a copy, the GEMM on ``tma_inputs``."""
+    peers, gathered, flags, launcher = cfg["peers"], cfg["gathered"], cfg["progress"], cfg["launcher"]
+
+    def gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a_tma, b_tma, b_trans = recipe.tma_inputs(a, b, cfg["b_layout"], cfg["block_m"])
+        return recipe.launch_matmul(a_tma, gathered, b_tma, out, flags, ctx.rank, len(peers), b_trans,
+                                    cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["group_m"], cfg["num_warps"],
+                                    cfg["num_stages"], cfg["num_blocks"], launcher)
+
+    pieces(recipe, ctx, cfg, a.device, lambda: peers[ctx.rank].copy_(a), gemm, (out, a, b),
+           None if a_out is None else lambda: a_out.copy_(gathered))
+
+
+def pieces(recipe, ctx: symm.SymmContext, cfg: dict, device: torch.device, stage, gemm, args: tuple,
+           snapshot=None) -> None:
+    """A fused call in pieces that new addresses do not change: a model's layers call with new activations and
+    their own weights, so a graph per address set would be captured for one replay.
+
+    Of the exchange's work only ``stage()`` (my rows into my chunk) and ``snapshot()`` (``a_out``) read this call's
+    addresses; the rest (the barriers, the peers' chunks and their flags: ``recipe.gather``) reads the prepared
+    call's buffers alone, so it is one CUDA graph per prepared call (``graphs.graphed``), replayed on the side
+    stream. ``gemm(*args)`` (``args``: this call's tensors) is one replayed launch (``replay.replayed``). The order
+    is the recipe's: the flags reset before the fork, the GEMM queued after the exchange (its blocks wait on the
+    exchange's flags), the join after the GEMM. A group of one without a snapshot has nothing to exchange: the GEMM
+    alone."""
+    flags, launcher = cfg["progress"], cfg["launcher"]
+    world_size = len(cfg["peers"])
+    side = copy_stream(device) if world_size > 1 or snapshot is not None else None
+    if side is not None:
+        if world_size > 1:
+            reset_flags(flags)
+        fork(side)
+        with on_stream(side):
+            stage()
+            named = {"group_name": ctx.group_name} if "group_name" in gather_parameters(recipe) else {}
+            graphs.graphed((("gather", launcher),), lambda: recipe.gather(
+                cfg["peers"], cfg["gathered"], flags, ctx.signal_pad_ptrs, ctx.rank,
+                *((None,) if "a_out" in gather_parameters(recipe) else ()), launcher=launcher, **named), device)
+            if snapshot is not None:  # (after the closing barrier: only this rank writes its buffer)
+                snapshot()
+    replay.replayed(launcher, recipe.launch_matmul, args, lambda: gemm(*args), (ctx, cfg))
+    if side is not None:
+        join(side)
+
+
+@functools.cache
+def gather_parameters(recipe) -> frozenset:
+    """The names ``recipe.gather`` takes (the twin's takes Helion's ``group_name``)."""
+    return frozenset(inspect.signature(recipe.gather).parameters)
+
+
+def all_gather_matmul_with(recipe, op: str, package: str):
+    """The installed all-gather + matmul, driving ``recipe``'s kernels: the recipe's module
+    (``kraken.all_gather_matmul``) or its Helion twin's (``helion_ports.all_gather_matmul``, ``op`` "helion
+    all_gather_matmul"); the sequential form gathers with ``<package>.all_gather``."""
     all_gather = sm_all_gather(package)
 
     def all_gather_matmul(
@@ -168,12 +232,12 @@ def all_gather_matmul_with(launch, op: str, package: str):
         ``plan``); ``form="fused"`` or ``"sequential"`` forces the form ``kraken.runtime.crossover`` would choose by
         size.
         """
-        return call(launch, op, a, b, group, return_a, config, all_gather)
+        return call(recipe, op, a, b, group, return_a, config, all_gather)
 
     return all_gather_matmul
 
 
-all_gather_matmul = all_gather_matmul_with(BF16.launch, OP, "kraken")
+all_gather_matmul = all_gather_matmul_with(BF16, OP, "kraken")
 
 
 # ---------------------------------------------------------------------------
@@ -243,11 +307,12 @@ def prepare_fp8(
                  "progress": progress_flags(world_size, a.device), **cfg, "launcher": Launcher(op)}
 
 
-def call_fp8(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
+def call_fp8(recipe, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group,
              config: dict, all_gather) -> torch.Tensor:
-    """``all_gather_matmul_fp8`` with a given ``launch`` and ``all_gather`` (the recipe's or its twin's) under the
-    name ``op``, in the form ``crossover`` chooses. Sequential: ``gather_then_scaled_mm``. Fused: the prepared
-    call, the new output, and the launch, replayed from one CUDA graph per pointer set (``graphs.graphed``)."""
+    """``all_gather_matmul_fp8`` with a given ``recipe`` (the recipe's module or its twin's) and ``all_gather`` under
+    the name ``op``, in the form ``crossover`` chooses. Sequential: ``gather_then_scaled_mm``. Fused: the prepared
+    call, the new output, and the launch: replayed from one CUDA graph per pointer set (``graphs.graphed``) when the
+    same addresses come back, else in its pieces (``in_pieces_fp8``)."""
     prepared = chosen_fp8(a, b, scale_a, scale_b, group, op, config)
     if prepared == crossover.SEQUENTIAL:
         return gather_then_scaled_mm(all_gather, a, b, scale_a, scale_b, group)
@@ -255,13 +320,32 @@ def call_fp8(launch, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.T
     out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=FP8.OUT_DTYPE, device=a.device)
     graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
                     out.data_ptr()),
-                   lambda: launch(a, b, scale_a, scale_b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, out=out,
-                                  **cfg, group_name=ctx.group_name), a.device)
+                   lambda: in_pieces_fp8(recipe, ctx, cfg, a, b, scale_a, scale_b, out), a.device)
     return out
 
 
-def all_gather_matmul_fp8_with(launch, op: str, package: str):
-    """The installed fp8 all-gather + matmul, driving ``launch``: the recipe's or its Helion twin's."""
+def in_pieces_fp8(recipe, ctx: symm.SymmContext, cfg: dict, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                  scale_b: torch.Tensor, out: torch.Tensor) -> None:
+    """The fp8 recipe's ``launch`` in pieces that new addresses do not change (``pieces``): my rows and their
+    scales staged by the recipe's ``stage`` kernel, the GEMM on ``tma_fp8`` and ``b_operand``."""
+    launcher, world_size = cfg["launcher"], len(cfg["peers"])
+
+    def gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor
+             ) -> torch.Tensor:
+        b_tma, b_trans = recipe.b_operand(b, cfg["b_layout"])
+        return recipe.launch_matmul(recipe.tma_fp8(a, cfg["block_m"]), scale_a, cfg["gathered"], b_tma, scale_b, out,
+                                    cfg["progress"], ctx.rank, world_size, a.shape[1], b_trans, cfg["block_m"],
+                                    cfg["block_n"], cfg["block_k"], cfg["group_m"], cfg["num_warps"],
+                                    cfg["num_stages"], cfg["num_blocks"], launcher)
+
+    pieces(recipe, ctx, cfg, a.device,
+           lambda: recipe.stage(a, scale_a, cfg["own_values"], cfg["own_scales"], launcher), gemm,
+           (out, a, b, scale_a, scale_b))
+
+
+def all_gather_matmul_fp8_with(recipe, op: str, package: str):
+    """The installed fp8 all-gather + matmul, driving ``recipe``'s kernels: the recipe's module or its Helion
+    twin's."""
     all_gather = sm_all_gather(package)
 
     def all_gather_matmul_fp8(
@@ -282,9 +366,9 @@ def all_gather_matmul_fp8_with(launch, op: str, package: str):
         ``max_blocks`` and ``b_layout`` (see the recipe's ``plan`` and ``B_LAYOUTS``); ``form="fused"`` or
         ``"sequential"`` forces the form ``kraken.runtime.crossover`` would choose by size.
         """
-        return call_fp8(launch, op, a, b, scale_a, scale_b, group, config, all_gather)
+        return call_fp8(recipe, op, a, b, scale_a, scale_b, group, config, all_gather)
 
     return all_gather_matmul_fp8
 
 
-all_gather_matmul_fp8 = all_gather_matmul_fp8_with(FP8.launch, OP_FP8, "kraken")
+all_gather_matmul_fp8 = all_gather_matmul_fp8_with(FP8, OP_FP8, "kraken")

@@ -36,8 +36,8 @@ all_gather_with_progress = progress.all_gather_with_progress_with(progress_twin.
                                                                   "helion all_gather_with_progress")
 moe_combine = moe.moe_combine_with(moe_combine_twin.launch, "helion moe_combine")
 moe_dispatch = moe.moe_dispatch_with(moe_dispatch_twin.launch, "helion moe_dispatch")
-all_gather_matmul = gather_matmul.all_gather_matmul_with(agm_twin.launch, "helion all_gather_matmul", "helion_ports")
-all_gather_matmul_fp8 = gather_matmul.all_gather_matmul_fp8_with(agm_fp8_twin.launch, "helion all_gather_matmul_fp8",
+all_gather_matmul = gather_matmul.all_gather_matmul_with(agm_twin, "helion all_gather_matmul", "helion_ports")
+all_gather_matmul_fp8 = gather_matmul.all_gather_matmul_fp8_with(agm_fp8_twin, "helion all_gather_matmul_fp8",
                                                                  "helion_ports")
 rms_norm = bias_norm.rms_norm_with(rms_norm_twin.launch, "helion rms_norm")
 one_shot_all_reduce_bias = bias_norm.one_shot_all_reduce_bias_with(
