@@ -158,6 +158,33 @@ def stress_and_cuda_graph(backend: str, module, fn) -> None:
     heartbeat(f"{backend} graph replays done")
 
 
+def new_addresses(backend: str, fn) -> None:
+    """A model's calls: every call a new ``a`` (earlier ones kept alive, so no address comes back), one of three
+    weights in turn, b transposed for one of them, ``return_a`` on every third call; each output (and gathered
+    ``a``) checked. They run in pieces (``gather_matmul.in_pieces``): no graph is captured for their addresses, and
+    above one rank the exchange is one graph of the prepared call, replayed on every call."""
+    world_size, shape = dist.get_world_size(), STRESS_SHAPES[0]
+    weights = [operands(shape, BF16, 500 + w)[1] for w in range(3)]
+    weights[2] = weights[2].t().contiguous().t()  # strides (1, K): read in place, transposed
+    before, kept = set(graphs._graphs), []
+    for i in range(12):
+        seed, b = 510 + i, weights[i % 3]
+        a = operands(shape, BF16, seed)[0]
+        heartbeat(f"{backend} new addresses call {i}")
+        result = fn(a, b, return_a=i % 3 == 1)
+        gathered, out = result if i % 3 == 1 else (None, result)
+        torch.cuda.synchronize()
+        check(out, reference(shape, BF16, seed, world_size, b), f"{backend} new addresses call {i}")
+        if gathered is not None:
+            assert torch.equal(gathered, torch.cat(all_rows(a))), f"{backend} new addresses call {i}: gathered a"
+        kept.append((a, out))
+    new_keys = set(graphs._graphs) - before
+    assert all(isinstance(key[0], tuple) and key[0][0] == "gather" for key in new_keys), (
+        f"{backend}: graphs kept for new address sets: {len(new_keys)}")
+    exchanges = [e for key, e in graphs._graphs.items() if isinstance(key[0], tuple) and key[0][0] == "gather"]
+    assert any(isinstance(e, torch.cuda.CUDAGraph) for e in exchanges), f"{backend}: no exchange graph kept"
+
+
 def bad_input(backend: str, module, fn) -> None:
     rank = dist.get_rank()
     if dist.get_world_size() > 1:  # a group of one cannot disagree
@@ -240,6 +267,7 @@ def worker(backend: str) -> None:
     correctness(backend, module, fn)
     stress_and_cuda_graph(backend, module, fn)
     replayed_front_door(backend, fn)
+    new_addresses(backend, fn)
     bad_input(backend, module, fn)
 
 
