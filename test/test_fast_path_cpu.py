@@ -862,3 +862,36 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
         assert graphs.forked(("failing",), head, failing, plain, Side()) is None
     assert events[0] == "plain" and events[-2:] == ["plain", "plain"] and "tail" in events
     assert graphs._graphs[("failing",)] == graphs.NEVER
+
+
+def test_all_gather_matmul_in_pieces_replays_its_gemm_on_new_addresses(launches):
+    """``gather_matmul.in_pieces`` in a group of one (nothing to exchange), each call on a new ``a``, ``b`` and
+    ``out`` (a model's layers): the first call binds the GEMM through the JIT, every later one is one replayed
+    launch, the JIT's bound arguments with the call's three addresses moved; b stored transposed is read in place."""
+    product = importlib.import_module("kraken.runtime.gather_matmul")
+    recipe = product.BF16
+    m, n, k = 128, 512, 256
+    for transposed in (False, True):
+        launches.clear()
+        launcher = Launcher("all_gather_matmul")
+        gathered = torch.zeros(m, k, dtype=torch.bfloat16)
+        cfg = {**recipe.plan(m, n, k, 1, {}, sm90.H200_NUM_SMS), "peers": (gathered,), "gathered": gathered,
+               "progress": torch.zeros(1, dtype=torch.int32), "launcher": launcher}
+        ctx = symm.SymmContext(0, 1, "fake", (gathered,), sm90.FAKE_SIGNAL_PADS)
+        calls = []
+        for _ in range(WARM_CALLS):
+            b = torch.randn(n, k).to(torch.bfloat16).t() if transposed else torch.randn(k, n).to(torch.bfloat16)
+            calls.append((torch.randn(m, k).to(torch.bfloat16), b, torch.empty(m, n, dtype=torch.bfloat16)))
+            a, b, out = calls[-1]
+            product.in_pieces(recipe, ctx, cfg, a, b, out, None)
+        assert [kind for kind, *_ in launches] == ["jit"] + ["fast"] * (WARM_CALLS - 1), transposed
+        assert isinstance(getattr(launcher.replays.get(recipe.launch_matmul), "plan", None), Replay)
+        first = tuple(normalized(value) for value in launches[0][2])
+
+        def names(a, b, out) -> dict:
+            return {a.data_ptr(): "a", b.data_ptr(): "b", out.data_ptr(): "out"}
+
+        expected = tuple(named(value, names(*calls[0])) for value in first)
+        for (a, b, out), (_, launched) in zip(calls[1:], launches[1:]):
+            got = tuple(named(normalized(value), names(a, b, out)) for value in launched[9:])
+            assert got[:len(expected)] == expected, transposed
