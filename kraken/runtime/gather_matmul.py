@@ -137,7 +137,8 @@ def call(recipe, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: boo
     the name ``op``, in the form ``crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of
     ``a``, then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch: replayed from
     one CUDA graph per pointer set (``graphs.graphed``) when the same addresses come back, else in its pieces
-    (``in_pieces``)."""
+    (``in_pieces``); in a group of one without ``return_a``, the GEMM's replayed launch alone (a graph of one launch
+    saves little host time, and a model's new addresses would never replay it)."""
     prepared = chosen(a, b, group, op, config, return_a)
     if prepared == crossover.SEQUENTIAL:
         gathered = all_gather(a, group)
@@ -146,11 +147,14 @@ def call(recipe, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: boo
     ctx, cfg = prepared
     new = outputs(a, b, cfg["gathered"], return_a)
     out, a_out = new["out"], new["a_out"]
-    if cfg["gathered"].shape[1] == a.shape[1]:
-        run = lambda: in_pieces(recipe, ctx, cfg, a, b, out, a_out)  # noqa: E731
-    else:  # K padded for TMA: the whole launch stages the zero-padded rows
+    if cfg["gathered"].shape[1] != a.shape[1]:  # K padded for TMA: the whole launch stages the zero-padded rows
         run = lambda: recipe.launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank,  # noqa: E731
                                     **cfg, **new, group_name=ctx.group_name)
+    elif len(cfg["peers"]) == 1 and a_out is None:  # nothing to exchange: one replayed launch, no graph needed
+        in_pieces(recipe, ctx, cfg, a, b, out, None)
+        return out
+    else:
+        run = lambda: in_pieces(recipe, ctx, cfg, a, b, out, a_out)  # noqa: E731
     graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(),
                     a_out is not None and a_out.data_ptr()), run, a.device)
     return out if not return_a else (a_out[:, :a.shape[1]], out)
@@ -312,12 +316,16 @@ def call_fp8(recipe, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.T
     """``all_gather_matmul_fp8`` with a given ``recipe`` (the recipe's module or its twin's) and ``all_gather`` under
     the name ``op``, in the form ``crossover`` chooses. Sequential: ``gather_then_scaled_mm``. Fused: the prepared
     call, the new output, and the launch: replayed from one CUDA graph per pointer set (``graphs.graphed``) when the
-    same addresses come back, else in its pieces (``in_pieces_fp8``)."""
+    same addresses come back, else in its pieces (``in_pieces_fp8``); in a group of one, the GEMM's replayed launch
+    alone."""
     prepared = chosen_fp8(a, b, scale_a, scale_b, group, op, config)
     if prepared == crossover.SEQUENTIAL:
         return gather_then_scaled_mm(all_gather, a, b, scale_a, scale_b, group)
     ctx, cfg = prepared
     out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=FP8.OUT_DTYPE, device=a.device)
+    if len(cfg["peers"]) == 1:  # nothing to exchange: one replayed launch, no graph needed
+        in_pieces_fp8(recipe, ctx, cfg, a, b, scale_a, scale_b, out)
+        return out
     graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
                     out.data_ptr()),
                    lambda: in_pieces_fp8(recipe, ctx, cfg, a, b, scale_a, scale_b, out), a.device)
