@@ -42,9 +42,10 @@ switches ``SCALED``, ``A_ROWWISE``, ``B_COLWISE`` and its scale arguments are th
 away.
 
 This file is the recipe: the kernels, ``plan`` (pure), ``launch`` (the seam the installed package replays from a
-CUDA graph, with its own ``launcher``) and a plain host function. ``kraken.all_gather_matmul`` is the same launch
-behind the product layer (``kraken.runtime.gather_matmul``: checks agreed across ranks, the choice between this
-fused form and a sequential one by size, prepared calls, a shared workspace).
+CUDA graph, with its own ``launcher``; on new addresses it drives the parts, ``tma_inputs``, ``gather``,
+``launch_matmul``) and a plain host function. ``kraken.all_gather_matmul`` is the same launch behind the product
+layer (``kraken.runtime.gather_matmul``: checks agreed across ranks, the choice between this fused form and a
+sequential one by size, prepared calls, a shared workspace).
 
     torchrun --nproc-per-node 2 kraken/fused/all_gather_matmul.py
 """

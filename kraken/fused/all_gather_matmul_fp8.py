@@ -33,8 +33,9 @@ tensor cores' rate, so the same protocol has twice as much GEMM per byte to hide
   gathered rows), then bf16, stored masked to the chunk's rows.
 
 This file is the recipe: the kernels, ``plan`` (pure), ``launch`` (the seam the installed package replays from a
-CUDA graph, with its own ``launcher``) and a plain host function. ``kraken.all_gather_matmul_fp8`` is the same
-launch behind the product layer (``kraken.runtime.gather_matmul``).
+CUDA graph, with its own ``launcher``; on new addresses it drives the parts, ``stage``, ``gather``,
+``launch_matmul``) and a plain host function. ``kraken.all_gather_matmul_fp8`` is the same launch behind the product
+layer (``kraken.runtime.gather_matmul``).
 
     torchrun --nproc-per-node 2 kraken/fused/all_gather_matmul_fp8.py
 """

@@ -2,7 +2,8 @@
 their twins), wrapped around the recipes ``kraken.fused.all_gather_matmul`` and ``kraken.fused.all_gather_matmul_fp8``
 from outside.
 
-A recipe holds the kernels, its pure ``plan`` and its ``launch`` seam (the gather on the copy engine under the GEMM).
+A recipe holds the kernels, its pure ``plan`` and its ``launch`` seam (the gather on the copy engine under the GEMM),
+made of parts this layer also drives one by one (``tma_inputs`` or ``stage``, ``gather``, ``launch_matmul``).
 What the installed package adds lives here:
 
 * the checks, agreed across ranks on the first call of each signature (``agreement.agreed``: one rank's bad input
