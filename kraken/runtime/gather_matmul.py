@@ -198,10 +198,8 @@ def pieces(recipe, ctx: symm.SymmContext, cfg: dict, device: torch.device, stage
         fork(side)
         with on_stream(side):
             stage()
-            named = {"group_name": ctx.group_name} if "group_name" in gather_parameters(recipe) else {}
-            graphs.graphed((("gather", launcher),), lambda: recipe.gather(
-                cfg["peers"], cfg["gathered"], flags, ctx.signal_pad_ptrs, ctx.rank,
-                *((None,) if "a_out" in gather_parameters(recipe) else ()), launcher=launcher, **named), device)
+            exchange = exchange_of(recipe)
+            graphs.graphed((("gather", launcher),), lambda: exchange(ctx, cfg), device)
             if snapshot is not None:  # (after the closing barrier: only this rank writes its buffer)
                 snapshot()
     replay.replayed(launcher, recipe.launch_matmul, args, lambda: gemm(*args), (ctx, cfg))
@@ -210,9 +208,19 @@ def pieces(recipe, ctx: symm.SymmContext, cfg: dict, device: torch.device, stage
 
 
 @functools.cache
-def gather_parameters(recipe) -> frozenset:
-    """The names ``recipe.gather`` takes (the twin's takes Helion's ``group_name``)."""
-    return frozenset(inspect.signature(recipe.gather).parameters)
+def exchange_of(recipe):
+    """``exchange(ctx, cfg)``: ``recipe.gather`` on a prepared call's buffers, with no ``a_out`` snapshot, spelled
+    once per recipe for its signature (the bf16 ones take ``a_out``, the twins Helion's ``group_name``)."""
+    parameters = inspect.signature(recipe.gather).parameters
+    snapshot = (None,) if "a_out" in parameters else ()
+    takes_name = "group_name" in parameters
+
+    def exchange(ctx: symm.SymmContext, cfg: dict) -> None:
+        named = {"group_name": ctx.group_name} if takes_name else {}
+        recipe.gather(cfg["peers"], cfg["gathered"], cfg["progress"], ctx.signal_pad_ptrs, ctx.rank, *snapshot,
+                      launcher=cfg["launcher"], **named)
+
+    return exchange
 
 
 def all_gather_matmul_with(recipe, op: str, package: str):
