@@ -808,6 +808,7 @@ def fake_device(monkeypatch) -> list:
     monkeypatch.setattr(product, "fork", forks.append)
     monkeypatch.setattr(product, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(gather, "join", forks.remove)  # every join follows its call's fork
+    monkeypatch.setattr(product, "join", forks.remove)
     monkeypatch.setattr(product, "set_flag", lambda progress, index, value=1: flags.append(index))
     monkeypatch.setattr(product, "reset_flags", lambda progress: progress.zero_())  # a driver memset on the GPU
     return flags
@@ -887,3 +888,31 @@ def test_the_exchange_stages_mine_copies_every_peer_piece_and_flags_it(fake_devi
             assert torch.equal(buffers[rank][src], buffers[src][src]), (call, src)
         assert fake_device == [2 * 2 + 0, 0 * 2 + 0, 2 * 2 + 1, 0 * 2 + 1]  # (rank, piece): piece-major, rank 2 first
     assert len(barriers) == 4
+
+
+def test_calls_on_new_addresses_replay_the_attention_launch(monkeypatch, launches, fake_device):
+    """A model's layers call with fresh activations: new q, k, v every call (a fake two-rank world, this process rank
+    1). Every call still runs the whole exchange (every peer piece flagged) and my K/V staged; from the second call
+    on the attention kernels are one replayed launch (``replay.replayed``: the compiled kernels launched with no host
+    code), each on that call's own q, k, v and output."""
+    counts = symmetric_world(monkeypatch, RECIPE)
+    q, k, v = example_qkv()
+    calls = [tuple(t + i for t in (q, k, v)) for i in range(WARM_CALLS)]  # new values at new addresses
+    outs = []
+    for q, k, v in calls:
+        start = len(launches)
+        outs.append(product.context_parallel_attention(q, k, v, causal=True))
+        mine = launches[start:]
+    assert counts["world"].exchanges == 1 and counts["plan"] == 1, counts
+    launcher = product.prepare(q, k, v, None, product.OP, True, None, {})[1]["launcher"]
+    assert callable(launcher.replays.get(recipe.launch_attention)), "no replay of the attention launch was made"
+    # The last call: two barriers, then the two attention kernels, every launch compiled; the kernels read this
+    # call's q (the causal kernel through its TMA map, the warp-specialized one as a pointer) and write its output.
+    assert [kind for kind, *_ in mine] == ["fast"] * 4
+    read = {arg for _, args in mine[2:] for arg in args if isinstance(arg, int)}
+    read |= {arg.base.data_ptr() for _, args in mine[2:] for arg in args if hasattr(arg, "base")}  # TMA maps
+    for tensor in (q, k, v, outs[-1]):
+        assert tensor.data_ptr() in read, "a kernel read an earlier call's tensor"
+    gathered = product.prepare(q, k, v, None, product.OP, True, None, {})[1]["gathered"]
+    assert torch.equal(gathered[1, 0].view(k.shape), k) and torch.equal(gathered[1, 1].view(v.shape), v)
+    assert fake_device == [p for p in range(len(fake_device) // WARM_CALLS)] * WARM_CALLS  # every peer piece

@@ -142,10 +142,18 @@ def correctness(backend: str, module) -> None:
         launch_into(module, q, k, v, out, causal, scale, poison_buffer=True, **config)
         public = fn(q, k, v, causal=causal, scale=scale, **config)
         warm = fn(q, k, v, causal=causal, scale=scale, **config)  # prepared: launched through the compiled kernels
+        # New addresses (a model's next layer): the kernels replayed from a record of an earlier call, which must
+        # read this call's tensors: the earlier ones are poisoned.
+        fresh = [t.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.fill_(POISON)
+        q, k, v = fresh
+        moved = fn(q, k, v, causal=causal, scale=scale, **config)
         torch.cuda.synchronize()
         assert_close(out, ref, what)
         assert torch.equal(public, out), f"{what}: the public call and launch() disagree"
         assert torch.equal(warm, public), f"{what}: the warm call differs from the first"
+        assert torch.equal(moved, public), f"{what}: the call on new addresses differs from the first"
         if backend == "triton":  # (the benchmark's triton_local column; the twin's is the same kernel, not timed)
             # The kernel with every rank's K/V here already (gathered by NCCL): no communication.
             gathered = op.gather_kv(k, v)

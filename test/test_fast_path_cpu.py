@@ -697,7 +697,8 @@ def fake_capture(monkeypatch, events: list, capturing: list) -> None:
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "capture stream")
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0])
     monkeypatch.setattr(graphs, "_graphs", {})
-    monkeypatch.setattr(graphs, "_recent", {})
+    monkeypatch.setattr(graphs, "_calls", {})
+    monkeypatch.setattr(graphs, "_last_call", {})
     monkeypatch.setattr(graphs, "_capture_streams", {})
 
 
@@ -739,7 +740,8 @@ def test_graphed_never_captures_a_prepared_call_whose_addresses_keep_changing(mo
     Those calls run plainly, step after step: no capture (a millisecond each), no kept key (no cache to start over,
     no device synchronisation). A key that comes back within ``RECENT_CALLS`` calls (two outputs in turn: a loop
     that keeps the last output while the next is made; ten input sets in turn) is captured then, and a kept graph
-    replays whatever came between."""
+    replays whatever came between. A key that comes back only after more calls than that, the replays counted (a
+    model step's first layer, on its fresh input), is not captured."""
     events, capturing = [], [False]
     fake_capture(monkeypatch, events, capturing)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -759,6 +761,15 @@ def test_graphed_never_captures_a_prepared_call_whose_addresses_keep_changing(mo
     for call in range(30):  # ten input sets in turn: each captured on its second round
         graphs.graphed(("rotating", 100 + call % 10), run, gpu)
     assert events == ["run"] * 10 + ["begin", "run", "end", "replay"] * 10 + ["replay"] * 10
+    events.clear()
+    for step in range(3):  # a model: its first layer on a step's fresh input, the others on two addresses in turn
+        graphs.graphed(("model", "first layer"), run, gpu)
+        for layer in range(1, 32):
+            graphs.graphed(("model", layer % 2), run, gpu)
+    # The first layer's key comes back once a step, 32 calls on (the replays count): never captured.
+    assert events == ["run"] * 3 + ["begin", "run", "end", "replay"] * 2 + ["replay"] * 27 + (
+        ["run"] + ["replay"] * 31) * 2
+    assert ("model", "first layer") not in graphs._graphs
 
 
 def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypatch):

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from kraken.runtime.progress import (
-    LANDED, GatherInProgress, barrier, copy_order, copy_stream, fork, on_stream, reset_flags, set_flag,
+    LANDED, GatherInProgress, barrier, copy_order, copy_stream, fork, join, on_stream, reset_flags, set_flag,
 )
-from kraken.runtime import agreement, graphs, groups, prepared, symm
+from kraken.runtime import agreement, graphs, groups, prepared, replay, symm
 from kraken.runtime.launcher import Launcher, jit_launch
 
 # The recipe's module: its ``plan`` called through it (tests replace it there), its pure orders behind the caches below.
@@ -231,13 +231,20 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
         stage_own(k, v, my_k, my_v)
     fork(side)
     with on_stream(side):
-        barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's K/V is staged
-        for flag, piece in copies:  # piece by piece; within a piece rank + 1 first
-            for dst, src in piece:
-                dst.copy_(src)
-            set_flag(progress, flag, LANDED)
-        barrier(signal_pad_ptrs, rank, world_size, launcher)  # done reading: peers may stage into their buffers again
+        exchange(copies, progress, signal_pad_ptrs, rank, world_size, launcher)
     return GatherInProgress(gathered, progress, side, order)
+
+
+def exchange(copies: tuple, progress: torch.Tensor, signal_pad_ptrs: int, rank: int, world_size: int,
+             launcher) -> None:
+    """The exchange once my K/V are staged, on the side stream: a barrier, each piece's ``copies`` (``exchange_plan``)
+    and its flag, a barrier. It reads and writes the prepared call's buffers alone."""
+    barrier(signal_pad_ptrs, rank, world_size, launcher)  # every rank's K/V is staged
+    for flag, piece in copies:  # piece by piece; within a piece rank + 1 first
+        for dst, src in piece:
+            dst.copy_(src)
+        set_flag(progress, flag, LANDED)
+    barrier(signal_pad_ptrs, rank, world_size, launcher)  # done reading: peers may stage into their buffers again
 
 
 def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: int, causal: bool, scale,
@@ -252,6 +259,39 @@ def launch(q, k, v, peers, gathered, out, progress, signal_pad_ptrs: int, rank: 
                                        num_blocks, split_blocks, launcher, TABLES)
     started.wait()
     return out
+
+
+def in_pieces(q, k, v, out, ctx: symm.SymmContext, cfg: dict, causal: bool, scale, attention=None) -> None:
+    """``launch`` in pieces that new addresses do not change: a model's layers call with fresh activations, so a graph
+    per address set would be captured for one replay a step. Of the exchange only my K/V's staging reads this call's
+    addresses; the rest (``exchange``: the barriers, the peers' pieces and their flags) reads the prepared call's
+    buffers alone, so it is one CUDA graph per prepared call (``graphs.graphed``), replayed on the side stream. The
+    attention kernels are one replayed launch (``replay.replayed``) on (q, k, v, out), with the prepared call's
+    buffers and the tables' tensors kept. The order is ``launch``'s: the flags reset, my K/V staged, the fork, the
+    exchange, the kernels (waiting on its flags), the join."""
+    peers, gathered, progress, launcher = cfg["peers"], cfg["gathered"], cfg["progress"], cfg["launcher"]
+    rank, world_size = ctx.rank, len(peers)
+    attention = attention or CP.launch_attention
+    reset_flags(progress)
+    if world_size > 1:  # (at one rank the kernels read my ``k`` and ``v`` where they are: nothing to exchange)
+        _, my_k, my_v, copies = exchange_plan(peers, gathered, rank, cfg["piece_rows"], cfg["pieces"])
+        stage_own(k, v, my_k, my_v)
+        side = copy_stream(q.device)
+        fork(side)
+        with on_stream(side):
+            graphs.graphed((("kv gather", launcher),),
+                           lambda: exchange(copies, progress, ctx.signal_pad_ptrs, rank, world_size, launcher),
+                           q.device)
+
+    def kernels() -> torch.Tensor:
+        return attention(q, k, v, gathered, out, progress, rank, world_size, causal, scale, True, cfg["block_m"],
+                         cfg["block_n"], cfg["num_warps"], cfg["num_stages"], cfg["maxnreg"], cfg["piece_rows"],
+                         cfg["pieces"], cfg["num_blocks"], cfg["split_blocks"], launcher, TABLES)
+
+    # The first call makes the tables (tile orders, lse buffer), the second records the replay with them kept.
+    replay.replayed(launcher, attention, (q, k, v, out), kernels, (cfg, _orders, _lse, _spans), plain_first=True)
+    if world_size > 1:
+        join(side)
 
 
 # ---------------------------------------------------------------------------
@@ -291,8 +331,7 @@ def attend_to_sequence(q, k, v, group, causal: bool, scale, config: dict, op: st
     ctx, cfg = prepare(q, k, v, group, op, causal, scale, config)
     out = torch.empty_like(q)
     graphs.graphed((cfg["launcher"], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()),
-                   lambda: launch(q, k, v, out=out, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank, causal=causal,
-                                  scale=scale, **cfg, group_name=ctx.group_name, attention=attention), q.device)
+                   lambda: in_pieces(q, k, v, out, ctx, cfg, causal, scale, attention), q.device)
     return out
 
 

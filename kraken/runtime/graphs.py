@@ -17,18 +17,20 @@ from kraken.runtime.launcher import launch_hooked
 
 _graphs: dict = {}  # key -> the CUDA graph of its work, or NEVER (its capture failed: always plain)
 NEVER = -1
-# A key is captured when it comes back within this many calls of its prepared call (the key's first item): its first
-# call binds the kernels through the JIT; a key that comes back so soon (a loop over a few buffers in turn) will come
-# back again. A model's layers, each with its own weights, bring a prepared call more address sets than this.
+# A key is captured when it comes back within this many calls of its prepared call (the key's first item), replays
+# counted: its first call binds the kernels through the JIT; a key that comes back so soon (a loop over a few buffers
+# in turn) will come back again. A key that comes back only once a model's step (its first layer's fresh activations,
+# while the other layers replay) would be captured for one replay a step.
 RECENT_CALLS = 16
-_recent: dict = {}  # prepared call -> the keys of its last RECENT_CALLS calls
+_calls: dict = {}  # prepared call -> its number of calls so far
+_last_call: dict = {}  # key with no graph -> the number of its prepared call's call when it last ran
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None:
     """``run()``'s work on the current stream, from a CUDA graph of it kept under ``key``: captured (thread-local
     mode: other threads' CUDA calls go on) when the key comes back within ``RECENT_CALLS`` calls of its prepared
-    call (a loop on the same tensors, or a few buffers in turn), and replayed from then on, one graph launch where
+    call, replays included (a loop on the same tensors, or a few buffers in turn), and replayed from then on, one graph launch where
     ``run`` made a host call per launch, stream operation and copy. A prepared call whose calls come with new
     addresses each time (a model's layers on fresh activations) runs plainly: a capture costs about a millisecond and
     would be replayed at most once a step. ``key`` must hold everything ``run`` reads whose value can change from
@@ -60,15 +62,19 @@ def _kept_graph(key: tuple, run: Callable[[], object], device: torch.device, cap
     if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing() or launch_hooked():
         run()
         return None
+    count = _calls.get(key[0], 0) + 1
+    if count == 1 and len(_calls) >= prepared.MAX_PREPARED:  # bounds (no graph here: nothing to wait for)
+        _calls.clear()
+        _last_call.clear()
+    _calls[key[0]] = count
     entry = _graphs.get(key)
     if entry is not None and entry != NEVER:
         return entry
-    recent = _recent.get(key[0], ())
-    again = key in recent
-    if not recent and len(_recent) >= prepared.MAX_PREPARED:  # a bound (no graph here: nothing to wait for)
-        _recent.clear()
-    _recent[key[0]] = (*recent[1 - RECENT_CALLS:], key)
-    if entry == NEVER or not again:
+    last = _last_call.get(key)
+    if last is None and len(_last_call) >= prepared.MAX_PREPARED * RECENT_CALLS:
+        _last_call.clear()
+    _last_call[key] = count
+    if entry == NEVER or last is None or count - last > RECENT_CALLS:
         run()
         return None
     if len(_graphs) >= prepared.MAX_PREPARED:  # start over

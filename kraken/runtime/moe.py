@@ -183,12 +183,20 @@ def dispatch(launch, op: str, tokens, expert_ids, num_experts, group, capacity, 
     call (a dictionary lookup once warm), a new handle, the launches through the prepared call's launcher."""
     call = prepare_dispatch(tokens, expert_ids, num_experts, group, capacity, op, config)
     handle = new_handle(tokens, expert_ids, num_experts, call.recv, call.recv_context, call.capacity)
-    # Four launches per call: replayed from one CUDA graph per pointer set (the handle's tensors are one allocation).
-    graphs.graphed((call.launch_cfg["launcher"], tokens.data_ptr(), expert_ids.data_ptr(), handle.routing.data_ptr()),
-                   lambda: launch(tokens, expert_ids, handle.slots, handle.recv_counts, handle.recv_offsets,
-                                  handle.status, call.recv_context.peers, call.recv_context.signal_pad_ptrs,
-                                  call.counts_context.peers, call.counts_context.signal_pad_ptrs,
-                                  call.recv_context.rank, num_experts, call.capacity, **call.launch_cfg),
+    launcher = call.launch_cfg["launcher"]
+
+    def launches() -> None:
+        launch(tokens, expert_ids, handle.slots, handle.recv_counts, handle.recv_offsets, handle.status,
+               call.recv_context.peers, call.recv_context.signal_pad_ptrs, call.counts_context.peers,
+               call.counts_context.signal_pad_ptrs, call.recv_context.rank, num_experts, call.capacity,
+               **call.launch_cfg)
+
+    # Four launches per call: replayed from one CUDA graph per pointer set (the handle's tensors are one allocation);
+    # on addresses that do not come back (a model's layers), the launches replayed from a record of the first call
+    # (``replayed``: the handle's tensors lie in ``routing``).
+    graphs.graphed((launcher, tokens.data_ptr(), expert_ids.data_ptr(), handle.routing.data_ptr()),
+                   lambda: replayed(launcher, launch, (tokens, expert_ids, handle.routing), launches,
+                                    (call.recv_context, call.counts_context, call.launch_cfg)),
                    tokens.device)
     if check_status:
         check(handle)

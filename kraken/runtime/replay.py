@@ -43,6 +43,7 @@ class NotReplayable(Exception):
 
 NOT_REPLAYED = object()  # what a checked replay (``Replay.function``) returns for arguments it was not made for
 NOT_YET = object()  # what ``record_replay`` returns where a launch went past the launcher (a kernel's first call)
+FIRST_CALL = "first call"  # with a launch function, the key in a launcher's ``replays`` that says it ran once (``replayed``)
 
 
 @dataclass(frozen=True)
@@ -200,19 +201,24 @@ def record_replay(launcher: Launcher, host_code: Callable[[], object], args: tup
         return None, result
 
 
-def replayed(launcher: Launcher, launch: Callable, args: tuple, host_code: Callable[[], object], keep: tuple
-             ) -> object:
+def replayed(launcher: Launcher, launch: Callable, args: tuple, host_code: Callable[[], object], keep: tuple,
+             plain_first: bool = False) -> object:
     """``host_code()``: a prepared call's whole launch path (``launch``, a recipe's or twin's, on the prepared call's
     arguments, ``keep``, and the call's own tensors, ``args``), replayed from its second call on (``Replay``, kept
     in the launcher under ``launch``, so a prepared call that two launch functions share keeps one replay each): one
     launch per kernel from the call's addresses, with no host code, no keyword arguments, no layers of calls. Only
     for host code that does nothing but launch through ``launcher`` (views aside): a stream operation, an event or a
     driver call would not be repeated. Runs the host code itself while a Triton launch hook is set, and where no
-    replay can be made (``record_replay``)."""
+    replay can be made (``record_replay``). ``plain_first``: the first call runs plainly and the second records,
+    for host code whose first call makes tensors it keeps (a table cached per shape: an ATen op no replay
+    repeats)."""
     replay = launcher.replays.get(launch)
     if replay is not None and not launch_hooked():
         return replay(args)
     if replay is not None or launch in launcher.replays or launch_hooked():
+        return host_code()
+    if plain_first and (launch, FIRST_CALL) not in launcher.replays:
+        launcher.replays[(launch, FIRST_CALL)] = None
         return host_code()
     made, result = record_replay(launcher, host_code, args, keep=keep, checked=False)
     if made is not NOT_YET:
