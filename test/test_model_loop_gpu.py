@@ -11,7 +11,8 @@ inputs (the table of every op is printed): the typical call (median) within ``TY
 step no call past ``SPIKE`` times it and no CUDA graph captured (a capture costs about a millisecond: where
 consecutive layers reuse the addresses of the last one's tensors, the first step captures that address set once). A
 call amid a model's other work runs with cold caches, so the same code path costs more there than in the warm loop
-(docs/history.md, the host path).
+(docs/history.md, the host path). Where ranks share a GPU (``KRAKEN_WORLD_SIZE`` above the GPU count) their kernels
+time-slice it and a host call can wait for the other rank's work, so there the costs are printed, not checked.
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def model_loop() -> None:
     print(f"rank {rank} of {dist.get_world_size()}: {LAYERS} layers x {STEPS} steps, host cost per call "
           f"(CUDA graphs kept after each step: {captured}):\n" + "\n".join(lines), flush=True)
     assert captured[STEPS] == captured[1], f"rank {rank}: graphs captured after the first step: {captured}"
+    if dist.get_world_size() > torch.cuda.device_count():  # ranks sharing a GPU: no timing means anything
+        return
     assert not misses, (f"rank {rank}: host cost past {TYPICAL:g}x (median) or {SPIKE:g}x (a call after step 1) for "
                         f"{misses}")
 
