@@ -25,6 +25,7 @@ TWIN = "helion_ports.fused.context_parallel_attention"
 recipe = importlib.import_module(RECIPE)
 twin = importlib.import_module(TWIN)
 product = importlib.import_module("kraken.runtime.attention")  # the installed functions' host side
+checks = importlib.import_module("kraken.runtime.attention_checks")
 # The installed functions (``kraken.<name>``, ``helion_ports.<name>``), keyed by the kernels' module.
 PUBLIC = {recipe: importlib.import_module("kraken.runtime.api"), twin: importlib.import_module("kraken.runtime.twins")}
 ON_GATHERED = {recipe: product.attention_on_gathered, twin: PUBLIC[twin].attention_on_gathered}
@@ -304,9 +305,9 @@ def test_attention_on_gathered_refuses_bad_input(module):
     with pytest.raises(ValueError, match="q must be on a CUDA device"):
         ON_GATHERED[module](q, k, v, torch.zeros(2, 2, 2, 16, 64, dtype=BF16), 0)
     with pytest.raises(ValueError, match="gathered must be"):
-        product.check_gathered(torch.zeros(2, 2, 3, 16, 64, dtype=BF16), k, 0, "op")
+        checks.check_gathered(torch.zeros(2, 2, 3, 16, 64, dtype=BF16), k, 0, "op")
     with pytest.raises(ValueError, match=r"rank 2 is not in 0 \.\. 1"):
-        product.check_gathered(torch.zeros(2, 2, 2, 16, 64, dtype=BF16), k, 2, "op")
+        checks.check_gathered(torch.zeros(2, 2, 2, 16, 64, dtype=BF16), k, 2, "op")
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank(monkeypatch):

@@ -31,8 +31,8 @@ function of a recipe and of its twin around their ``launch``:
   context-parallel attention exchanges K/V with;
 * ``gather_matmul``: the all-gather + matmul recipes (checks, forms, workspaces); ``gemm_checks``: the GEMM checks;
 * ``gemm_reduce_scatter``, ``gemm_reduce_scatter_fp8``, ``gemm_all_reduce``: the reduce GEMMs (forms, workspaces);
-* ``attention``: context-parallel attention (checks, caches of tile orders, the exchange, graphs,
-  ``attention_on_gathered``).
+* ``attention``: context-parallel attention (caches of tile orders, the exchange, the calls in pieces, graphs,
+  ``attention_on_gathered``); ``attention_checks``: its checks.
 
 Functions that tests replace (``groups.check_tensor``, ``symm.symm_context``, ...) are called through their
 module (``symm.symm_context(...)``), so that replacing one there replaces it for every

@@ -28,18 +28,18 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None:
-    """``run()``'s work on the current stream, from a CUDA graph of it kept under ``key``: captured (thread-local
-    mode: other threads' CUDA calls go on) when the key comes back within ``RECENT_CALLS`` calls of its prepared
-    call, replays included (a loop on the same tensors, or a few buffers in turn), and replayed from then on, one graph launch where
-    ``run`` made a host call per launch, stream operation and copy. A prepared call whose calls come with new
-    addresses each time (a model's layers on fresh activations) runs plainly: a capture costs about a millisecond and
-    would be replayed at most once a step. ``key`` must hold everything ``run`` reads whose value can change from
-    call to call: a prepared call (its ``Launcher``: its shapes, plan and buffers) and the address of every tensor
-    passed in. Tensors ``run`` makes itself come from the graph's memory pool. ``run`` goes plainly where the device
-    is no GPU, while the current stream is being captured (the caller's graph takes the launches), while a Triton
-    launch hook is set (a profiler sees every launch), and for a key whose capture failed. Kept graphs past
-    ``MAX_PREPARED`` start the cache over (after a device synchronisation: a graph's pool must not go back to the
-    allocator while a replay still uses it)."""
+    """``run()``'s work on the current stream, from a CUDA graph of it kept under ``key``: captured (thread-local mode:
+    other threads' CUDA calls go on) when the key comes back within ``RECENT_CALLS`` calls of its prepared call,
+    replays included (a loop on the same tensors, or a few buffers in turn), and replayed from then on, one graph
+    launch where ``run`` made a host call per launch, stream operation and copy. A prepared call whose calls come
+    with new addresses each time (a model's layers on fresh activations) runs without a graph (in pieces where the
+    caller has them): a capture costs about a millisecond and would be replayed at most once a step. ``key`` must
+    hold everything ``run`` reads whose value can change from call to call: a prepared call (its ``Launcher``: its
+    shapes, plan and buffers) and the address of every tensor passed in. Tensors ``run`` makes itself come from the
+    graph's memory pool. ``run`` goes plainly where the device is no GPU, while the current stream is being captured
+    (the caller's graph takes the launches), while a Triton launch hook is set (a profiler sees every launch), and
+    for a key whose capture failed. Kept graphs past ``MAX_PREPARED`` start the cache over (after a device
+    synchronisation: a graph's pool must not go back to the allocator while a replay still uses it)."""
     graph = _kept_graph(key, run, device, lambda: _captured(run))
     if graph is not None:
         graph.replay()

@@ -43,7 +43,8 @@ class NotReplayable(Exception):
 
 NOT_REPLAYED = object()  # what a checked replay (``Replay.function``) returns for arguments it was not made for
 NOT_YET = object()  # what ``record_replay`` returns where a launch went past the launcher (a kernel's first call)
-FIRST_CALL = "first call"  # with a launch function, the key in a launcher's ``replays`` that says it ran once (``replayed``)
+# With a launch function, the key in a launcher's ``replays`` that says it ran once (``replayed``'s ``plain_first``).
+FIRST_CALL = "first call"
 
 
 @dataclass(frozen=True)
