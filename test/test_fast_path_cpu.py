@@ -737,8 +737,8 @@ def test_graphed_runs_plainly_then_captures_once_then_replays(monkeypatch):
 
 def test_graphed_never_captures_a_prepared_call_whose_addresses_keep_changing(monkeypatch):
     """A model's layers call one prepared call (same shapes) on fresh activations: every call a new address set.
-    Those calls run plainly, step after step: no capture (a millisecond each), no kept key (no cache to start over,
-    no device synchronisation). A key that comes back within ``RECENT_CALLS`` calls (two outputs in turn: a loop
+    Those calls run plainly, step after step: no capture (a millisecond each), no kept graph (no cache to start
+    over, no device synchronisation). A key that comes back within ``RECENT_CALLS`` calls (two outputs in turn: a loop
     that keeps the last output while the next is made; ten input sets in turn) is captured then, and a kept graph
     replays whatever came between. A key that comes back only after more calls than that, the replays counted (a
     model step's first layer, on its fresh input), is not captured."""

@@ -116,7 +116,7 @@ class Launcher:
         self.compiled: dict = {}
         self.bound: dict = {}  # id(Helion kernel) -> its BoundKernel for this call's specialisation
         # id(Helion kernel), or a whole call's ``launch`` function (``replayed``) -> its Replay, or None where it
-        # cannot replay
+        # cannot replay; (launch function, ``replay.FIRST_CALL``) -> None once its first call ran plainly
         self.replays: dict = {}
         self.recording: Recording | None = None  # what ``record_replay`` watches, while it runs (on one thread)
 
