@@ -138,8 +138,10 @@ def call(recipe, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: boo
     the name ``op``, in the form ``crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of
     ``a``, then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch: replayed from
     one CUDA graph per pointer set (``graphs.graphed``) when the same addresses come back, else in its pieces
-    (``in_pieces``); in a group of one without ``return_a``, the GEMM's replayed launch alone (a graph of one launch
-    saves little host time, and a model's new addresses would never replay it)."""
+    (``in_pieces``); in a group of one without ``return_a``, the GEMM's replayed launch alone: a model's new
+    addresses would never replay a graph, and without one a warm loop costs what a model's call costs (the replayed
+    launch builds its TMA descriptors per call: a few microseconds of host time that a graph would save a warm
+    loop, and that host-bound shapes see)."""
     prepared = chosen(a, b, group, op, config, return_a)
     if prepared == crossover.SEQUENTIAL:
         gathered = all_gather(a, group)
