@@ -21,7 +21,7 @@ from triton.runtime.jit import JITFunction
 from benchmark import sm90
 from fake_world import FakeWorld
 from kraken.runtime import crossover, graphs, groups, prepared, symm
-from kraken.runtime.launcher import Launcher, jit_launch
+from kraken.runtime.launcher import Launcher, jit_launch, tma_operand
 from kraken.runtime.replay import NOT_REPLAYED, NOT_YET, Replay, record_replay, replayed
 
 WARM_CALLS = 5
@@ -564,6 +564,62 @@ def test_launcher_encodes_a_tensor_map_once_per_pointer_and_shape(monkeypatch):
         assert args[:13] == (5, 1, 1, 1234, "cufunction", False, False, None, None, "packed metadata", None, None,
                              None)
         assert args[15:19] == (64, 128, 128, 1) and args[19:] == (*rest, 1024, False, False)
+
+
+def addresses(value):
+    """A C launch's arguments with each tensor as its address (a replay passes the address where the launcher's own
+    path passes the tensor)."""
+    if isinstance(value, tuple):
+        return tuple(addresses(item) for item in value)
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value
+
+
+def test_a_replay_expands_each_tma_map_in_line_and_encodes_it_once_per_address(monkeypatch):
+    """A replayed launch with host tensor descriptors passes, call after call, what the launcher's own path
+    (``tensor_maps``) passes for the same call: one descriptor on a view of the call's output (new addresses, old
+    ones again), one on the prepared call's own weight. The replay's source expands each map in line, encoding the
+    weight's once when the replay is made and the output's once per address."""
+    from triton.backends.nvidia import driver
+
+    encoded, launched, source = [], [], ["replay"]
+
+    def encode(desc, meta):
+        encoded.append((source[0], desc.base.data_ptr()))
+        return [("map", desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), meta["swizzle"]), *desc.shape,
+                *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    signature = {"peers": "*fp32", "out": "tensordesc<fp32[64, 64]>", "x": "*fp32", "w": "tensordesc<fp32[64, 64]>",
+                 "pads": "i64", "numel": "i32", "chunk": "i32", "rank": "i32", "world_size": "constexpr"}
+    wrapped = driver.wrap_handle_tensordesc(lambda *args: launched.append(args), signature,
+                                            [{"swizzle": 3}, {"swizzle": 1}])
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    launcher = c_launcher(monkeypatch, wrapped)
+    peers, weight = (torch.zeros(8),), torch.zeros(64, 128)  # the prepared call's own tensors
+
+    def arguments(out, x):
+        return (peers, tma_operand(out[1:], [64, 64]), x, tma_operand(weight, [64, 64]), 77, 8, 1024, 1, 2)
+
+    def launch(out, x):  # a recipe's launch on a call's (out, x)
+        launcher(kernel, (5,), *arguments(out, x), BLOCK_SIZE=1024, STAGED=False, num_warps=4)
+        return out
+
+    outs, xs = [torch.randn(65, 128) for _ in range(3)], [torch.randn(8) for _ in range(3)]
+    calls = [(outs[0], xs[0]), (outs[0], xs[0]), (outs[1], xs[1]), (outs[0], xs[2]), (outs[2], xs[0]),
+             (outs[1], xs[1])]
+    for out, x in calls:
+        source[0] = "replay"
+        assert replayed(launcher, launch, (out, x), lambda: launch(out, x), (peers, weight)) is out
+        if len(launched) == 0:  # the first call bound through the (fake) JIT and recorded the replay
+            continue
+        source[0] = "launcher"
+        Launcher.launch_compiled(launcher.compiled[id(kernel)], (5,), 1, 1, arguments(out, x))
+        assert addresses(launched[-2]) == addresses(launched[-1]), (launched[-2], launched[-1])
+        assert launched[-1][14][:2] == ("map", out.data_ptr() + 128 * 4)  # the output's map, at its view's address
+    assert len(launched) == 2 * (len(calls) - 1)
+    assert "tensor_maps" not in launcher.replays[launch].source
+    replay_maps = [ptr for where, ptr in encoded if where == "replay"]
+    assert replay_maps == [weight.data_ptr(), *(out.data_ptr() + 128 * 4 for out in outs)], replay_maps
 
 
 def test_local_scratch_is_kept_per_device_and_dtype():

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken.runtime import launcher as launcher_module
+from kraken.runtime import prepared
 from kraken.runtime.launcher import Address, Launcher, TmaOperand, launch_hooked
 
 if TYPE_CHECKING:
@@ -126,9 +127,19 @@ def replay_source(replay: Replay) -> tuple[str, dict]:
             values[position] = address(i, j, offset)
         for position, get in others:
             values[position] = f"{name(get, 'get')}(args)"
-        arguments = ", ".join(values)
         if descriptors:  # each descriptor's fields in place of it
-            arguments = f"*tensor_maps([{arguments}], {name(descriptors, 'descriptors')})"
+            in_line = [maps_in_line(position, meta, encode, constants[position], dict(others).get(position))
+                       for position, meta, _, encode in descriptors]
+            if None not in in_line:
+                for (position, *_), (maps, fixed, i, j, offset) in zip(descriptors, in_line):
+                    values[position] = (f"*{name(fixed, 'map')}" if maps is None else
+                                        f"*({name(maps.cache.get, 'maps')}({address(i, j, offset)}) or "
+                                        f"{name(maps.miss, 'miss')}({address(i, j, offset)}))")
+                arguments = ", ".join(values)
+            else:
+                arguments = f"*tensor_maps([{', '.join(values)}], {name(descriptors, 'descriptors')})"
+        else:
+            arguments = ", ".join(values)
         arguments = ", ".join([*(name(value, "head") for value in head), *([arguments] if arguments else []),
                                *(name(value, "tail") for value in tail)])
         lines.append(f"{name(run, 'run')}({grid[0]}, {grid_y}, {grid_z}, stream, {arguments})")
@@ -139,6 +150,48 @@ def replay_source(replay: Replay) -> tuple[str, dict]:
         lines.append(f"return ({''.join(f'args[{i}], ' for i in result)})")
     body = "\n".join(f"        {line}" for line in lines)
     return f"def bind({', '.join(names)}):\n    def replay(args):\n{body}\n    return replay\n", names
+
+
+class Descriptor:
+    """A replayed launch's host tensor descriptor on a call's argument ``i`` (its item ``j`` where it is a tuple) at
+    ``offset`` bytes, with its other fields (``rest``: shape, strides, box, padding) fixed by the prepared call.
+    Called on a call's arguments, the descriptor (as ``tensor_maps`` takes it)."""
+
+    __slots__ = ("i", "j", "offset", "rest")
+
+    def __init__(self, i: int, j: int | None, offset: int, rest: tuple):
+        self.i, self.j, self.offset, self.rest = i, j, offset, rest
+
+    def __call__(self, call: tuple) -> TmaOperand:
+        base = call[self.i] if self.j is None else call[self.i][self.j]
+        return TmaOperand(Address(base.data_ptr() + self.offset), *self.rest)
+
+
+class MapsByAddress:
+    """The TMA maps of one replayed descriptor by its base address: the replay fixes every other field, so the
+    address alone names a map (``tensor_maps`` keys by every field, which it reads from a descriptor object it
+    needs made on every call). ``cache.get(address) or miss(address)``: a call's map fields."""
+
+    def __init__(self, rest: tuple, meta, encode: Callable):
+        self.cache: dict[int, tuple] = {}
+        self.rest, self.meta, self.encode = rest, meta, encode
+
+    def miss(self, address: int) -> tuple:
+        if len(self.cache) >= prepared.MAX_PREPARED:
+            self.cache.clear()
+        value = self.cache[address] = tuple(self.encode(TmaOperand(Address(address), *self.rest), self.meta))
+        return value
+
+
+def maps_in_line(position: int, meta, encode: Callable, constant, get) -> tuple | None:
+    """How a replay's source expands the descriptor at ``position`` of a launch: (None, its map fields) for a
+    constant one (on a prepared call's own tensor: encoded once, here), (``MapsByAddress``, None, i, j, offset) for
+    one on a call's argument, or None where it is neither (the launch goes through ``tensor_maps``)."""
+    if isinstance(get, Descriptor):
+        return MapsByAddress(get.rest, meta, encode), None, get.i, get.j, get.offset
+    if get is None and isinstance(constant, TmaOperand):
+        return None, tuple(encode(constant, meta)), None, None, 0
+    return None
 
 
 class Recording:
@@ -320,9 +373,8 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, 
             return (lambda call: (call[i] if j is None else call[i][j]).data_ptr() + offset), None
         if isinstance(value, (TensorDescriptor, TmaOperand)):
             i, j, offset = address_of(value.base)
-            rest = (tuple(value.shape), tuple(value.strides), tuple(value.block_shape), value.padding)
-            return (lambda call: TmaOperand(Address((call[i] if j is None else call[i][j]).data_ptr() + offset),
-                                            *rest)), None
+            return Descriptor(i, j, offset, (tuple(value.shape), tuple(value.strides), tuple(value.block_shape),
+                                             value.padding)), None
         if isinstance(value, tuple):
             parts = tuple(resolved(item) for item in value)
             return (lambda call: tuple(item if get is None else get(call) for get, item in parts)), None
