@@ -934,7 +934,8 @@ def test_forked_runs_plainly_then_captures_a_head_and_a_tail_then_launches_both_
 def test_all_gather_matmul_in_pieces_replays_its_gemm_on_new_addresses(launches):
     """``gather_matmul.in_pieces`` in a group of one (nothing to exchange), each call on a new ``a``, ``b`` and
     ``out`` (a model's layers): the first call binds the GEMM through the JIT, every later one is one replayed
-    launch, the JIT's bound arguments with the call's three addresses moved; b stored transposed is read in place."""
+    launch, the JIT's bound arguments with the call's three addresses moved; b stored transposed is read in place.
+    Once the replay is made, ``gemm_replayed`` (the public call's way) launches the same, and nothing before."""
     product = importlib.import_module("kraken.runtime.gather_matmul")
     recipe = product.BF16
     m, n, k = 128, 512, 256
@@ -946,12 +947,17 @@ def test_all_gather_matmul_in_pieces_replays_its_gemm_on_new_addresses(launches)
                "progress": torch.zeros(1, dtype=torch.int32), "launcher": launcher}
         ctx = symm.SymmContext(0, 1, "fake", (gathered,), sm90.FAKE_SIGNAL_PADS)
         calls = []
-        for _ in range(WARM_CALLS):
+        for i in range(2 * WARM_CALLS):
             b = torch.randn(n, k).to(torch.bfloat16).t() if transposed else torch.randn(k, n).to(torch.bfloat16)
             calls.append((torch.randn(m, k).to(torch.bfloat16), b, torch.empty(m, n, dtype=torch.bfloat16)))
             a, b, out = calls[-1]
-            product.in_pieces(recipe, ctx, cfg, a, b, out, None)
-        assert [kind for kind, *_ in launches] == ["jit"] + ["fast"] * (WARM_CALLS - 1), transposed
+            if i < WARM_CALLS:
+                product.in_pieces(recipe, ctx, cfg, a, b, out, None)
+            else:  # the public call's way once the replay is made: the replay alone, none of in_pieces's frames
+                assert product.gemm_replayed(recipe, cfg, (out, a, b)), i
+        assert [kind for kind, *_ in launches] == ["jit"] + ["fast"] * (2 * WARM_CALLS - 1), transposed
+        assert not product.gemm_replayed(recipe, {**cfg, "launcher": Launcher("new")}, calls[0])  # none recorded
+        assert len(launches) == 2 * WARM_CALLS
         assert isinstance(getattr(launcher.replays.get(recipe.launch_matmul), "plan", None), Replay)
         first = tuple(normalized(value) for value in launches[0][2])
 

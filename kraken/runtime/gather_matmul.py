@@ -17,9 +17,6 @@ What the installed package adds lives here:
   addresses come back; on new ones (a model's layers), the launch in pieces that new addresses do not change: the
   exchange but the staging of ``a`` as one CUDA graph per prepared call, the GEMM as one replayed launch
   (``in_pieces``).
-
-The SM-driven all-gather of the sequential form is ``kraken.all_gather`` (or ``helion_ports.all_gather``), looked up
-at its first use.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ import torch.distributed as dist
 from kraken._gemm_core import MAX_INDEX
 from kraken.runtime import agreement, crossover, graphs, groups, prepared, replay, symm
 from kraken.runtime.gemm_checks import check_fp8_inputs, check_inputs
-from kraken.runtime.launcher import Launcher
+from kraken.runtime.launcher import Launcher, launch_hooked
 from kraken.runtime.progress import copy_stream, fork, join, on_stream, reset_flags
 
 # The recipes' modules: their plans and buffer layouts (tests replace them there), their ``launch`` by name.
@@ -138,10 +135,8 @@ def call(recipe, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: boo
     the name ``op``, in the form ``crossover`` chooses. Sequential: ``all_gather`` (the SM-driven collective) of
     ``a``, then cuBLAS on the gathered rows. Fused: the prepared call, the new outputs, and the launch: replayed from
     one CUDA graph per pointer set (``graphs.graphed``) when the same addresses come back, else in its pieces
-    (``in_pieces``); in a group of one without ``return_a``, the GEMM's replayed launch alone: a model's new
-    addresses would never replay a graph, and without one a warm loop costs what a model's call costs (the replayed
-    launch builds its TMA descriptors per call: a few microseconds of host time that a graph would save a warm
-    loop, and that host-bound shapes see)."""
+    (``in_pieces``); in a group of one without ``return_a``, the GEMM's replayed launch alone (``gemm_replayed``):
+    a model's new addresses would never replay a graph, and without one a warm loop costs what a model's call costs."""
     prepared = chosen(a, b, group, op, config, return_a)
     if prepared == crossover.SEQUENTIAL:
         gathered = all_gather(a, group)
@@ -154,13 +149,24 @@ def call(recipe, op: str, a: torch.Tensor, b: torch.Tensor, group, return_a: boo
         run = lambda: recipe.launch(a, b, signal_pad_ptrs=ctx.signal_pad_ptrs, rank=ctx.rank,  # noqa: E731
                                     **cfg, **new, group_name=ctx.group_name)
     elif len(cfg["peers"]) == 1 and a_out is None:  # nothing to exchange: one replayed launch, no graph needed
-        in_pieces(recipe, ctx, cfg, a, b, out, None)
+        if not gemm_replayed(recipe, cfg, (out, a, b)):
+            in_pieces(recipe, ctx, cfg, a, b, out, None)
         return out
     else:
         run = lambda: in_pieces(recipe, ctx, cfg, a, b, out, a_out)  # noqa: E731
     graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), out.data_ptr(),
                     a_out is not None and a_out.data_ptr()), run, a.device)
     return out if not return_a else (a_out[:, :a.shape[1]], out)
+
+
+def gemm_replayed(recipe, cfg: dict, args: tuple) -> bool:
+    """Whether the GEMM's replay (``pieces``'s, on ``args``) ran: a group of one with nothing to exchange calls that
+    launch alone, and once it is recorded skips ``in_pieces``'s frames and closures (as ``replay.prepared_launch``)."""
+    replay_of = cfg["launcher"].replays.get(recipe.launch_matmul)
+    if replay_of is None or launch_hooked():
+        return False
+    replay_of(args)
+    return True
 
 
 def in_pieces(recipe, ctx: symm.SymmContext, cfg: dict, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -335,7 +341,8 @@ def call_fp8(recipe, op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.T
     ctx, cfg = prepared
     out = torch.empty(cfg["gathered"].shape[0], b.shape[1], dtype=FP8.OUT_DTYPE, device=a.device)
     if len(cfg["peers"]) == 1:  # nothing to exchange: one replayed launch, no graph needed
-        in_pieces_fp8(recipe, ctx, cfg, a, b, scale_a, scale_b, out)
+        if not gemm_replayed(recipe, cfg, (out, a, b, scale_a, scale_b)):
+            in_pieces_fp8(recipe, ctx, cfg, a, b, scale_a, scale_b, out)
         return out
     graphs.graphed((cfg["launcher"], a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
                     out.data_ptr()),
