@@ -956,7 +956,7 @@ def test_all_gather_matmul_in_pieces_replays_its_gemm_on_new_addresses(launches)
             else:  # the public call's way once the replay is made: the replay alone, none of in_pieces's frames
                 assert product.gemm_replayed(recipe, cfg, (out, a, b)), i
         assert [kind for kind, *_ in launches] == ["jit"] + ["fast"] * (2 * WARM_CALLS - 1), transposed
-        assert not product.gemm_replayed(recipe, {**cfg, "launcher": Launcher("new")}, calls[0])  # none recorded
+        assert not product.gemm_replayed(recipe, {**cfg, "launcher": Launcher("new")}, (out, a, b))  # none made
         assert len(launches) == 2 * WARM_CALLS
         assert isinstance(getattr(launcher.replays.get(recipe.launch_matmul), "plan", None), Replay)
         first = tuple(normalized(value) for value in launches[0][2])
