@@ -3,7 +3,8 @@
 ``jit_launch`` is Triton's own launch path (``kernel[grid](...)``), every recipe's default launcher.
 ``Launcher`` is a prepared call's cached one: after the first launch of a kernel through the JIT it calls the
 compiled kernel's C launch function directly (``launch_function``), with host tensor descriptors
-(``TmaOperand``, ``tma_operand``) turned into TMA maps once per address (``tensor_maps``).
+(``TmaOperand``, ``tma_operand``) turned into TMA maps once per address (``tensor_maps``; in a replay's code,
+``Descriptor`` and ``MapsByAddress``).
 
 ``last_op`` lives here: the op last checked (``agreed``) or launched on this rank, which the barrier timeout's
 report names (``kraken.runtime.timeout``). The launcher and the replays (``kraken.runtime.replay``, whose
@@ -205,6 +206,37 @@ def tensor_maps(args: tuple, descriptors: tuple) -> list:
             value = cache[key] = tuple(encode(desc, meta))
         expanded[position:position + 1] = value
     return expanded
+
+
+class Descriptor:
+    """A host tensor descriptor as a replay reads it (``replay.Replay``): on a call's argument ``i`` (item ``j`` of a
+    tuple) at ``offset`` bytes, its other fields (``rest``) fixed by the prepared call. Called on a call's arguments,
+    the descriptor."""
+
+    __slots__ = ("i", "j", "offset", "rest")
+
+    def __init__(self, i: int, j: int | None, offset: int, rest: tuple):
+        self.i, self.j, self.offset, self.rest = i, j, offset, rest
+
+    def __call__(self, call: tuple) -> TmaOperand:
+        base = call[self.i] if self.j is None else call[self.i][self.j]
+        return TmaOperand(Address(base.data_ptr() + self.offset), *self.rest)
+
+
+class MapsByAddress:
+    """The TMA maps of one replayed descriptor by its base address (``replay.maps_in_line``): the replay fixes its
+    other fields (``rest``), so the address alone names a map, where ``tensor_maps`` keys by every field of a
+    descriptor made on every call. ``cache.get(address) or miss(address)``: a call's map fields."""
+
+    def __init__(self, rest: tuple, meta, encode: Callable):
+        self.cache: dict[int, tuple] = {}
+        self.rest, self.meta, self.encode = rest, meta, encode
+
+    def miss(self, address: int) -> tuple:
+        if len(self.cache) >= prepared.MAX_PREPARED:
+            self.cache.clear()
+        value = self.cache[address] = tuple(self.encode(TmaOperand(Address(address), *self.rest), self.meta))
+        return value
 
 
 def _helion_plain(kernel, args: tuple, kernel_args=None):

@@ -19,8 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kraken.runtime import launcher as launcher_module
-from kraken.runtime import prepared
-from kraken.runtime.launcher import Address, Launcher, TmaOperand, launch_hooked
+from kraken.runtime.launcher import Address, Descriptor, Launcher, MapsByAddress, TmaOperand, launch_hooked
 
 if TYPE_CHECKING:
     from kraken.runtime.symm import SymmContext
@@ -58,12 +57,11 @@ class Replay:
     workspaces), and sizes, strides and scalars. Under one prepared call everything but the arguments' addresses is
     fixed (its key holds every tensor's shape, strides and dtype, and every scalar), so ``record_replay`` runs the
     host code once, watching what it launches, and keeps each launch argument as a constant (a kept tensor as its
-    address) or as (argument, byte offset into it). Its ``function()`` launches the same compiled kernels
-    (as ``Launcher.launch_compiled`` does) with each tensor as its address (the C launch function takes an int where it
-    takes a tensor, and then skips the tensor's ``data_ptr()`` and the driver's pointer check) and each descriptor
-    as a ``TmaOperand`` on an ``Address``: no host code, no views, no descriptor objects. With ``checked``, a call
-    whose scalars or top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``, and the caller runs
-    the host code (a whole call's arguments are fixed by its prepared call's key: not checked).
+    address) or as (argument, byte offset into it). Its ``function()`` launches the same compiled kernels with each
+    tensor as its address (the C launch function then skips ``data_ptr()`` and the driver's pointer check) and each
+    descriptor as its TMA map's fields (``maps_in_line``): no host code, no views, no descriptor objects. With
+    ``checked``, a call whose scalars or top-level shapes differ from the recorded ones returns ``NOT_REPLAYED``,
+    and the caller runs the host code (a whole call's arguments are fixed by its prepared call's key: not checked).
     """
 
     launcher: Launcher
@@ -127,19 +125,18 @@ def replay_source(replay: Replay) -> tuple[str, dict]:
             values[position] = address(i, j, offset)
         for position, get in others:
             values[position] = f"{name(get, 'get')}(args)"
-        if descriptors:  # each descriptor's fields in place of it
+        arguments = ", ".join(values)
+        if descriptors:  # each descriptor's fields in place of it: in line, or through ``tensor_maps``
             in_line = [maps_in_line(position, meta, encode, constants[position], dict(others).get(position))
                        for position, meta, _, encode in descriptors]
-            if None not in in_line:
+            if None in in_line:
+                arguments = f"*tensor_maps([{arguments}], {name(descriptors, 'descriptors')})"
+            else:
                 for (position, *_), (maps, fixed, i, j, offset) in zip(descriptors, in_line):
                     values[position] = (f"*{name(fixed, 'map')}" if maps is None else
                                         f"*({name(maps.cache.get, 'maps')}({address(i, j, offset)}) or "
                                         f"{name(maps.miss, 'miss')}({address(i, j, offset)}))")
                 arguments = ", ".join(values)
-            else:
-                arguments = f"*tensor_maps([{', '.join(values)}], {name(descriptors, 'descriptors')})"
-        else:
-            arguments = ", ".join(values)
         arguments = ", ".join([*(name(value, "head") for value in head), *([arguments] if arguments else []),
                                *(name(value, "tail") for value in tail)])
         lines.append(f"{name(run, 'run')}({grid[0]}, {grid_y}, {grid_z}, stream, {arguments})")
@@ -152,41 +149,10 @@ def replay_source(replay: Replay) -> tuple[str, dict]:
     return f"def bind({', '.join(names)}):\n    def replay(args):\n{body}\n    return replay\n", names
 
 
-class Descriptor:
-    """A replayed launch's host tensor descriptor on a call's argument ``i`` (its item ``j`` where it is a tuple) at
-    ``offset`` bytes, with its other fields (``rest``: shape, strides, box, padding) fixed by the prepared call.
-    Called on a call's arguments, the descriptor (as ``tensor_maps`` takes it)."""
-
-    __slots__ = ("i", "j", "offset", "rest")
-
-    def __init__(self, i: int, j: int | None, offset: int, rest: tuple):
-        self.i, self.j, self.offset, self.rest = i, j, offset, rest
-
-    def __call__(self, call: tuple) -> TmaOperand:
-        base = call[self.i] if self.j is None else call[self.i][self.j]
-        return TmaOperand(Address(base.data_ptr() + self.offset), *self.rest)
-
-
-class MapsByAddress:
-    """The TMA maps of one replayed descriptor by its base address: the replay fixes every other field, so the
-    address alone names a map (``tensor_maps`` keys by every field, which it reads from a descriptor object it
-    needs made on every call). ``cache.get(address) or miss(address)``: a call's map fields."""
-
-    def __init__(self, rest: tuple, meta, encode: Callable):
-        self.cache: dict[int, tuple] = {}
-        self.rest, self.meta, self.encode = rest, meta, encode
-
-    def miss(self, address: int) -> tuple:
-        if len(self.cache) >= prepared.MAX_PREPARED:
-            self.cache.clear()
-        value = self.cache[address] = tuple(self.encode(TmaOperand(Address(address), *self.rest), self.meta))
-        return value
-
-
 def maps_in_line(position: int, meta, encode: Callable, constant, get) -> tuple | None:
-    """How a replay's source expands the descriptor at ``position`` of a launch: (None, its map fields) for a
-    constant one (on a prepared call's own tensor: encoded once, here), (``MapsByAddress``, None, i, j, offset) for
-    one on a call's argument, or None where it is neither (the launch goes through ``tensor_maps``)."""
+    """How a replay's source expands a launch's descriptor at ``position``: (None, its map's fields) for one on the
+    prepared call's own tensor (encoded once, here), (``MapsByAddress``, None, i, j, offset) for one on a call's
+    argument, or None for neither (the launch goes through ``tensor_maps``)."""
     if isinstance(get, Descriptor):
         return MapsByAddress(get.rest, meta, encode), None, get.i, get.j, get.offset
     if get is None and isinstance(constant, TmaOperand):
