@@ -15,9 +15,7 @@ os.environ.setdefault("KRAKEN_BARRIER_TIMEOUT_S", "180")
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (the README's test command: ``-n auto --dist loadgroup``) every GPU test runs on one
     worker, one after another as without xdist: they spawn a process per GPU, and two files at once would share
-    the GPUs. CPU tests (compiles, interpreters) spread over the other workers, the Triton interpreter's first:
-    they take 10-150 s each, and one started last would leave the other workers idle at the end."""
+    the GPUs. CPU tests (compiles, interpreters) spread over the other workers."""
     for item in items:
         if item.path.name.endswith("_gpu.py"):
             item.add_marker(pytest.mark.xdist_group("gpu"))
-    items.sort(key=lambda item: "interpreter" not in item.name)  # (a stable sort: the rest keep their order)
