@@ -809,7 +809,6 @@ def fake_device(monkeypatch) -> list:
     monkeypatch.setattr(product, "fork", forks.append)
     monkeypatch.setattr(product, "on_stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(gather, "join", forks.remove)  # every join follows its call's fork
-    monkeypatch.setattr(product, "join", forks.remove)
     monkeypatch.setattr(product, "set_flag", lambda progress, index, value=1: flags.append(index))
     monkeypatch.setattr(product, "reset_flags", lambda progress: progress.zero_())  # a driver memset on the GPU
     return flags

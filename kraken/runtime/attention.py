@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from kraken.runtime.progress import (
-    LANDED, GatherInProgress, barrier, copy_order, copy_stream, fork, join, on_stream, reset_flags, set_flag,
+    LANDED, GatherInProgress, barrier, copy_order, copy_stream, fork, on_stream, reset_flags, set_flag,
 )
 from kraken.runtime import agreement, graphs, groups, prepared, replay, symm
 from kraken.runtime.attention_checks import check_gathered, check_inputs, check_sizes
@@ -152,10 +152,12 @@ def stage_own(k: torch.Tensor, v: torch.Tensor, my_k: torch.Tensor, my_v: torch.
 
 
 def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank: int, piece_rows: int,
-                    pieces: int, launcher=jit_launch) -> GatherInProgress:
+                    pieces: int, launcher=jit_launch, graphed: bool = False) -> GatherInProgress:
     """Stage my ``k``, ``v`` into my chunk of the symmetric ``gathered`` and copy every peer's K/V into ``gathered`` on
     the copy engine, piece by piece, flagging each (the recipe's module docstring). ``peers[r]``: rank r's own chunk
-    [2, batch * kv_heads, S_local, head_dim] of rank r's gather buffer. ``launcher`` launches the barrier kernels."""
+    [2, batch * kv_heads, S_local, head_dim] of rank r's gather buffer. ``launcher`` launches the barrier kernels.
+    ``graphed``: the exchange after my staging (``exchange``, which reads the prepared call's buffers alone) is one
+    CUDA graph per prepared call (``graphs.graphed``, keyed by ``launcher``), whatever addresses ``k``, ``v`` have."""
     world_size = len(peers)
     order, my_k, my_v, copies = exchange_plan(peers, gathered, rank, piece_rows, pieces)
     side = copy_stream(k.device)
@@ -166,7 +168,11 @@ def start_kv_gather(k, v, peers, gathered, progress, signal_pad_ptrs: int, rank:
         stage_own(k, v, my_k, my_v)
     fork(side)
     with on_stream(side):
-        exchange(copies, progress, signal_pad_ptrs, rank, world_size, launcher)
+        if graphed:
+            graphs.graphed((("kv gather", launcher),),
+                           lambda: exchange(copies, progress, signal_pad_ptrs, rank, world_size, launcher), k.device)
+        else:
+            exchange(copies, progress, signal_pad_ptrs, rank, world_size, launcher)
     return GatherInProgress(gathered, progress, side, order)
 
 
@@ -200,23 +206,19 @@ def in_pieces(q, k, v, out, ctx: symm.SymmContext, cfg: dict, causal: bool, scal
     """``launch`` in pieces that new addresses do not change: a model's layers call with fresh activations, so a graph
     per address set would be captured for one replay a step. Of the exchange only my K/V's staging reads this call's
     addresses; the rest (``exchange``: the barriers, the peers' pieces and their flags) reads the prepared call's
-    buffers alone, so it is one CUDA graph per prepared call (``graphs.graphed``), replayed on the side stream. The
-    attention kernels are one replayed launch (``replay.replayed``) on (q, k, v, out), with the prepared call's
-    buffers and the tables' tensors kept. The order is ``launch``'s: the flags reset, my K/V staged, the fork, the
-    exchange, the kernels (waiting on its flags), the join."""
+    buffers alone, so it is one CUDA graph per prepared call, replayed on the side stream (``start_kv_gather``'s
+    ``graphed``). The attention kernels are one replayed launch (``replay.replayed``) on (q, k, v, out), with the
+    prepared call's buffers and the tables' tensors kept. The order is ``launch``'s: the flags reset, my K/V staged, the
+    fork, the exchange, the kernels (waiting on its flags), the join."""
     peers, gathered, progress, launcher = cfg["peers"], cfg["gathered"], cfg["progress"], cfg["launcher"]
     rank, world_size = ctx.rank, len(peers)
     attention = attention or CP.launch_attention
-    reset_flags(progress)
-    if world_size > 1:  # (at one rank the kernels read my ``k`` and ``v`` where they are: nothing to exchange)
-        _, my_k, my_v, copies = exchange_plan(peers, gathered, rank, cfg["piece_rows"], cfg["pieces"])
-        stage_own(k, v, my_k, my_v)
-        side = copy_stream(q.device)
-        fork(side)
-        with on_stream(side):
-            graphs.graphed((("kv gather", launcher),),
-                           lambda: exchange(copies, progress, ctx.signal_pad_ptrs, rank, world_size, launcher),
-                           q.device)
+    started = None
+    if world_size > 1:
+        started = start_kv_gather(k, v, peers, gathered, progress, ctx.signal_pad_ptrs, rank, cfg["piece_rows"],
+                                  cfg["pieces"], launcher, graphed=True)
+    else:  # the kernels read my ``k`` and ``v`` where they are: nothing to exchange, only the flags to reset
+        reset_flags(progress)
 
     def kernels() -> torch.Tensor:
         return attention(q, k, v, gathered, out, progress, rank, world_size, causal, scale, True, cfg["block_m"],
@@ -225,8 +227,8 @@ def in_pieces(q, k, v, out, ctx: symm.SymmContext, cfg: dict, causal: bool, scal
 
     # The first call makes the tables (tile orders, lse buffer), the second records the replay with them kept.
     replay.replayed(launcher, attention, (q, k, v, out), kernels, (cfg, _orders, _lse, _spans), plain_first=True)
-    if world_size > 1:
-        join(side)
+    if started is not None:
+        started.wait()
 
 
 # ---------------------------------------------------------------------------
