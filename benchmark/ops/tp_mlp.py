@@ -161,7 +161,11 @@ def async_tp(group: dist.ProcessGroup):
         warnings.simplefilter("ignore", FutureWarning)
         symm_mem.enable_symm_mem_for_group(group.group_name)
     block = functools.partial(functional_block, group=group)
-    return torch.compile(block, fullgraph=True, dynamic=False, options={"_micro_pipeline_tp": True})
+    # Shape padding off: inductor's pad_mm pads a matmul whose rows are not a multiple of 8 (an odd token count) when
+    # a timing says so, and a padded matmul is no longer the reduce-scatter's producer, so the async-TP rewrite
+    # skips it ("no producer matmul found"): at such shapes the row would be unfused on some compiles and not others.
+    return torch.compile(block, fullgraph=True, dynamic=False,
+                         options={"_micro_pipeline_tp": True, "shape_padding": False})
 
 
 def torch_async_tp(i):
