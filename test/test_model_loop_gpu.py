@@ -13,6 +13,11 @@ consecutive layers reuse the addresses of the last one's tensors, the first step
 call amid a model's other work runs with cold caches, so the same code path costs more there than in the warm loop
 (docs/history.md, the host path). Where ranks share a GPU (``KRAKEN_WORLD_SIZE`` above the GPU count) their kernels
 time-slice it and a host call can wait for the other rank's work, so there the costs are printed, not checked.
+
+For scale, at one rank the same loop runs the library path in place of the five GEMM, norm and attention recipes
+(``Library``: NCCL + cuBLAS + SDPA; NCCL's MoE dispatch synchronises on its split sizes, so the MoE pair is left out
+of the comparison). Its calls cost more amid the model than in its warm loop too; each recipe's typical call must cost
+less than the library's.
 """
 
 from __future__ import annotations
@@ -48,29 +53,75 @@ class Layer:
         self.router = torch.randn(HIDDEN, EXPERTS_PER_RANK * ws, generator=shared, device="cuda")
         self.capacity = ws * ROWS * TOP_K
 
-    def forward(self, kraken, x: torch.Tensor, call) -> torch.Tensor:
-        """The layer; ``call(op, fn, *args, **kwargs)`` runs each kraken call (the caller times it), its arguments made
-        before (fresh tensors from the previous output)."""
-        h = call("all_gather_matmul", kraken.all_gather_matmul, x, self.w1)
-        y = call("gemm_reduce_scatter", kraken.gemm_reduce_scatter, torch.nn.functional.silu(h), self.w2)
-        z = call("all_reduce_bias_rms_norm", kraken.all_reduce_bias_rms_norm, y, self.bias, self.norm)
+    def forward(self, ops, x: torch.Tensor, call) -> torch.Tensor:
+        """The layer on ``ops`` (``kraken``, or ``Library``); ``call(op, fn, *args, **kwargs)`` runs each of its calls
+        (the caller times it), its arguments made before (fresh tensors from the previous output)."""
+        h = call("all_gather_matmul", ops.all_gather_matmul, x, self.w1)
+        y = call("gemm_reduce_scatter", ops.gemm_reduce_scatter, torch.nn.functional.silu(h), self.w2)
+        z = call("all_reduce_bias_rms_norm", ops.all_reduce_bias_rms_norm, y, self.bias, self.norm)
         heads = z.view(ROWS, HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0)
         q, k = heads.contiguous(), heads[:, :KV_HEADS].contiguous()
-        o = call("context_parallel_attention", kraken.context_parallel_attention, q, k, k * 0.5, causal=True)
-        r = call("gemm_one_shot_all_reduce", kraken.gemm_one_shot_all_reduce,
+        o = call("context_parallel_attention", ops.context_parallel_attention, q, k, k * 0.5, causal=True)
+        r = call("gemm_one_shot_all_reduce", ops.gemm_one_shot_all_reduce,
                  o[0].transpose(0, 1).reshape(ROWS, HIDDEN), self.w3, out_dtype=BF16)
         weights, ids = torch.topk(torch.softmax(r.float() @ self.router, dim=-1), TOP_K)
-        recv, _, handle = call("moe_dispatch", kraken.moe_dispatch, r, ids, self.router.shape[1],
+        recv, _, handle = call("moe_dispatch", ops.moe_dispatch, r, ids, self.router.shape[1],
                                capacity=self.capacity)
-        return call("moe_combine", kraken.moe_combine, recv @ self.expert, handle, weights)
+        return call("moe_combine", ops.moe_combine, recv @ self.expert, handle, weights)
 
 
-def model_loop() -> None:
-    import kraken
+class Library:
+    """The library path under the recipes' names (one rank): NCCL collectives, cuBLAS matmuls, torch's RMSNorm, SDPA.
+    The MoE pair stands in with no communication (its calls are not compared)."""
+
+    @staticmethod
+    def all_gather_matmul(x, w):
+        gathered = x.new_empty((dist.get_world_size() * x.shape[0], x.shape[1]))
+        dist.all_gather_into_tensor(gathered, x)
+        return gathered @ w
+
+    @staticmethod
+    def gemm_reduce_scatter(a, w):
+        full = a @ w
+        out = full.new_empty((full.shape[0] // dist.get_world_size(), full.shape[1]))
+        dist.reduce_scatter_tensor(out, full)
+        return out
+
+    @staticmethod
+    def all_reduce_bias_rms_norm(y, bias, weight):
+        dist.all_reduce(y)
+        return torch.nn.functional.rms_norm(y + bias, (y.shape[-1],), weight)
+
+    @staticmethod
+    def context_parallel_attention(q, k, v, causal):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    @staticmethod
+    def gemm_one_shot_all_reduce(a, w, out_dtype):
+        out = a @ w
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def moe_dispatch(tokens, ids, num_experts, capacity):
+        return tokens, None, None
+
+    @staticmethod
+    def moe_combine(expert_out, handle, weights):
+        return expert_out
+
+
+COMPARED = ("all_gather_matmul", "gemm_reduce_scatter", "all_reduce_bias_rms_norm", "context_parallel_attention",
+            "gemm_one_shot_all_reduce")
+
+
+def host_costs(ops, layers: list, sync_checked: bool) -> tuple[dict, dict, dict]:
+    """The model's warm-up step (layer 0's calls kept), each op's warm cost (its kept call looped), then ``STEPS``
+    steps with every call timed: (op -> [(step, host us)], op -> warm us, step -> CUDA graphs kept after it). With
+    ``sync_checked``, the steps run under ``set_sync_debug_mode("error")`` and count ``torch.cuda.synchronize``."""
     from kraken.runtime import graphs
 
     rank = dist.get_rank()
-    layers = [Layer(seed) for seed in range(LAYERS)]
     record: dict = {}  # op -> (step, host us) per call
     kept: dict = {}
     current = [0]  # the step running
@@ -92,7 +143,7 @@ def model_loop() -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed * 97 + rank)
         x = torch.randn(ROWS, HIDDEN, generator=gen, device="cuda").to(BF16)
         for i, layer in enumerate(layers):
-            x = layer.forward(kraken, x, first if i == 0 else call)
+            x = layer.forward(ops, x, first if i == 0 else call)
         return x
 
     with torch.no_grad():
@@ -115,8 +166,9 @@ def model_loop() -> None:
         real_synchronize, synchronized, captured = torch.cuda.synchronize, [], {}
         for seed in range(1, STEPS + 1):
             current[0] = seed
-            torch.cuda.synchronize = lambda *args, **kwargs: synchronized.append(args)
-            torch.cuda.set_sync_debug_mode("error")
+            if sync_checked:
+                torch.cuda.synchronize = lambda *args, **kwargs: synchronized.append(args)
+                torch.cuda.set_sync_debug_mode("error")
             try:
                 step(seed, timed, timed)
             finally:
@@ -126,17 +178,33 @@ def model_loop() -> None:
             captured[seed] = sum(not isinstance(entry, int) for entry in graphs._graphs.values())
             heartbeat(f"model step {seed} done")
     assert not synchronized, f"rank {rank}: the fast path synchronised the device {len(synchronized)} times"
-    lines, misses = [], []
     for op, calls in record.items():
         assert len(calls) == LAYERS * STEPS, (op, len(calls))
-        samples = [us for _, us in calls]
-        ordered, late = sorted(samples), max(us for step, us in calls if step > 1)
-        median, p95 = statistics.median(samples), ordered[int(0.95 * len(ordered)) - 1]
-        over = sum(us > 2 * warm[op] for us in samples)
-        lines.append(f"  {op:28s} warm {warm[op]:7.1f} us  model median {median:7.1f}  p95 {p95:7.1f}  "
-                     f"max {ordered[-1]:7.1f} (after step 1: {late:7.1f})  ({median / warm[op]:.2f}x; {over} of "
-                     f"{len(samples)} calls over 2x)")
-        if median > TYPICAL * warm[op] or late > SPIKE * warm[op]:
+    return record, warm, captured
+
+
+def summary(op: str, calls: list, warm: float) -> tuple[str, float, float]:
+    """(a line of the op's costs, its model median, its largest cost after step 1)."""
+    samples = [us for _, us in calls]
+    ordered, late = sorted(samples), max(us for step, us in calls if step > 1)
+    median, p95 = statistics.median(samples), ordered[int(0.95 * len(ordered)) - 1]
+    over = sum(us > 2 * warm for us in samples)
+    return (f"  {op:28s} warm {warm:7.1f} us  model median {median:7.1f}  p95 {p95:7.1f}  max {ordered[-1]:7.1f} "
+            f"(after step 1: {late:7.1f})  ({median / warm:.2f}x; {over} of {len(samples)} calls over 2x)",
+            median, late)
+
+
+def model_loop() -> None:
+    import kraken
+
+    rank = dist.get_rank()
+    layers = [Layer(seed) for seed in range(LAYERS)]
+    record, warm, captured = host_costs(kraken, layers, sync_checked=True)
+    lines, misses, medians = [], [], {}
+    for op, calls in record.items():
+        line, medians[op], late = summary(op, calls, warm[op])
+        lines.append(line)
+        if medians[op] > TYPICAL * warm[op] or late > SPIKE * warm[op]:
             misses.append(op)
     print(f"rank {rank} of {dist.get_world_size()}: {LAYERS} layers x {STEPS} steps, host cost per call "
           f"(CUDA graphs kept after each step: {captured}):\n" + "\n".join(lines), flush=True)
@@ -145,6 +213,14 @@ def model_loop() -> None:
         return
     assert not misses, (f"rank {rank}: host cost past {TYPICAL:g}x (median) or {SPIKE:g}x (a call after step 1) for "
                         f"{misses}")
+    if dist.get_world_size() > 1:  # (the library's attention below is one rank's)
+        return
+    library, library_warm, _ = host_costs(Library, layers, sync_checked=False)
+    lines = [summary(op, library[op], library_warm[op]) for op in COMPARED]
+    print("the library path in the same loop (NCCL, cuBLAS, torch's RMSNorm, SDPA):\n" +
+          "\n".join(line for line, _, _ in lines), flush=True)
+    dearer = [op for op, (_, median, _) in zip(COMPARED, lines) if medians[op] >= median]
+    assert not dearer, f"a model's typical call costs the library path less than the recipe: {dearer}"
 
 
 def test_model_loop_calls_stay_warm_without_synchronising():
