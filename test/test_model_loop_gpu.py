@@ -211,15 +211,15 @@ def model_loop() -> None:
     assert captured[STEPS] == captured[1], f"rank {rank}: graphs captured after the first step: {captured}"
     if dist.get_world_size() > torch.cuda.device_count():  # ranks sharing a GPU: no timing means anything
         return
+    dearer = []
+    if dist.get_world_size() == 1:  # (the library's attention here is one rank's)
+        library, library_warm, _ = host_costs(Library, layers, sync_checked=False)
+        lines = [summary(op, library[op], library_warm[op]) for op in COMPARED]
+        print("the library path in the same loop (NCCL, cuBLAS, torch's RMSNorm, SDPA):\n" +
+              "\n".join(line for line, _, _ in lines), flush=True)
+        dearer = [op for op, (_, median, _) in zip(COMPARED, lines) if medians[op] >= median]
     assert not misses, (f"rank {rank}: host cost past {TYPICAL:g}x (median) or {SPIKE:g}x (a call after step 1) for "
                         f"{misses}")
-    if dist.get_world_size() > 1:  # (the library's attention below is one rank's)
-        return
-    library, library_warm, _ = host_costs(Library, layers, sync_checked=False)
-    lines = [summary(op, library[op], library_warm[op]) for op in COMPARED]
-    print("the library path in the same loop (NCCL, cuBLAS, torch's RMSNorm, SDPA):\n" +
-          "\n".join(line for line, _, _ in lines), flush=True)
-    dearer = [op for op, (_, median, _) in zip(COMPARED, lines) if medians[op] >= median]
     assert not dearer, f"a model's typical call costs the library path less than the recipe: {dearer}"
 
 
