@@ -828,6 +828,26 @@ def test_graphed_never_captures_a_prepared_call_whose_addresses_keep_changing(mo
     assert ("model", "first layer") not in graphs._graphs
 
 
+def test_graphed_forgets_its_oldest_graph_past_the_bound_without_synchronising(monkeypatch):
+    """Past ``MAX_PREPARED`` kept graphs (a model whose allocations shift between steps: each shift brings its layers a
+    new pair of address sets, captured again), ``graphed`` forgets the graph captured first and keeps the rest: no
+    device synchronisation, no cache started over."""
+    events, capturing = [], [False]
+    fake_capture(monkeypatch, events, capturing)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: events.append("synchronize"))
+    monkeypatch.setattr(prepared, "MAX_PREPARED", 3)
+    gpu = torch.device("cuda", 0)
+    for shift in range(4):  # each shift: two address sets in turn, captured on their second call
+        for address in (2 * shift, 2 * shift + 1) * 3:
+            graphs.graphed(("prepared call", address), lambda: events.append("run"), gpu)
+    assert "synchronize" not in events and events.count("begin") == 8
+    assert list(graphs._graphs) == [("prepared call", 5), ("prepared call", 6), ("prepared call", 7)]
+    events.clear()
+    graphs.graphed(("prepared call", 7), lambda: events.append("run"), gpu)
+    assert events == ["replay"], "a kept graph still replays"
+
+
 def test_caches_of_tensors_that_graphs_read_drop_every_kept_graph_first(monkeypatch):
     """A cache of tensors that a kept graph may read or write (context-parallel attention's lse buffers and tile
     orders, its twin's span tables: a graph holds their addresses, not the tensors) keeps them up to ``MAX_PREPARED``

@@ -38,8 +38,9 @@ def graphed(key: tuple, run: Callable[[], object], device: torch.device) -> None
     shapes, plan and buffers) and the address of every tensor passed in. Tensors ``run`` makes itself come from the
     graph's memory pool. ``run`` goes plainly where the device is no GPU, while the current stream is being captured
     (the caller's graph takes the launches), while a Triton launch hook is set (a profiler sees every launch), and
-    for a key whose capture failed. Kept graphs past ``MAX_PREPARED`` start the cache over (after a device
-    synchronisation: a graph's pool must not go back to the allocator while a replay still uses it)."""
+    for a key whose capture failed. Past ``MAX_PREPARED`` kept graphs the oldest is forgotten, with no synchronisation
+    (``_forget_oldest``): a model whose allocations shift between steps (an optimizer step, an evaluation) brings its
+    layers new address sets in turn, captured again, and must not meet a device synchronisation every so many shifts."""
     graph = _kept_graph(key, run, device, lambda: _captured(run))
     if graph is not None:
         graph.replay()
@@ -77,8 +78,8 @@ def _kept_graph(key: tuple, run: Callable[[], object], device: torch.device, cap
     if entry == NEVER or last is None or count - last > RECENT_CALLS:
         run()
         return None
-    if len(_graphs) >= prepared.MAX_PREPARED:  # start over
-        drop_graphs()
+    if len(_graphs) >= prepared.MAX_PREPARED:
+        _forget_oldest()
     stream = _capture_streams.get(device.index)
     if stream is None:  # a capture needs a stream of its own: never the legacy default one
         stream = _capture_streams[device.index] = torch.cuda.Stream(device=device)
@@ -93,9 +94,17 @@ def _kept_graph(key: tuple, run: Callable[[], object], device: torch.device, cap
     return entry
 
 
+def _forget_oldest() -> None:
+    """Forget the graph captured first (or a failed capture's mark), while a replay of it may still run. That is safe
+    with no synchronisation: CUDA frees a destroyed executable graph that is in flight once it completes, and torch's
+    allocator hands no block of a destroyed graph's private pool out again; it returns them to the driver only when it
+    frees cached blocks, which synchronises first. The tensors the graph reads that are not its pool's (the prepared
+    call's buffers, a module cache's tensors) live in their own caches, and ``drop_graphs`` guards those."""
+    del _graphs[next(iter(_graphs))]
+
+
 def drop_graphs() -> None:
-    """Forget every kept graph (``graphed``, ``forked``) once the devices that captured them are idle: when their
-    cache starts over (a graph's pool must not go back to the allocator while a replay still uses it), and before a
+    """Forget every kept graph (``graphed``, ``forked``) once the devices that captured them are idle: before a
     cache of tensors that a kept graph may read drops them (a launch's tile order or scratch buffer: a graph holds
     their addresses, not the tensors, and would read or write their memory after the allocator gave it away)."""
     if _graphs:
