@@ -634,7 +634,7 @@ cases = [
 cases = [case + (m,) for case in cases] + [  # the Helion twin, with its flag waits left out (wait=False)
     (1, 2, 1, 2 * 19, 64, 1, True, {"block_m": 32, "block_n": 16}, None, twin),
     (1, 2, 1, 2 * 2 * 19, 64, 2, True, {"block_m": 32, "block_n": 16}, None, twin),
-    (1, 4, 2, 3 * 37, 64, 3, False, {"block_n": 64}, 0.3, twin),
+    (1, 2, 1, 3 * 37, 64, 3, False, {"block_n": 64}, 0.3, twin),
     (1, 2, 1, 2 * 128, 64, 2, False, {}, None, twin),
     (1, 2, 2, 2 * 192, 128, 1, True, {}, None, twin),
     (1, 2, 1, 2 * 2 * 72, 128, 2, True, {"block_m": 32, "block_n": 16}, None, twin),
