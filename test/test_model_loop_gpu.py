@@ -145,10 +145,15 @@ def host_costs(ops, layers: list, sync_checked: bool) -> tuple[dict, dict, dict,
     warm: dict = {}  # op -> its warm loops' samples
     interleaved: dict = {}  # op -> its samples in rounds of every op's kept call
 
-    def timed(op, fn, *args, **kwargs):
-        before, graphs_before, start = collections[0], len(graphs._graphs), time.perf_counter_ns()
+    def cost(fn, args, kwargs) -> tuple[object, float]:  # the call's output and its host us
+        start = time.perf_counter_ns()
         out = fn(*args, **kwargs)
-        record.setdefault(op, []).append((current[0], (time.perf_counter_ns() - start) / 1e3, collections[0] > before,
+        return out, (time.perf_counter_ns() - start) / 1e3
+
+    def timed(op, fn, *args, **kwargs):
+        before, graphs_before = collections[0], len(graphs._graphs)
+        out, us = cost(fn, args, kwargs)
+        record.setdefault(op, []).append((current[0], us, collections[0] > before,
                                           len(graphs._graphs) > graphs_before))  # (far below the graphs' bound)
         return out
 
@@ -163,17 +168,15 @@ def host_costs(ops, layers: list, sync_checked: bool) -> tuple[dict, dict, dict,
         for op, (fn, args, kwargs) in kept.items():
             samples = []
             for _ in range(WARM_CALLS):
-                start = time.perf_counter_ns()
-                out = fn(*args, **kwargs)
-                samples.append((time.perf_counter_ns() - start) / 1e3)
+                out, us = cost(fn, args, kwargs)
+                samples.append(us)
             warm.setdefault(op, []).extend(samples[WARM_CALLS // 3:])
             torch.cuda.synchronize()
         for i in range(WARM_CALLS):
             for op, (fn, args, kwargs) in kept.items():
-                start = time.perf_counter_ns()
-                out = fn(*args, **kwargs)
+                out, us = cost(fn, args, kwargs)
                 if i >= WARM_CALLS // 3:
-                    interleaved.setdefault(op, []).append((time.perf_counter_ns() - start) / 1e3)
+                    interleaved.setdefault(op, []).append(us)
         torch.cuda.synchronize()
         del out
 

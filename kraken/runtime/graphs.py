@@ -98,8 +98,8 @@ def _forget_oldest() -> None:
     """Forget the graph captured first (or a failed capture's mark), while a replay of it may still run. That is safe
     with no synchronisation: CUDA frees a destroyed executable graph that is in flight once it completes, and torch's
     allocator hands no block of a destroyed graph's private pool out again; it returns them to the driver only when it
-    frees cached blocks, which synchronises first. The tensors the graph reads that are not its pool's (the prepared
-    call's buffers, a module cache's tensors) live in their own caches, and ``drop_graphs`` guards those."""
+    frees cached blocks, which synchronises first. The tensors the graph reads outside its pool are not freed here: a
+    module cache of such tensors calls ``drop_graphs`` before it drops them."""
     del _graphs[next(iter(_graphs))]
 
 
