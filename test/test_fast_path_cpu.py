@@ -455,6 +455,37 @@ def test_a_checked_replay_refuses_other_scalars_and_shapes_and_launches_its_own_
                         other.data_ptr() + 2 * other.element_size(), 8, 0.5, 1024, 0, 2, 1024, False, False)
 
 
+def test_a_replay_holds_none_of_the_recorded_calls_tensors(launches):
+    """Once a call whose launches were recorded returns and its caller drops its tensors, they are freed there and
+    then, with Python's collector off: nothing of the recording keeps them in a reference cycle. A model's
+    activations freed only when the collector next runs come back to the allocator at a time that depends on it, and
+    the next layers' tensors land on other addresses than in the step before (new address sets, new graph captures)."""
+    import gc
+    import weakref
+
+    kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
+    launcher, peers = Launcher("op"), (torch.zeros(8),)
+
+    def host_code(out, inp):
+        launcher(kernel, (1,), peers, out, inp, inp[2:], 77, 8, 1024, 0, 1, BLOCK_SIZE=1024, STAGED=False,
+                 num_warps=4)
+        return out
+
+    gc.disable()
+    try:
+        freed = []
+        for _ in range(2):  # the first binds through the JIT, the second is recorded
+            out, inp = torch.zeros(8), torch.randn(8)
+            replay, result = record_replay(launcher, lambda: host_code(out, inp), (out, inp), keep=(peers,))
+            freed += [weakref.ref(out), weakref.ref(inp)]
+            del out, inp, result
+        assert "def replay(args)" in replay.source
+        launches.clear()  # (the fake launches' log holds their arguments)
+        assert [ref() for ref in freed] == [None] * 4
+    finally:
+        gc.enable()
+
+
 def named(value, names: dict):
     """A normalized launch argument with the addresses in ``names`` replaced by their names."""
     if isinstance(value, tuple):

@@ -278,85 +278,96 @@ def held_tensors(value: object, depth: int = 3) -> list[torch.Tensor]:
     return []
 
 
-def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, keep: tuple, checked: bool
-               ) -> Callable[[tuple], object]:
-    sources = []  # (top-level position, position in a tuple or None, tensor)
-    for i, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor):
-            sources.append((i, None, arg))
-        elif isinstance(arg, tuple):
-            sources += [(i, j, t) for j, t in enumerate(arg) if isinstance(t, torch.Tensor)]
-    kept = held_tensors(keep)
+class _Origins:
+    """Where a recorded launch's arguments come from: the call's arguments (``sources``: top-level position, position
+    in a tuple or None, tensor) or the prepared call's tensors (``kept``). A class, not closures: ``constant`` and
+    ``resolved`` recurse into tuples, and nested functions that call themselves form a reference cycle, which would
+    keep the recorded call's tensors alive until Python's collector runs (a model's activations would come back to
+    the allocator at a time that depends on it, and later layers land on other addresses: new graph captures)."""
 
-    def inside(ptr: int, tensors) -> list:
-        return [t for t in tensors if t.data_ptr() <= ptr < t.data_ptr() + _extent_bytes(t)]
+    def __init__(self, args: tuple, keep: tuple):
+        self.sources = []
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                self.sources.append((i, None, arg))
+            elif isinstance(arg, tuple):
+                self.sources += [(i, j, t) for j, t in enumerate(arg) if isinstance(t, torch.Tensor)]
+        self.kept = held_tensors(keep)
 
-    def address_of(tensor: torch.Tensor) -> tuple[int | None, int | None, int]:
+    def address_of(self, tensor: torch.Tensor) -> tuple[int | None, int | None, int]:
         """(None, None, its address) when ``tensor`` is, or lies in, a tensor of ``keep``: a constant (the prepared
         call holds it; where it is also an argument, as a symmetric input is one of its peers, the prepared call's
         key holds that argument's address). Else where its address is in a call's arguments: (argument, tuple
         index or None, byte offset), when it is one of them or a view into one."""
         ptr = tensor.data_ptr()
-        if any(t is tensor for t in kept) or inside(ptr, kept):
+        if any(t is tensor for t in self.kept) or _inside(ptr, self.kept):
             return None, None, ptr
-        found = next(((i, j, 0) for i, j, t in sources if t is tensor), None)
+        found = next(((i, j, 0) for i, j, t in self.sources if t is tensor), None)
         if found is not None:
             return found
-        hits = [(i, j, t) for i, j, t in sources if inside(ptr, (t,))]
+        hits = [(i, j, t) for i, j, t in self.sources if _inside(ptr, (t,))]
         if not hits or len({t.data_ptr() for _, _, t in hits}) > 1:  # none, or overlapping arguments
             raise NotReplayable
         i, j, t = hits[0]
         return i, j, ptr - t.data_ptr()
 
-    def constant(value) -> object:
+    def constant(self, value) -> object:
         """``value`` as a constant launch argument (a kept tensor as its address), or NotReplayable."""
         if isinstance(value, torch.Tensor):
-            i, _, ptr = address_of(value)
+            i, _, ptr = self.address_of(value)
             if i is None:
                 return ptr
         elif isinstance(value, (TensorDescriptor, TmaOperand)):  # (a TmaOperand is a tuple: before tuples)
             if isinstance(value.base, Address):
                 return value
-            i, _, ptr = address_of(value.base)
+            i, _, ptr = self.address_of(value.base)
             if i is None:
                 return TmaOperand(Address(ptr), tuple(value.shape), tuple(value.strides), tuple(value.block_shape),
                                   value.padding)
         elif isinstance(value, tuple):
-            return tuple(constant(item) for item in value)
+            return tuple(self.constant(item) for item in value)
         elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
             return value
         raise NotReplayable
 
-    def resolved(value) -> tuple[Callable | None, object]:
+    def resolved(self, value) -> tuple[Callable | None, object]:
         """(None, the value as a constant), or (a getter of the value for a call's arguments, None): descriptors,
         tuples and the tensors in them (a launch's own tensor arguments are its ``pointers``)."""
         try:
-            return None, constant(value)
+            return None, self.constant(value)
         except NotReplayable:
             pass
         if isinstance(value, torch.Tensor):
-            i, j, offset = address_of(value)
+            i, j, offset = self.address_of(value)
             return (lambda call: (call[i] if j is None else call[i][j]).data_ptr() + offset), None
         if isinstance(value, (TensorDescriptor, TmaOperand)):
-            i, j, offset = address_of(value.base)
+            i, j, offset = self.address_of(value.base)
             return Descriptor(i, j, offset, (tuple(value.shape), tuple(value.strides), tuple(value.block_shape),
                                              value.padding)), None
         if isinstance(value, tuple):
-            parts = tuple(resolved(item) for item in value)
+            parts = tuple(self.resolved(item) for item in value)
             return (lambda call: tuple(item if get is None else get(call) for get, item in parts)), None
         raise NotReplayable
 
+
+def _inside(ptr: int, tensors) -> list:
+    return [t for t in tensors if t.data_ptr() <= ptr < t.data_ptr() + _extent_bytes(t)]
+
+
+def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, keep: tuple, checked: bool
+               ) -> Callable[[tuple], object]:
+    origins = _Origins(args, keep)
     planned = []
     for kernel, grid, launch_args in launches:
         pointers, others, constants = [], [], []
         for position, value in enumerate(launch_args):
             if isinstance(value, torch.Tensor):  # its address: a constant (kept), or from an argument
-                i, j, offset = address_of(value)
+                i, j, offset = origins.address_of(value)
                 constants.append(offset if i is None else None)
                 if i is not None:
                     pointers.append((position, i, j, offset))
                 continue
-            get, fixed = resolved(value)
+            get, fixed = origins.resolved(value)
             constants.append(fixed)
             if get is not None:
                 others.append((position, get))
@@ -378,7 +389,7 @@ def _replay_of(launcher: Launcher, args: tuple, launches: list, result: object, 
     scalars = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, tuple))]
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     return Replay(launcher, tuple(planned), checked, scalars, [args[i] for i in scalars], tensors,
-                  [args[i].shape for i in tensors], returned, tuple(kept)).function()
+                  [args[i].shape for i in tensors], returned, tuple(origins.kept)).function()
 
 
 def _extent_bytes(tensor: torch.Tensor) -> int:
