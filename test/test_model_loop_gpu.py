@@ -14,19 +14,18 @@ rounds of every op's, in the model's order. A call amid other work runs with col
 loop for any path, the library's too (docs/history.md, the host path); ``interleaved`` is that cost on the warm path. So
 the checks ask whether the model's calls take the warm path: the typical call (median) within ``TYPICAL`` times
 ``interleaved``; after the first step no call past ``SPIKE`` times ``interleaved`` but those of each step's first layer
-(its fresh input, after the step's synchronisation: cold, and in pieces where a recipe has them) and those that captured
-a CUDA graph or ran Python's garbage collector (each counted apart); each step capturing fewer graphs than the first. A
-capture costs a few hundred microseconds: where consecutive layers reuse the addresses of the last one's tensors, two
-address sets in turn, the first step captures them; the allocator's pattern can shift in a later step (here it does with
-Python's collector on, and not with it off), and a shifted pair is captured once more. Each op's line also prints its
-median against ``warm`` and how many calls cost more than twice ``warm``. Where ranks share a GPU (``KRAKEN_WORLD_SIZE``
-above the GPU count) their kernels time-slice it and a host call can wait for the other rank's work, so there the costs
-are printed, not checked.
+(its fresh input, after the step's synchronisation: cold, and in pieces where a recipe has them) and those that ran
+Python's garbage collector (counted apart); no step after the first capturing a CUDA graph. A capture costs a few
+hundred microseconds: where consecutive layers reuse the addresses of the last one's tensors, two address sets in turn,
+the first step captures them, and the later steps find the same addresses (a tensor freed late, say by the collector
+out of a reference cycle, would shift them: captured again). Each op's line also prints its median against ``warm`` and
+how many calls cost more than twice ``warm``. Where ranks share a GPU (``KRAKEN_WORLD_SIZE`` above the GPU count) their
+kernels time-slice it and a host call can wait for the other rank's work, so there the costs are printed, not checked.
 
 For scale, at one rank the same loop runs the library path in place of the five GEMM, norm and attention recipes
 (``Library``: NCCL + cuBLAS + SDPA; NCCL's MoE dispatch synchronises on its split sizes, so the MoE pair is left out
-of the comparison). Its calls cost more amid the model than in its warm loop too; each recipe's typical call must cost
-less than the library's.
+of the comparison), its steps taking turns with the recipes'. Its calls cost more amid the model than in its warm loop
+too; each recipe's typical call must cost less than the library's.
 """
 
 from __future__ import annotations
@@ -125,99 +124,112 @@ COMPARED = ("all_gather_matmul", "gemm_reduce_scatter", "all_reduce_bias_rms_nor
             "gemm_one_shot_all_reduce")
 
 
-def host_costs(ops, layers: list, sync_checked: bool) -> tuple[dict, dict, dict, dict]:
-    """The model's warm-up step (layer 0's calls kept), then ``STEPS`` steps with every call timed, each op's warm and
-    interleaved costs timed before the first step and after the last: (op -> [(step, host us, whether the garbage
-    collector ran, whether a graph was captured)], op -> warm us, op -> interleaved us, step -> CUDA graphs kept after
-    it). With ``sync_checked``, the steps run under ``set_sync_debug_mode("error")`` and count
-    ``torch.cuda.synchronize``."""
+class Path:
+    """One way to run the model's ops (``kraken``, or ``Library``) and what its loop measured: op -> [(step, host us,
+    whether the garbage collector ran, whether a graph was captured)] per call (``record``), op -> its warm and its
+    interleaved samples, and the op's call of layer 0 in the warm-up step (``kept``), which those loops repeat.
+    ``sync_checked``: its steps run under ``set_sync_debug_mode("error")`` and count ``torch.cuda.synchronize``."""
+
+    def __init__(self, ops, sync_checked: bool):
+        self.ops, self.sync_checked = ops, sync_checked
+        self.record, self.warm, self.interleaved, self.kept = {}, {}, {}, {}
+
+
+def cost(fn, args, kwargs) -> tuple[object, float]:
+    """The call's output and its host us."""
+    start = time.perf_counter_ns()
+    out = fn(*args, **kwargs)
+    return out, (time.perf_counter_ns() - start) / 1e3
+
+
+def warm_loops(path: Path) -> None:
+    """The benchmark's loop of each kept call (the same inputs, the last output kept; its first third dropped), then
+    rounds of every op's kept call in the model's order."""
+    for op, (fn, args, kwargs) in path.kept.items():
+        samples = [cost(fn, args, kwargs)[1] for _ in range(WARM_CALLS)]
+        path.warm.setdefault(op, []).extend(samples[WARM_CALLS // 3:])
+        torch.cuda.synchronize()
+    for i in range(WARM_CALLS):
+        for op, (fn, args, kwargs) in path.kept.items():
+            us = cost(fn, args, kwargs)[1]
+            if i >= WARM_CALLS // 3:
+                path.interleaved.setdefault(op, []).append(us)
+    torch.cuda.synchronize()
+
+
+def host_costs(paths: list, layers: list) -> dict:
+    """Each path's warm-up step (layer 0's calls kept), then ``STEPS`` steps, each running every path's model step in
+    turn (this host's speed drifts over a minute: the paths are compared within the same seconds), every call timed;
+    each path's warm and interleaved loops before the first step and after the last. Returns step -> CUDA graphs kept
+    after it."""
     from kraken.runtime import graphs
 
     rank = dist.get_rank()
-    record: dict = {}  # op -> (step, host us, collected, captured) per call
-    collections = [0]
+    collections, current = [0], [0]  # garbage collections so far, the step running
 
     def collecting(phase: str, info: dict) -> None:
         collections[0] += phase == "start"
 
-    kept: dict = {}
-    current = [0]  # the step running
-    warm: dict = {}  # op -> its warm loops' samples
-    interleaved: dict = {}  # op -> its samples in rounds of every op's kept call
+    def timed(path: Path):
+        def call(op, fn, *args, **kwargs):
+            before, graphs_before = collections[0], len(graphs._graphs)
+            out, us = cost(fn, args, kwargs)
+            path.record.setdefault(op, []).append((current[0], us, collections[0] > before,
+                                                   len(graphs._graphs) > graphs_before))  # (far below the bound)
+            return out
+        return call
 
-    def cost(fn, args, kwargs) -> tuple[object, float]:  # the call's output and its host us
-        start = time.perf_counter_ns()
-        out = fn(*args, **kwargs)
-        return out, (time.perf_counter_ns() - start) / 1e3
+    def step(path: Path, seed: int, first, call) -> torch.Tensor:
+        gen = torch.Generator(device="cuda").manual_seed(seed * 97 + rank)
+        x = torch.randn(ROWS, HIDDEN, generator=gen, device="cuda").to(BF16)
+        for i, layer in enumerate(layers):
+            x = layer.forward(path.ops, x, first if i == 0 else call)
+        return x
 
-    def timed(op, fn, *args, **kwargs):
-        before, graphs_before = collections[0], len(graphs._graphs)
-        out, us = cost(fn, args, kwargs)
-        record.setdefault(op, []).append((current[0], us, collections[0] > before,
-                                          len(graphs._graphs) > graphs_before))  # (far below the graphs' bound)
-        return out
-
-    def keep(op, fn, *args, **kwargs):  # layer 0's calls, kept for the warm loops
-        kept[op] = (fn, args, kwargs)
-        return fn(*args, **kwargs)
+    def keep(path: Path):
+        def call(op, fn, *args, **kwargs):
+            path.kept[op] = (fn, args, kwargs)
+            return fn(*args, **kwargs)
+        return call
 
     def plain(op, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
-    def warm_loops() -> None:  # the benchmark's loop: the same inputs, the last output kept; its first third dropped
-        for op, (fn, args, kwargs) in kept.items():
-            samples = []
-            for _ in range(WARM_CALLS):
-                out, us = cost(fn, args, kwargs)
-                samples.append(us)
-            warm.setdefault(op, []).extend(samples[WARM_CALLS // 3:])
-            torch.cuda.synchronize()
-        for i in range(WARM_CALLS):
-            for op, (fn, args, kwargs) in kept.items():
-                out, us = cost(fn, args, kwargs)
-                if i >= WARM_CALLS // 3:
-                    interleaved.setdefault(op, []).append(us)
-        torch.cuda.synchronize()
-        del out
-
-    def step(seed: int, first, call) -> torch.Tensor:
-        gen = torch.Generator(device="cuda").manual_seed(seed * 97 + rank)
-        x = torch.randn(ROWS, HIDDEN, generator=gen, device="cuda").to(BF16)
-        for i, layer in enumerate(layers):
-            x = layer.forward(ops, x, first if i == 0 else call)
-        return x
-
     gc.callbacks.append(collecting)
-    with torch.no_grad():
-        out = step(0, keep, plain)  # compiles every kernel, agrees on every signature
-        torch.cuda.synchronize()
-        assert out.shape == (ROWS, HIDDEN) and torch.isfinite(out).all(), "the model's output"
-        del out
-        heartbeat("model warm-up step done")
-        warm_loops()
-        real_synchronize, synchronized, captured = torch.cuda.synchronize, [], {}
-        for seed in range(1, STEPS + 1):
-            current[0] = seed
-            if sync_checked:
-                torch.cuda.synchronize = lambda *args, **kwargs: synchronized.append(args)
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                step(seed, timed, timed)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-                torch.cuda.synchronize = real_synchronize
-            real_synchronize()
-            captured[seed] = sum(not isinstance(entry, int) for entry in graphs._graphs.values())
-            heartbeat(f"model step {seed} done")
-        # Once more after the last step: between steps their allocations would shift the addresses that the next
-        # step's layers see.
-        warm_loops()
-    gc.callbacks.remove(collecting)
+    real_synchronize, synchronized, captured = torch.cuda.synchronize, [], {}
+    try:
+        with torch.no_grad():
+            for path in paths:
+                out = step(path, 0, keep(path), plain)  # compiles every kernel, agrees on every signature
+                torch.cuda.synchronize()
+                assert out.shape == (ROWS, HIDDEN) and torch.isfinite(out).all(), "the model's output"
+                del out
+                warm_loops(path)
+            heartbeat("model warm-up step done")
+            for seed in range(1, STEPS + 1):
+                current[0] = seed
+                for path in paths:
+                    if path.sync_checked:
+                        torch.cuda.synchronize = lambda *args, **kwargs: synchronized.append(args)
+                        torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        call = timed(path)
+                        step(path, seed, call, call)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                        torch.cuda.synchronize = real_synchronize
+                    real_synchronize()
+                captured[seed] = sum(not isinstance(entry, int) for entry in graphs._graphs.values())
+                heartbeat(f"model step {seed} done")
+            for path in paths:  # once more after the last step (between steps their allocations would shift the
+                warm_loops(path)  # addresses that the next step's layers see)
+    finally:
+        gc.callbacks.remove(collecting)
     assert not synchronized, f"rank {rank}: the fast path synchronised the device {len(synchronized)} times"
-    for op, calls in record.items():
-        assert len(calls) == LAYERS * STEPS, (op, len(calls))
-    return (record, {op: statistics.median(samples) for op, samples in warm.items()},
-            {op: statistics.median(samples) for op, samples in interleaved.items()}, captured)
+    for path in paths:
+        for op, calls in path.record.items():
+            assert len(calls) == LAYERS * STEPS, (op, len(calls))
+    return captured
 
 
 def summary(op: str, calls: list, warm: float, interleaved: float) -> tuple[str, float, float]:
@@ -240,28 +252,32 @@ def summary(op: str, calls: list, warm: float, interleaved: float) -> tuple[str,
 def model_loop() -> None:
     import kraken
 
-    rank = dist.get_rank()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     layers = [Layer(seed) for seed in range(LAYERS)]
-    record, warm, interleaved, captured = host_costs(kraken, layers, sync_checked=True)
-    lines, misses, medians = [], [], {}
-    for op, calls in record.items():
-        line, medians[op], late = summary(op, calls, warm[op], interleaved[op])
-        lines.append(line)
-        if medians[op] > TYPICAL * interleaved[op] or late > SPIKE * interleaved[op]:
-            misses.append(op)
-    print(f"rank {rank} of {dist.get_world_size()}: {LAYERS} layers x {STEPS} steps, host cost per call "
-          f"(CUDA graphs kept after each step: {captured}):\n" + "\n".join(lines), flush=True)
-    later = [captured[step] - captured[step - 1] for step in range(2, STEPS + 1)]
-    assert all(n < max(captured[1], 1) for n in later), f"rank {rank}: graphs kept after each step: {captured}"
-    if dist.get_world_size() > torch.cuda.device_count():  # ranks sharing a GPU: no timing means anything
+    recipes = Path(kraken, sync_checked=True)
+    library = Path(Library, sync_checked=False) if world_size == 1 else None  # (its attention is one rank's)
+    captured = host_costs([recipes] + ([library] if library else []), layers)
+
+    def lines(path: Path, ops) -> dict:  # op -> (its line, its model median, its largest later call)
+        return {op: summary(op, path.record[op], statistics.median(path.warm[op]),
+                            statistics.median(path.interleaved[op])) for op in ops}
+
+    ours = lines(recipes, recipes.record)
+    print(f"rank {rank} of {world_size}: {LAYERS} layers x {STEPS} steps, host cost per call (CUDA graphs kept after "
+          f"each step: {captured}):\n" + "\n".join(line for line, _, _ in ours.values()), flush=True)
+    assert all(captured[step] == captured[1] for step in captured), (
+        f"rank {rank}: graphs kept after each step: {captured} (a later step captured new address sets)")
+    if world_size > torch.cuda.device_count():  # ranks sharing a GPU: no timing means anything
         return
+    misses = [op for op, (_, median, late) in ours.items()
+              if median > TYPICAL * statistics.median(recipes.interleaved[op])
+              or late > SPIKE * statistics.median(recipes.interleaved[op])]
     dearer = []
-    if dist.get_world_size() == 1:  # (the library's attention here is one rank's)
-        library, library_warm, library_interleaved, _ = host_costs(Library, layers, sync_checked=False)
-        lines = [summary(op, library[op], library_warm[op], library_interleaved[op]) for op in COMPARED]
-        print("the library path in the same loop (NCCL, cuBLAS, torch's RMSNorm, SDPA):\n" +
-              "\n".join(line for line, _, _ in lines), flush=True)
-        dearer = [op for op, (_, median, _) in zip(COMPARED, lines) if medians[op] >= median]
+    if library is not None:
+        theirs = lines(library, COMPARED)
+        print("the library path in the same loop (NCCL, cuBLAS, torch's RMSNorm, SDPA), its steps taking turns with "
+              "the recipes':\n" + "\n".join(line for line, _, _ in theirs.values()), flush=True)
+        dearer = [op for op in COMPARED if ours[op][1] >= theirs[op][1]]
     assert not misses, (f"rank {rank}: host cost past {TYPICAL:g}x the interleaved call's (median) or {SPIKE:g}x (a "
                         f"call after step 1) for {misses}")
     assert not dearer, f"a model's typical call costs the library path less than the recipe: {dearer}"
