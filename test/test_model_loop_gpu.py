@@ -17,10 +17,11 @@ the checks ask whether the model's calls take the warm path: the typical call (m
 (its fresh input, after the step's synchronisation: cold, and in pieces where a recipe has them) and those that ran
 Python's garbage collector (counted apart); no step after the first capturing a CUDA graph. A capture costs a few
 hundred microseconds: where consecutive layers reuse the addresses of the last one's tensors, two address sets in turn,
-the first step captures them, and the later steps find the same addresses (a tensor freed late, say by the collector
-out of a reference cycle, would shift them: captured again). Each op's line also prints its median against ``warm`` and
-how many calls cost more than twice ``warm``. Where ranks share a GPU (``KRAKEN_WORLD_SIZE`` above the GPU count) their
-kernels time-slice it and a host call can wait for the other rank's work, so there the costs are printed, not checked.
+the first step captures them, and the later steps find the same addresses; so no garbage collection may free a CUDA
+tensor (one freed late, out of a reference cycle, would shift them: captured again). Each op's line also prints its
+median against ``warm`` and how many calls cost more than twice ``warm``. Where ranks share a GPU (``KRAKEN_WORLD_SIZE``
+above the GPU count) their kernels time-slice it and a host call can wait for the other rank's work, so there the costs
+are printed, not checked.
 
 For scale, at one rank the same loop runs the library path in place of the five GEMM, norm and attention recipes
 (``Library``: NCCL + cuBLAS + SDPA; NCCL's MoE dispatch synchronises on its split sizes, so the MoE pair is left out
@@ -166,9 +167,14 @@ def host_costs(paths: list, layers: list) -> dict:
 
     rank = dist.get_rank()
     collections, current = [0], [0]  # garbage collections so far, the step running
+    allocated, freed = [0], []  # CUDA bytes allocated when the running collection started; what collections freed
 
-    def collecting(phase: str, info: dict) -> None:
-        collections[0] += phase == "start"
+    def collecting(phase: str, info: dict) -> None:  # (the allocator's counters: no synchronisation)
+        if phase == "start":
+            collections[0] += 1
+            allocated[0] = torch.cuda.memory_allocated()
+        elif torch.cuda.memory_allocated() < allocated[0]:
+            freed.append((current[0], allocated[0] - torch.cuda.memory_allocated()))
 
     def timed(path: Path):
         def call(op, fn, *args, **kwargs):
@@ -223,9 +229,13 @@ def host_costs(paths: list, layers: list) -> dict:
                 heartbeat(f"model step {seed} done")
             for path in paths:  # once more after the last step (between steps their allocations would shift the
                 warm_loops(path)  # addresses that the next step's layers see)
+        gc.collect()  # (whatever reference cycles are left)
     finally:
         gc.callbacks.remove(collecting)
     assert not synchronized, f"rank {rank}: the fast path synchronised the device {len(synchronized)} times"
+    # A tensor in a reference cycle goes back to the allocator when the collector runs, not when its last holder drops
+    # it: the model's next layers would find other addresses than the step before.
+    assert not freed, f"rank {rank}: Python's collector freed CUDA tensors (step, bytes): {freed}"
     for path in paths:
         for op, calls in path.record.items():
             assert len(calls) == LAYERS * STEPS, (op, len(calls))
