@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import inspect
 import sys
+import weakref
 
 import pytest
 import torch
@@ -279,13 +281,16 @@ def test_a_whole_call_replay_launches_what_its_host_code_launches(monkeypatch, l
         if twin and ".comm." in plan_module:  # it stages by a copy launch: its whole call replays on symmetric inputs
             monkeypatch.setattr(symm, "is_symmetric", lambda tensor: True)
             calls = calls[:1] * WARM_CALLS  # (one prepared call per symmetric address)
-        outputs = [fn(*args, **config) for args in calls]
-        # the call's launch function: a front door's own (``launch``), the twin's, or the recipe's (a standalone
-        # recipe's public function is elsewhere)
-        launch = getattr(fn, "launch", None) or importlib.import_module(
-            twin_module(plan_module) if twin else plan_module).launch
-        assert_replays_match(launches, calls, outputs, twin, launch)
-        assert all((out is args[0]) == in_place for args, out in zip(calls, outputs))
+        with collector_off():
+            outputs = [fn(*args, **config) for args in calls]
+            # the call's launch function: a front door's own (``launch``), the twin's, or the recipe's (a standalone
+            # recipe's public function is elsewhere)
+            launch = getattr(fn, "launch", None) or importlib.import_module(
+                twin_module(plan_module) if twin else plan_module).launch
+            assert_replays_match(launches, calls, outputs, twin, launch)
+            assert all((out is args[0]) == in_place for args, out in zip(calls, outputs))
+            if not (twin and ".comm." in plan_module):  # (a symmetric input is its prepared call's own)
+                assert_freed_with_their_callers_references(launches, calls, outputs)
     finally:
         prepared.forget_prepared_calls()
 
@@ -332,10 +337,34 @@ def test_a_gemm_call_replays_what_its_host_code_launches(monkeypatch, launches, 
         if name in crossover.FUSED_FROM:  # a recipe with a sequential form: its fused kernel, whatever the size
             fn = functools.partial(fn, form="fused")
         calls = [make_args() for _ in range(WARM_CALLS)]
-        outputs = [fn(*args) for args in calls]
-        assert_replays_match(launches, calls, outputs, package == "helion_ports", importlib.import_module(module).launch)
+        with collector_off():
+            outputs = [fn(*args) for args in calls]
+            assert_replays_match(launches, calls, outputs, package == "helion_ports",
+                                 importlib.import_module(module).launch)
+            assert_freed_with_their_callers_references(launches, calls, outputs)
     finally:
         prepared.forget_prepared_calls()
+
+
+@contextlib.contextmanager
+def collector_off():
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def assert_freed_with_their_callers_references(launches: list, calls: list, outputs: list) -> None:
+    """Every input and output of ``calls`` is freed once the caller drops them (``calls`` and ``outputs`` emptied
+    here), Python's collector off: neither a prepared call, a replay nor a reference cycle holds them. (A model's
+    activations held in a cycle go back to the allocator when the collector next runs, not when the model drops
+    them: its next layers find other addresses, and their calls capture new graphs.)"""
+    refs = [weakref.ref(t) for args, out in zip(calls, outputs) for t in (*args, out) if isinstance(t, torch.Tensor)]
+    calls.clear()
+    outputs.clear()
+    launches.clear()  # (the fake launches' log holds their arguments)
+    assert sum(ref() is not None for ref in refs) == 0, "a call's tensors outlive their caller's references"
 
 
 def assert_replays_match(launches: list, calls: list, outputs: list, twin: bool, launch) -> None:
@@ -460,9 +489,6 @@ def test_a_replay_holds_none_of_the_recorded_calls_tensors(launches):
     then, with Python's collector off: nothing of the recording keeps them in a reference cycle. A model's
     activations freed only when the collector next runs come back to the allocator at a time that depends on it, and
     the next layers' tensors land on other addresses than in the step before (new address sets, new graph captures)."""
-    import gc
-    import weakref
-
     kernel = importlib.import_module("kraken.comm.one_shot_all_reduce").one_shot_all_reduce_kernel
     launcher, peers = Launcher("op"), (torch.zeros(8),)
 
@@ -471,19 +497,17 @@ def test_a_replay_holds_none_of_the_recorded_calls_tensors(launches):
                  num_warps=4)
         return out
 
-    gc.disable()
-    try:
-        freed = []
-        for _ in range(2):  # the first binds through the JIT, the second is recorded
-            out, inp = torch.zeros(8), torch.randn(8)
-            replay, result = record_replay(launcher, lambda: host_code(out, inp), (out, inp), keep=(peers,))
-            freed += [weakref.ref(out), weakref.ref(inp)]
-            del out, inp, result
+    def call() -> tuple:  # (the replay, and weak references to the call's tensors)
+        out, inp = torch.zeros(8), torch.randn(8)
+        replay, _ = record_replay(launcher, lambda: host_code(out, inp), (out, inp), keep=(peers,))
+        return replay, [weakref.ref(out), weakref.ref(inp)]
+
+    with collector_off():
+        _, first = call()  # binds through the JIT
+        replay, recorded = call()
         assert "def replay(args)" in replay.source
         launches.clear()  # (the fake launches' log holds their arguments)
-        assert [ref() for ref in freed] == [None] * 4
-    finally:
-        gc.enable()
+        assert [ref() for ref in first + recorded] == [None] * 4
 
 
 def named(value, names: dict):

@@ -8,6 +8,8 @@ with Triton's scratch allocator set.
 
 from __future__ import annotations
 
+import torch
+
 from kraken.runtime import replay as replays  # (as a module: ``launcher`` imports this one while ``replay`` may be
 # half-imported, so its names are read when a call runs)
 from kraken.runtime.launcher import jit_launch, launch_hooked, scratch_allocator
@@ -17,8 +19,8 @@ def run(kernel, args: tuple, launcher=jit_launch, kernel_args=None):
     """Call a twin's Helion kernel on ``args``: plainly (``kernel(*args)``) with the default launcher, or, with
     a prepared call's ``Launcher``, through what that keeps for the kernel.
 
-    With a ``Launcher``: the first call goes the plain way (it compiles) and keeps the ``BoundKernel``
-    (``Kernel.bind(args)`` in Helion 1.5.0: the kernel for the arguments' specialisation, one per config here,
+    With a ``Launcher``: the first call binds the kernel and runs it the plain way (it compiles), keeping the
+    ``BoundKernel`` (``Kernel.bind(args)`` in Helion 1.5.0: the kernel for the arguments' specialisation, one per config here,
     whose ``_run`` is the generated host code, taking the launcher as its keyword ``_launcher``; the code
     ``HELION_PRINT_OUTPUT_CODE=1`` prints). The second runs that host code once, launching through the
     launcher, and records it (``record_replay``); later calls replay its launches on their own arguments'
@@ -50,9 +52,18 @@ def run(kernel, args: tuple, launcher=jit_launch, kernel_args=None):
     if bound is None:
         if recording is not None:
             recording.past()
+        # Compiled and run without Helion's own call: after a call, Helion 1.5.0 builds an argument guard for its
+        # next ones that keeps this call's tensors in a reference cycle until Python's collector runs (a model's
+        # activations would go back to the allocator late; docs/helion-notes.md). Our calls never take that path.
+        bound = launcher.bound[key] = kernel.bind(call)
+        if bound._run is None and len(kernel.configs) == 1:  # (every twin's kernel has its one explicit config)
+            # As Helion's first call compiles: with the call's tensors at hand (their alignment picks TMA).
+            tensors = {name: value for name, value in zip(kernel.signature.parameters, call)
+                       if isinstance(value, torch.Tensor)}
+            with bound.env.use_runtime_arg_values(tensors):
+                bound.set_config(kernel.configs[0])
         with scratch_allocator():
-            result = kernel(*call)
-        launcher.bound[key] = kernel.bind(call)
+            result = bound(*call) if bound._run is None else bound._run(*call)
     elif key not in launcher.replays and recording is None and not launch_hooked():
         replay, result = replays.record_replay(launcher, lambda: bound._run(*call, _launcher=launcher), args,
                                        viewed=call is not args)
