@@ -19,15 +19,15 @@ def run(kernel, args: tuple, launcher=jit_launch, kernel_args=None):
     """Call a twin's Helion kernel on ``args``: plainly (``kernel(*args)``) with the default launcher, or, with
     a prepared call's ``Launcher``, through what that keeps for the kernel.
 
-    With a ``Launcher``: the first call binds the kernel and runs it the plain way (it compiles), keeping the
-    ``BoundKernel`` (``Kernel.bind(args)`` in Helion 1.5.0: the kernel for the arguments' specialisation, one per config here,
-    whose ``_run`` is the generated host code, taking the launcher as its keyword ``_launcher``; the code
-    ``HELION_PRINT_OUTPUT_CODE=1`` prints). The second runs that host code once, launching through the
-    launcher, and records it (``record_replay``); later calls replay its launches on their own arguments'
-    addresses, with no host code (``Replay``), or run the host code again: where it cannot be replayed, while
-    a Triton launch hook is set, and while a whole call's replay is being recorded (``replayed``: that one
-    takes these launches). The plain way launches with ``scratch_allocator`` set, as
-    ``jit_launch`` does: a kernel that builds TMA descriptors on the device takes its global scratch from it.
+    With a ``Launcher``: the first call binds the kernel, compiles its config and runs the generated host code the
+    plain way, keeping the ``BoundKernel`` (``Kernel.bind(args)`` in Helion 1.5.0: the kernel for the arguments'
+    specialisation, one per config here, whose ``_run`` is the generated host code, taking the launcher as its
+    keyword ``_launcher``; the code ``HELION_PRINT_OUTPUT_CODE=1`` prints). The second runs that host code once,
+    launching through the launcher, and records it (``record_replay``); later calls replay its launches on their own
+    arguments' addresses, with no host code (``Replay``), or run the host code again: where it cannot be replayed,
+    while a Triton launch hook is set, and while a whole call's replay is being recorded (``replayed``: that one
+    takes these launches). The plain way launches with ``scratch_allocator`` set, as ``jit_launch`` does: a kernel
+    that builds TMA descriptors on the device takes its global scratch from it.
 
     ``kernel_args``: for a kernel that takes views of what the twin holds (a flat view of a [tokens, hidden]
     tensor, a buffer shaped as regions, a scale expanded to a row), a function of ``args`` that returns the
