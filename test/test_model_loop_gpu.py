@@ -249,14 +249,17 @@ def summary(op: str, calls: list, warm: float, interleaved: float) -> tuple[str,
     ordered, median = sorted(samples), statistics.median(samples)
     late, where = max((us, i) for i, (step, us, collected, captured) in enumerate(calls)
                       if step > 1 and i % LAYERS and not collected and not captured)
-    over, collected = sum(us > 2 * warm for us in samples), sum(collected for _, _, collected, _ in calls)
+    over = [i for i, us in enumerate(samples) if us > 2 * warm]
+    first, grabbed = sum(i % LAYERS == 0 for i in over), sum(calls[i][3] for i in over if i % LAYERS)
+    collected = sum(collected for _, _, collected, _ in calls)
     captures = [f"{us:.0f} us (step {i // LAYERS + 1}, layer {i % LAYERS})" for i, (_, us, _, captured)
                 in enumerate(calls) if captured]
     return (f"  {op:28s} warm {warm:6.1f} us  interleaved {interleaved:6.1f}  model median {median:6.1f} "
             f"({median / interleaved:.2f}x interleaved, {median / warm:.2f}x warm)  p95 "
             f"{ordered[int(0.95 * len(ordered)) - 1]:6.1f}  max {ordered[-1]:7.1f}; after step 1, past layer 0 "
-            f"{late:7.1f} (step {where // LAYERS + 1}, layer {where % LAYERS});  {over} of {len(samples)} calls over "
-            f"2x warm, {collected} with a garbage collection; captures: {', '.join(captures) or 'none'}", median, late)
+            f"{late:7.1f} (step {where // LAYERS + 1}, layer {where % LAYERS});  {len(over)} of {len(samples)} calls over "
+            f"2x warm (a step's first layer {first}, captures {grabbed}, the rest {len(over) - first - grabbed}), "
+            f"{collected} with a garbage collection; captures: {', '.join(captures) or 'none'}", median, late)
 
 
 def model_loop() -> None:
