@@ -2,7 +2,8 @@
 
 After one warm call, the next calls of the same signature make no collective, find no symmetric buffer,
 build no plan, and launch through the compiled kernel with exactly the arguments Triton's JIT bound on
-the first launch. A new signature (here, a bad config) still goes through the checks and raises.
+the first launch. A new signature (here, a bad config) still goes through the checks and raises. No call's
+tensors outlive their caller's references (nothing holds them, in a reference cycle or otherwise).
 """
 
 from __future__ import annotations
