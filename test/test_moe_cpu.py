@@ -98,7 +98,7 @@ def test_the_twins_plan_as_their_recipes(ws):
         twin_combine.plan(4, 8, 2, {"bogus": 1})
 
 
-@pytest.mark.parametrize("recipe_path,twin_path", zip(DISPATCH[:1] + COMBINE[:1], DISPATCH[1:] + COMBINE[1:]))
+@pytest.mark.parametrize("recipe_path,twin_path", list(zip(DISPATCH[:1] + COMBINE[:1], DISPATCH[1:] + COMBINE[1:])))
 def test_the_twins_have_their_recipes_signatures(recipe_path, twin_path):
     """The plain host function and ``launch`` of a twin take its recipe's arguments (``launch``'s default launcher
     aside: Triton's own launch in a recipe, None in a twin), and the installed twin its installed recipe's."""
