@@ -18,12 +18,11 @@ after the step's synchronisation: cold, and in pieces where a recipe has them) a
 collector (counted apart); no timed step capturing a CUDA graph. A capture costs a few hundred microseconds: where
 consecutive layers reuse the addresses of the last one's tensors, two address sets in turn, a step captures them, and
 the later steps find the same addresses. The warm loops' own allocations move the allocator's free blocks, so a second,
-untimed warm-up step follows them (a model's first steps, with nothing of a test's between them, need no such step);
-and no garbage collection may free a CUDA tensor (one freed late, out of a reference cycle, would shift the address
-sets: captured again). Each op's line also prints its
-median against ``warm`` and how many calls cost more than twice ``warm``. Where ranks share a GPU (``KRAKEN_WORLD_SIZE``
-above the GPU count) their kernels time-slice it and a host call can wait for the other rank's work, so there the costs
-are printed, not checked.
+untimed warm-up step follows them (a model's first steps, with nothing of a test's between them, need no such step); and
+no garbage collection may free a CUDA tensor (one freed late, out of a reference cycle, would shift the address sets:
+captured again). Each op's line also prints its median against ``warm`` and how many calls cost more than twice
+``warm``. Where ranks share a GPU (``KRAKEN_WORLD_SIZE`` above the GPU count) their kernels time-slice it and a host
+call can wait for the other rank's work, so there the costs are printed, not checked.
 
 For scale, at one rank the same loop runs the library path in place of the five GEMM, norm and attention recipes
 (``Library``: NCCL + cuBLAS + SDPA; NCCL's MoE dispatch synchronises on its split sizes, so the MoE pair is left out
@@ -287,7 +286,8 @@ def model_loop() -> None:
 
     ours = lines(recipes, recipes.record)
     print(f"rank {rank} of {world_size}: {LAYERS} layers x {STEPS} steps, host cost per call (CUDA graphs kept after "
-          f"each step: {captured}):\n" + "\n".join(line for line, _, _ in ours.values()), flush=True)
+          f"the warm-up, 0, and each step: {captured}):\n" + "\n".join(line for line, _, _ in ours.values()),
+          flush=True)
     assert all(captured[step] == captured[0] for step in captured), (
         f"rank {rank}: graphs kept after the warm-up and after each step: {captured} (a step captured new address "
         f"sets)")
